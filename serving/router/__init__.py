@@ -1,0 +1,61 @@
+"""The router: picks a replica for a request over plain data. Imports nothing from Django."""
+
+from serving.router.breaker import BreakerState, CircuitBreaker
+from serving.router.canary import deployments_in_order, split_by_weight
+from serving.router.contracts import (
+    DEFAULT_SLO_TIERS,
+    Decision,
+    DeploymentRoute,
+    ModelRoute,
+    Reason,
+    ReplicaPerf,
+    ReplicaState,
+    RouterConfig,
+    RouteRequest,
+    SloTier,
+)
+from serving.router.index import ReplicaSet, RouterState
+from serving.router.policies import (
+    POLICIES,
+    CostAware,
+    LeastLoad,
+    Policy,
+    RoundRobin,
+    ScorerWeights,
+    WeightedScorer,
+)
+from serving.router.predict import Prediction, is_candidate, predict
+from serving.router.prefix import PrefixIndex
+from serving.router.queue import AdmissionQueue, QueueFull
+
+__all__ = [
+    "DEFAULT_SLO_TIERS",
+    "POLICIES",
+    "AdmissionQueue",
+    "BreakerState",
+    "CircuitBreaker",
+    "CostAware",
+    "Decision",
+    "DeploymentRoute",
+    "LeastLoad",
+    "ModelRoute",
+    "Policy",
+    "Prediction",
+    "PrefixIndex",
+    "QueueFull",
+    "Reason",
+    "ReplicaPerf",
+    "ReplicaSet",
+    "ReplicaState",
+    "RoundRobin",
+    "RouteRequest",
+    "RouterConfig",
+    "RouterState",
+    "ScorerWeights",
+    "SloTier",
+    "WeightedScorer",
+    "deployments_in_order",
+    "is_candidate",
+    "predict",
+    "split_by_weight",
+]

@@ -1,0 +1,50 @@
+"""Turn the engine's roofline model into the router's linear `ReplicaPerf` coefficients.
+
+Called by whoever builds the routing table, once per replica shape, never per request.
+The engine model is only imported for type checking so the router stays importable alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from serving.router.contracts import ReplicaPerf
+
+if TYPE_CHECKING:
+    from serving.engine.perf import PerfModel
+
+
+def coefficients_from_perf(
+    perf: PerfModel,
+    *,
+    max_num_seqs: int = 256,
+    typical_context_tokens: int = 1024,
+    typical_prompt_tokens: int = 512,
+    long_prompt_tokens: int = 4096,
+) -> ReplicaPerf:
+    """Secant fits of the roofline around typical operating points.
+
+    Decode: the line through the step times at batch 1 and at a mid batch (32 or what KV
+    allows), each sequence holding `typical_context_tokens`; it is exact while decode stays
+    bandwidth-bound, which is where an LLM engine lives. Prefill: the line through a typical
+    and a long prompt, where prefill is compute-bound; the intercept keeps at least the
+    per-step overhead, since short prompts are bound by reading the weights once.
+    """
+    mid_batch = max(2, min(32, perf.max_batch(typical_context_tokens, max_num_seqs)))
+    step_one = perf.decode_step_s(1, typical_context_tokens)
+    step_mid = perf.decode_step_s(mid_batch, mid_batch * typical_context_tokens)
+    decode_s_per_seq = (step_mid - step_one) / (mid_batch - 1)
+    decode_base_s = step_one - decode_s_per_seq
+
+    short = perf.prefill_s(typical_prompt_tokens)
+    long = perf.prefill_s(long_prompt_tokens)
+    prefill_s_per_token = (long - short) / (long_prompt_tokens - typical_prompt_tokens)
+    prefill_base_s = max(perf.step_overhead_s, short - prefill_s_per_token * typical_prompt_tokens)
+    return ReplicaPerf(
+        prefill_s_per_token=prefill_s_per_token,
+        prefill_base_s=prefill_base_s,
+        decode_base_s=decode_base_s,
+        decode_s_per_seq=decode_s_per_seq,
+        kv_capacity_tokens=perf.kv_capacity_tokens,
+        max_num_seqs=max_num_seqs,
+    )

@@ -1,0 +1,188 @@
+"""The plain data the router takes and returns.
+
+Nothing here imports Django or the engine model: whoever builds the routing table turns
+the engine model into `ReplicaPerf` coefficients once per replica, and the hot path only
+does arithmetic on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+Tier = Literal["interactive", "standard", "batch"]
+
+# Lower rank is served first by the admission queue; also the order tiers are listed in.
+TIER_RANK: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
+
+
+@dataclass(slots=True, frozen=True)
+class RouteRequest:
+    model: str
+    tenant: str
+    tier: Tier
+    prompt_tokens: int
+    max_tokens: int
+    request_id: str
+    adapter: str | None = None
+    # Tenant-salted hashes of the prompt's first KV blocks, in prompt order (block i's hash
+    # chains block i-1's, as vLLM's prefix cache does), so a match is always a prefix.
+    prefix_hashes: tuple[int, ...] = ()
+    allowed_regions: frozenset[str] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class ReplicaPerf:
+    """A linearisation of the roofline, enough to predict TTFT and TPOT in a few flops.
+
+    prefill time of n new tokens  ~ prefill_base_s + prefill_s_per_token * n
+    decode step with b sequences  ~ decode_base_s + decode_s_per_seq * b
+    """
+
+    prefill_s_per_token: float
+    prefill_base_s: float
+    decode_base_s: float
+    decode_s_per_seq: float
+    kv_capacity_tokens: int
+    max_num_seqs: int
+
+
+@dataclass(slots=True)
+class ReplicaState:
+    """One replica as the router sees it: static placement facts plus the latest telemetry.
+
+    Mutable on purpose: `RouterState` updates telemetry fields in place so the candidate
+    index never has to be rebuilt between routing-table versions.
+    """
+
+    replica_id: str
+    deployment_id: str
+    model: str
+    version: str
+    pool: str
+    gpu_class: str
+    region: str
+    # The whole replica's price: price per GPU-hour times its tensor-parallel GPUs.
+    price_per_hour: float
+    perf: ReplicaPerf
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    # This gateway's own requests in flight on the replica; fresher than telemetry.
+    inflight: int = 0
+    adapters_loaded: frozenset[str] = frozenset()
+    max_loras: int = 0
+    healthy: bool = True
+    # Monotonic seconds; the replica is skipped until then.
+    breaker_open_until: float = 0.0
+    # Monotonic seconds at which the telemetry above was scraped.
+    telemetry_at: float = 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class SloTier:
+    """Latency objective of a priority tier; None means the tier has no objective."""
+
+    name: str
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+# Defaults, overridden by configuration. Interactive: a chat user notices a first token
+# after about a second and reads at ~20 tokens/s, so 50 ms per token keeps ahead of them.
+# Standard: API callers tolerate a few seconds and ~10 tokens/s. Batch: throughput only.
+DEFAULT_SLO_TIERS: dict[str, SloTier] = {
+    "interactive": SloTier("interactive", ttft_s=1.0, tpot_s=0.05),
+    "standard": SloTier("standard", ttft_s=3.0, tpot_s=0.1),
+    "batch": SloTier("batch", ttft_s=None, tpot_s=None),
+}
+
+
+@dataclass(slots=True, frozen=True)
+class RouterConfig:
+    slo_tiers: dict[str, SloTier] = field(default_factory=lambda: dict(DEFAULT_SLO_TIERS))
+    # Telemetry older than this makes a replica's prediction pessimistic ...
+    stale_after_s: float = 5.0
+    # ... by this factor on both TTFT and TPOT ...
+    stale_penalty: float = 1.5
+    # ... and older than this removes the replica from the candidates altogether.
+    dead_after_s: float = 30.0
+    # Above this KV use, preemptions start; TPOT grows linearly to x(1 + kv_inflation) at 100%.
+    kv_high_watermark: float = 0.9
+    kv_inflation: float = 1.0
+    # Prompt tokens assumed for each request queued ahead of ours (their sizes are unknown).
+    assumed_queued_prompt_tokens: int = 512
+    # Tokens per prefix-hash block (vLLM's default KV block size).
+    prefix_block_tokens: int = 16
+    # Loading a LoRA adapter that is not resident delays the first token by about this.
+    adapter_load_s: float = 0.25
+    # Affinity bonuses, as a discount on the replica's price when ranking: a replica that
+    # holds the whole prefix ranks as if it were 25% cheaper, one with the adapter loaded
+    # 15% cheaper. Enough to beat a small price difference (an A100 pool priced a few
+    # percent under an H100 pool), never a large one (an L4 at a quarter of the price).
+    prefix_bonus: float = 0.25
+    adapter_bonus: float = 0.15
+    # Candidates within this fraction of the cheapest ranked price are a near tie; two of
+    # them are drawn and the one with the lower predicted TTFT wins.
+    near_tie_fraction: float = 0.05
+    # Random replicas examined per homogeneous group when the group is large.
+    samples_per_group: int = 2
+    # Groups up to this size are scanned in full, so small fleets get exact answers.
+    full_scan_max: int = 16
+    # When nothing meets the SLO and the least bad misses it by more than this factor,
+    # the decision advises the gateway to queue (or refuse) rather than send.
+    queue_over_slo_factor: float = 1.5
+
+    def tier(self, name: str) -> SloTier:
+        return self.slo_tiers.get(name) or SloTier(name, None, None)
+
+
+class Reason(StrEnum):
+    CHEAPEST_MEETING_SLO = "cheapest_meeting_slo"
+    PREFIX_AFFINITY = "prefix_affinity"
+    ADAPTER_AFFINITY = "adapter_affinity"
+    LEAST_BAD = "least_bad"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+    SCORED = "scored"
+    NO_CANDIDATES = "no_candidates"
+    UNKNOWN_MODEL = "unknown_model"
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    replica: ReplicaState | None
+    reason: Reason
+    policy: str
+    deployment_id: str | None = None
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
+    # Replica price times the request's fair share of the replica's time (see predict.py).
+    predicted_cost_usd: float | None = None
+    meets_slo: bool = True
+    # True when nothing meets the SLO by a wide margin: the gateway should hold the request
+    # in the admission queue, or refuse it with Retry-After, rather than send it now.
+    queue_advised: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class DeploymentRoute:
+    """One deployment serving a model name, with its share of traffic in percent."""
+
+    deployment_id: str
+    version: str
+    weight: int
+
+
+@dataclass(slots=True, frozen=True)
+class ModelRoute:
+    """Routing-table entry of one served model name.
+
+    `cohort_by_tenant` splits canary traffic by tenant instead of by request, so one
+    tenant sees one version throughout a rollout.
+    """
+
+    model: str
+    deployments: tuple[DeploymentRoute, ...]
+    cohort_by_tenant: bool = False

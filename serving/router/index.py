@@ -1,0 +1,202 @@
+"""The router's in-memory view of the fleet, indexed so a decision never scans it.
+
+Built once per routing-table version; telemetry, breaker changes and in-flight counts
+update it in place. Replicas of a deployment are grouped by what makes them differ in
+price and speed (GPU class, region, price, performance coefficients): inside a group they
+differ only by load, so a few random draws (power of d choices) find a good one, and the
+groups, sorted by price, are few.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from serving.router.contracts import ModelRoute, ReplicaPerf, ReplicaState
+from serving.router.prefix import PrefixIndex
+
+
+class ReplicaSet:
+    """A set of replicas with O(1) add, remove and uniform random draw."""
+
+    __slots__ = ("_position", "items")
+
+    def __init__(self) -> None:
+        self.items: list[ReplicaState] = []
+        self._position: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[ReplicaState]:
+        return iter(self.items)
+
+    def __contains__(self, replica_id: object) -> bool:
+        return replica_id in self._position
+
+    def add(self, replica: ReplicaState) -> None:
+        if replica.replica_id in self._position:
+            return
+        self._position[replica.replica_id] = len(self.items)
+        self.items.append(replica)
+
+    def discard(self, replica_id: str) -> None:
+        position = self._position.pop(replica_id, None)
+        if position is None:
+            return
+        last = self.items.pop()
+        if position < len(self.items):
+            self.items[position] = last
+            self._position[last.replica_id] = position
+
+
+GroupKey = tuple[str, str, str, float, ReplicaPerf]
+
+
+@dataclass(slots=True)
+class ReplicaGroup:
+    deployment_id: str
+    gpu_class: str
+    region: str
+    price_per_hour: float
+    perf: ReplicaPerf
+    # Healthy members only; unhealthy replicas leave so draws are not wasted on them.
+    live: ReplicaSet = field(default_factory=ReplicaSet)
+
+
+class RouterState:
+    def __init__(
+        self,
+        routes: Iterable[ModelRoute],
+        replicas: Iterable[ReplicaState],
+        *,
+        version: int = 0,
+        prefix_index: PrefixIndex | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.version = version
+        # Carried over between routing-table versions so affinity survives a republish.
+        self.prefix_index = prefix_index if prefix_index is not None else PrefixIndex()
+        self.rng = random.Random(seed)
+        self._routes = {route.model: route for route in routes}
+        self._replicas: dict[str, ReplicaState] = {}
+        self._group_of: dict[str, ReplicaGroup] = {}
+        self._groups: dict[str, list[ReplicaGroup]] = {}
+        self._live: dict[str, ReplicaSet] = {}
+        self._with_adapter: dict[tuple[str, str], ReplicaSet] = {}
+        groups: dict[GroupKey, ReplicaGroup] = {}
+        for replica in replicas:
+            key = (
+                replica.deployment_id,
+                replica.gpu_class,
+                replica.region,
+                replica.price_per_hour,
+                replica.perf,
+            )
+            group = groups.get(key)
+            if group is None:
+                group = ReplicaGroup(*key)
+                groups[key] = group
+                self._groups.setdefault(replica.deployment_id, []).append(group)
+            self._replicas[replica.replica_id] = replica
+            self._group_of[replica.replica_id] = group
+            self._live.setdefault(replica.deployment_id, ReplicaSet())
+            if replica.healthy:
+                self._join(replica)
+        for deployment_groups in self._groups.values():
+            deployment_groups.sort(key=lambda group: group.price_per_hour)
+
+    # Reads, all O(1).
+
+    def route(self, model: str) -> ModelRoute | None:
+        return self._routes.get(model)
+
+    def replica(self, replica_id: str) -> ReplicaState | None:
+        return self._replicas.get(replica_id)
+
+    def groups(self, deployment_id: str) -> list[ReplicaGroup]:
+        """Groups of the deployment, cheapest first."""
+        return self._groups.get(deployment_id, [])
+
+    def live(self, deployment_id: str) -> ReplicaSet:
+        return self._live.get(deployment_id) or ReplicaSet()
+
+    def with_adapter(self, deployment_id: str, adapter: str) -> ReplicaSet | None:
+        return self._with_adapter.get((deployment_id, adapter))
+
+    def __len__(self) -> int:
+        return len(self._replicas)
+
+    # Writes: telemetry, breaker, in-flight.
+
+    def update_telemetry(
+        self,
+        replica_id: str,
+        *,
+        running: int,
+        waiting: int,
+        kv_usage: float,
+        telemetry_at: float,
+        adapters_loaded: frozenset[str] | None = None,
+        max_loras: int | None = None,
+        healthy: bool | None = None,
+    ) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return  # not in this routing-table version; the next one will carry it
+        replica.running = running
+        replica.waiting = waiting
+        replica.kv_usage = kv_usage
+        replica.telemetry_at = telemetry_at
+        if max_loras is not None:
+            replica.max_loras = max_loras
+        if adapters_loaded is not None and adapters_loaded != replica.adapters_loaded:
+            if replica.healthy:
+                self._index_adapters(replica, replica.adapters_loaded, adapters_loaded)
+            replica.adapters_loaded = adapters_loaded
+        if healthy is not None and healthy != replica.healthy:
+            replica.healthy = healthy
+            if healthy:
+                self._join(replica)
+            else:
+                self._leave(replica)
+
+    def set_breaker(self, replica_id: str, open_until: float) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.breaker_open_until = open_until
+
+    def request_started(self, replica_id: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.inflight += 1
+
+    def request_finished(self, replica_id: str) -> None:
+        replica = self._replicas.get(replica_id)
+        if replica is not None and replica.inflight > 0:
+            replica.inflight -= 1
+
+    def _join(self, replica: ReplicaState) -> None:
+        self._group_of[replica.replica_id].live.add(replica)
+        self._live[replica.deployment_id].add(replica)
+        self._index_adapters(replica, frozenset(), replica.adapters_loaded)
+
+    def _leave(self, replica: ReplicaState) -> None:
+        self._group_of[replica.replica_id].live.discard(replica.replica_id)
+        self._live[replica.deployment_id].discard(replica.replica_id)
+        self._index_adapters(replica, replica.adapters_loaded, frozenset())
+
+    def _index_adapters(
+        self, replica: ReplicaState, before: frozenset[str], after: frozenset[str]
+    ) -> None:
+        for adapter in before - after:
+            holders = self._with_adapter.get((replica.deployment_id, adapter))
+            if holders is not None:
+                holders.discard(replica.replica_id)
+        for adapter in after - before:
+            key = (replica.deployment_id, adapter)
+            holders = self._with_adapter.get(key)
+            if holders is None:
+                holders = self._with_adapter[key] = ReplicaSet()
+            holders.add(replica)
