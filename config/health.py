@@ -1,0 +1,58 @@
+"""Liveness and readiness probes.
+
+/healthz says the process answers. /readyz says whether the services the control plane needs
+(PostgreSQL and Redis) are reachable, and which one is not.
+"""
+
+from __future__ import annotations
+
+import redis
+from django.conf import settings
+from django.db import connection
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_GET
+
+
+@require_GET
+@never_cache
+def healthz(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"status": "ok"})
+
+
+def check_postgres() -> str | None:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+    except Exception as exc:  # any failure means "not ready"; the message says why
+        connection.close_if_unusable_or_obsolete()
+        return f"{type(exc).__name__}: {exc}".strip()
+    return None
+
+
+def check_redis() -> str | None:
+    client = redis.Redis.from_url(
+        settings.REDIS_URL,
+        socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
+        socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
+    )
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return f"{type(exc).__name__}: {exc}".strip()
+    finally:
+        client.close()
+    return None
+
+
+@require_GET
+@never_cache
+def readyz(request: HttpRequest) -> JsonResponse:
+    failures = {"postgres": check_postgres(), "redis": check_redis()}
+    checks = {name: ("ok" if error is None else "fail") for name, error in failures.items()}
+    errors = {name: error for name, error in failures.items() if error is not None}
+    body: dict[str, object] = {"status": "ok" if not errors else "fail", "checks": checks}
+    if errors:
+        body["errors"] = errors
+    return JsonResponse(body, status=200 if not errors else 503)

@@ -1,0 +1,29 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from config import health, views
+
+api_v1 = [
+    path("", include("tenants.api.urls")),
+    path("", include("registry.api.urls")),
+    path("", include("serving.api.urls")),
+    path("", include("metering.api.urls")),
+    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
+]
+
+urlpatterns = [
+    path("healthz", health.healthz, name="healthz"),
+    path("readyz", health.readyz, name="readyz"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", views.home, name="home"),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include(api_v1)),
+    path("console/", include("serving.urls")),
+    path("console/", include("registry.urls")),
+    path("console/", include("tenants.urls")),
+    path("console/", include("metering.urls")),
+]

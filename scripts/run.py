@@ -1,0 +1,246 @@
+"""`make run`: the whole platform on one machine, with a demo fleet.
+
+Starts embedded PostgreSQL and Redis (unless DATABASE_URL / REDIS_URL are set), migrates,
+loads the demo data, then runs the ASGI server, a Celery worker, Celery beat and the demo
+fleet's node agents as child processes with prefixed logs. SIGINT or SIGTERM stops them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import contextlib
+
+from services import (
+    ROOT,
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    StartupError,
+    ensure_database,
+    require_free_port,
+    var_dir,
+    venv_bin,
+)
+
+STOP_GRACE_S = 10.0
+COLORS = ["36", "32", "35", "33", "34", "31", "96", "92", "95", "93"]
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    is_data_service: bool = False
+
+
+class Supervisor:
+    """Owns every child process; relays their output with a name prefix; stops them all."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+        self.stopping = threading.Event()
+        self._print_lock = threading.Lock()
+
+    def say(self, name: str, line: str) -> None:
+        color = COLORS[hash(name) % len(COLORS)]
+        with self._print_lock:
+            sys.stdout.write(f"\033[{color}m{name:>10} |\033[0m {line}\n")
+            sys.stdout.flush()
+
+    def adopt(
+        self, name: str, process: subprocess.Popen[bytes], *, is_data_service: bool = False
+    ) -> None:
+        self.children.append(Child(name, process, is_data_service))
+        if process.stdout is not None:
+            threading.Thread(target=self._relay, args=(name, process), daemon=True).start()
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, so a stop reaches its workers too
+        )
+        self.adopt(name, process)
+        return process
+
+    def _relay(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in iter(process.stdout.readline, b""):
+            self.say(name, raw.decode(errors="replace").rstrip())
+
+    def first_exited(self) -> Child | None:
+        return next((child for child in self.children if child.process.poll() is not None), None)
+
+    def stop_all(self) -> None:
+        self.stopping.set()
+        # Application processes first, the data services last so they can shut down cleanly.
+        applications = [child for child in self.children if not child.is_data_service]
+        services = [child for child in self.children if child.is_data_service]
+        for group in (applications, services):
+            for child in reversed(group):
+                self._signal(child, signal.SIGTERM if child.name != "postgres" else signal.SIGINT)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                remaining = max(0.1, deadline - time.monotonic())
+                try:
+                    child.process.wait(timeout=remaining)
+                except subprocess.TimeoutExpired:
+                    self._signal(child, signal.SIGKILL)
+                    child.process.wait()
+            for child in group:
+                # Whatever the child forked (Celery's pool) shares its process group.
+                self._signal(child, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(child: Child, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signum)
+
+
+def manage(env: dict[str, str], *args: str) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
+
+
+def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        exited = supervisor.first_exited()
+        if exited is not None:
+            raise StartupError(f"{exited.name} exited with code {exited.process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.3)
+    raise StartupError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+
+
+def main() -> int:
+    host = os.environ.get("HOST", "127.0.0.1")
+    port = int(os.environ.get("PORT", "8000"))
+    require_free_port(port, "the web server", "PORT")
+    var = var_dir()
+    var.mkdir(parents=True, exist_ok=True)
+
+    supervisor = Supervisor()
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    env = dict(os.environ)
+    env.setdefault("DEBUG", "true")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("PLATFORM_PUBLIC_URL", f"http://{host}:{port}")
+    try:
+        if not env.get("DATABASE_URL"):
+            postgres = EmbeddedPostgres(var / "postgres", int(env.get("PLATFORM_PG_PORT", "54329")))
+            supervisor.adopt("postgres", postgres.start(), is_data_service=True)
+            env["DATABASE_URL"] = postgres.url
+        if not env.get("REDIS_URL"):
+            redis = EmbeddedRedis(var / "redis", int(env.get("PLATFORM_REDIS_PORT", "63799")))
+            supervisor.adopt("redis", redis.start(), is_data_service=True)
+            env["REDIS_URL"] = redis.url
+        ensure_database(env["DATABASE_URL"])
+        manage(env, "migrate", "--noinput", "-v", "0")
+        manage(env, "seed_demo")
+        supervisor.spawn(
+            "web",
+            [venv_bin("uvicorn"), "config.asgi:application", "--host", host, "--port", str(port),
+             "--no-access-log", "--lifespan", "off"],
+            env,
+        )  # fmt: skip
+        supervisor.spawn(
+            "worker",
+            [venv_bin("celery"), "-A", "config", "worker", "-l", "INFO", "--concurrency", "2",
+             "-n", "worker@%h"],
+            env,
+        )  # fmt: skip
+        supervisor.spawn(
+            "beat",
+            [venv_bin("celery"), "-A", "config", "beat", "-l", "INFO",
+             "-s", str(var / "celerybeat-schedule")],
+            env,
+        )  # fmt: skip
+        for name, argv in demo_fleet_commands(env):
+            supervisor.spawn(name, argv, env)
+        wait_ready(f"http://{host}:{port}/readyz", supervisor)
+        print_banner(env, host, port)
+        while True:
+            exited = supervisor.first_exited()
+            if exited is not None:
+                raise StartupError(f"{exited.name} exited with code {exited.process.returncode}")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nStopping every process...", flush=True)
+        return 0
+    except StartupError as error:
+        print(error.code, file=sys.stderr, flush=True)
+        return 2
+    except subprocess.CalledProcessError as error:
+        print(
+            f"error: {' '.join(map(str, error.cmd))} failed ({error.returncode})", file=sys.stderr
+        )
+        return 2
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        supervisor.stop_all()
+
+
+def demo_fleet_commands(env: dict[str, str]) -> list[tuple[str, list[str]]]:
+    """The node agents of the demo fleet, as `manage.py demo_fleet --commands` lists them."""
+    if env.get("PLATFORM_DEMO_FLEET", "1") in {"0", "false", "no"}:
+        return []
+    result = subprocess.run(
+        [sys.executable, "manage.py", "demo_fleet", "--commands"],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    if result.returncode != 0:
+        if "Unknown command" in result.stderr:
+            return []
+        raise StartupError(f"could not list the demo fleet: {result.stderr.strip()}")
+    return [(item["name"], item["argv"]) for item in json.loads(result.stdout or "[]")]
+
+
+def print_banner(env: dict[str, str], host: str, port: int) -> None:
+    demo = Path(var_dir() / "demo.json")
+    details = json.loads(demo.read_text()) if demo.exists() else {}
+    lines = [
+        "",
+        "The platform is up.",
+        f"  Console:        http://{host}:{port}/",
+        f"  Admin login:    {details.get('admin_username', 'admin')} / {details.get('admin_password', '?')}",
+    ]
+    for label, value in details.get("extra", {}).items():
+        lines.append(f"  {label + ':':<15} {value}")
+    lines += [
+        f"  OpenAI base URL: http://{host}:{port}/v1",
+        f"  API schema:     http://{host}:{port}/api/v1/docs/",
+        "Press Ctrl-C to stop.",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

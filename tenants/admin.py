@@ -1,0 +1,1 @@
+"""Django admin registrations of the tenants app."""

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+
+def test_healthz_answers_without_touching_any_service(client: Client) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+@pytest.mark.django_db
+def test_readyz_is_ok_when_postgres_and_redis_answer(client: Client) -> None:
+    response = client.get("/readyz")
+    assert response.status_code == 200
+    assert response.json()["checks"] == {"postgres": "ok", "redis": "ok"}
+
+
+@pytest.mark.django_db
+def test_readyz_is_503_naming_redis_when_redis_is_unreachable(client: Client, settings) -> None:
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+    response = client.get("/readyz")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["checks"] == {"postgres": "ok", "redis": "fail"}
+    assert "redis" in body["errors"]
+    assert "postgres" not in body["errors"]
