@@ -1,0 +1,223 @@
+"""Does a model fit on a GPU class at a TP degree and quantization? And if not, what would?
+
+The rule is vLLM's start-up check: the weights plus the KV of ONE full sequence at
+max_model_len must fit in memory x gpu_memory_utilization minus the engine's overhead, per GPU.
+KV is budgeted in bf16 so a placement never depends on the fp8 KV option being turned on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from serving.engine.perf import GB, PerfModel
+from serving.engine.specs import QUANTIZATIONS, GpuSpec, ModelSpec, load_gpu_specs
+
+TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementResult:
+    ok: bool
+    message: str
+    gpu: str
+    model: str
+    quantization: str
+    tensor_parallel: int
+    kv_capacity_tokens: int
+    weights_gb_per_gpu: float
+    kv_gb_per_gpu_for_one_sequence: float
+    usable_gb_per_gpu: float
+
+    @property
+    def headroom_gb_per_gpu(self) -> float:
+        return (
+            self.usable_gb_per_gpu - self.weights_gb_per_gpu - self.kv_gb_per_gpu_for_one_sequence
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    gpu: str
+    tensor_parallel: int
+    quantization: str
+    kv_capacity_tokens: int
+    usd_per_hour: float
+
+
+def _measure(
+    gpu: GpuSpec,
+    model: ModelSpec,
+    quantization: str,
+    tensor_parallel: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    engine_overhead_gb: float,
+) -> tuple[bool, PerfModel, float]:
+    perf = PerfModel(
+        gpu,
+        model,
+        quantization=quantization,
+        tensor_parallel=tensor_parallel,
+        gpu_memory_utilization=gpu_memory_utilization,
+        engine_overhead_gb=engine_overhead_gb,
+    )
+    one_sequence = max_model_len * model.kv_bytes_per_token("auto") / tensor_parallel
+    fits = perf.weights_bytes_per_gpu + one_sequence <= perf.usable_bytes_per_gpu
+    return fits, perf, one_sequence
+
+
+def fits(
+    gpu: GpuSpec,
+    model: ModelSpec,
+    quantization: str,
+    tensor_parallel: int,
+    max_model_len: int = 8192,
+    gpu_memory_utilization: float = 0.9,
+    engine_overhead_gb: float = 3.0,
+) -> bool:
+    return _measure(
+        gpu,
+        model,
+        quantization,
+        tensor_parallel,
+        max_model_len,
+        gpu_memory_utilization,
+        engine_overhead_gb,
+    )[0]
+
+
+def check_placement(
+    gpu: GpuSpec,
+    model: ModelSpec,
+    quantization: str,
+    tensor_parallel: int,
+    max_model_len: int = 8192,
+    gpu_memory_utilization: float = 0.9,
+    engine_overhead_gb: float = 3.0,
+) -> PlacementResult:
+    if tensor_parallel not in TP_DEGREES:
+        return _refusal(
+            gpu,
+            model,
+            quantization,
+            tensor_parallel,
+            f"tensor parallel size must be one of {', '.join(map(str, TP_DEGREES))}, "
+            f"not {tensor_parallel}",
+        )
+    if quantization not in QUANTIZATIONS:
+        return _refusal(
+            gpu,
+            model,
+            quantization,
+            tensor_parallel,
+            f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}",
+        )
+    if max_model_len > model.max_context:
+        return _refusal(
+            gpu,
+            model,
+            quantization,
+            tensor_parallel,
+            f"max_model_len {max_model_len} exceeds {model.name}'s context of {model.max_context}",
+        )
+    settings = (max_model_len, gpu_memory_utilization, engine_overhead_gb)
+    ok, perf, one_sequence = _measure(gpu, model, quantization, tensor_parallel, *settings)
+    needed_gb = (perf.weights_bytes_per_gpu + one_sequence) / GB
+    usable_gb = perf.usable_bytes_per_gpu / GB
+    where = f"{model.name} {quantization} at TP {tensor_parallel} on {gpu.name}"
+    if ok:
+        message = (
+            f"{where} fits: {needed_gb:.1f} of {usable_gb:.1f} GB per GPU, "
+            f"KV cache for {perf.kv_capacity_tokens} tokens"
+        )
+    else:
+        message = (
+            f"{where} does not fit: needs {needed_gb:.1f} GB per GPU "
+            f"(weights {perf.weights_bytes_per_gpu / GB:.1f} + one {max_model_len}-token "
+            f"sequence of KV {one_sequence / GB:.1f}) but {usable_gb:.1f} GB is usable. "
+            + _alternatives(gpu, model, quantization, tensor_parallel, settings)
+        )
+    return PlacementResult(
+        ok=ok,
+        message=message,
+        gpu=gpu.name,
+        model=model.name,
+        quantization=quantization,
+        tensor_parallel=tensor_parallel,
+        kv_capacity_tokens=perf.kv_capacity_tokens if ok else 0,
+        weights_gb_per_gpu=perf.weights_bytes_per_gpu / GB,
+        kv_gb_per_gpu_for_one_sequence=one_sequence / GB,
+        usable_gb_per_gpu=usable_gb,
+    )
+
+
+def _alternatives(
+    gpu: GpuSpec,
+    model: ModelSpec,
+    quantization: str,
+    tensor_parallel: int,
+    settings: tuple[int, float, float],
+) -> str:
+    options: list[str] = []
+    bigger_tp = [tp for tp in TP_DEGREES if tp > tensor_parallel]
+    fitting_tp = [tp for tp in bigger_tp if _measure(gpu, model, quantization, tp, *settings)[0]]
+    if fitting_tp:
+        options.append(f"TP {fitting_tp[0]} on {gpu.name} with {quantization}")
+    lighter = QUANTIZATIONS[QUANTIZATIONS.index(quantization) + 1 :]
+    fitting_quant = [q for q in lighter if _measure(gpu, model, q, tensor_parallel, *settings)[0]]
+    if fitting_quant:
+        options.append(f"{fitting_quant[0]} at TP {tensor_parallel} on {gpu.name}")
+    other_gpus = [
+        other.name
+        for other in load_gpu_specs().values()
+        if other.name != gpu.name
+        and _measure(other, model, quantization, tensor_parallel, *settings)[0]
+    ]
+    if other_gpus:
+        options.append(f"{quantization} at TP {tensor_parallel} on {', '.join(other_gpus)}")
+    if not options:
+        return "Nothing fits with this quantization and TP; see suggest_placements()."
+    return "Would fit: " + "; or ".join(options) + "."
+
+
+def _refusal(
+    gpu: GpuSpec, model: ModelSpec, quantization: str, tensor_parallel: int, message: str
+) -> PlacementResult:
+    return PlacementResult(
+        ok=False,
+        message=message,
+        gpu=gpu.name,
+        model=model.name,
+        quantization=quantization,
+        tensor_parallel=tensor_parallel,
+        kv_capacity_tokens=0,
+        weights_gb_per_gpu=0.0,
+        kv_gb_per_gpu_for_one_sequence=0.0,
+        usable_gb_per_gpu=0.0,
+    )
+
+
+def suggest_placements(
+    model: ModelSpec,
+    quantization: str | None = None,
+    max_model_len: int = 8192,
+    gpu_memory_utilization: float = 0.9,
+    engine_overhead_gb: float = 3.0,
+) -> list[Placement]:
+    """Every (GPU class, smallest fitting TP) per quantization, cheapest per hour first.
+    quantization None tries all three."""
+    settings = (max_model_len, gpu_memory_utilization, engine_overhead_gb)
+    quantizations = QUANTIZATIONS if quantization is None else (quantization,)
+    placements: list[Placement] = []
+    for gpu in load_gpu_specs().values():
+        for quant in quantizations:
+            for tp in TP_DEGREES:
+                ok, perf, _ = _measure(gpu, model, quant, tp, *settings)
+                if ok:
+                    placements.append(
+                        Placement(
+                            gpu.name, tp, quant, perf.kv_capacity_tokens, gpu.usd_per_hour * tp
+                        )
+                    )
+                    break
+    return sorted(placements, key=lambda p: (p.usd_per_hour, -p.kv_capacity_tokens))
