@@ -594,7 +594,8 @@ class Engine:
             for rid, reason in result.finished:
                 tokens = result.finished_output_tokens[rid]
                 events.append(EngineEvent(FINISHED, rid, end, tokens, reason))
-        if not self.has_work:
+        if not self.has_work and until_s != math.inf:
+            # An idle engine's clock follows the caller's; advance(inf) means "drain".
             self.clock_s = max(self.clock_s, until_s)
         return events
 
