@@ -128,7 +128,7 @@ class RouterConfig:
     near_tie_fraction: float = 0.05
     # Random replicas examined per homogeneous group when the group is large.
     samples_per_group: int = 2
-    # Groups up to this size are scanned in full, so small fleets get exact answers.
+    # Deployments with up to this many live replicas are scanned in full (exact answers).
     full_scan_max: int = 16
     # When nothing meets the SLO and the least bad misses it by more than this factor,
     # the decision advises the gateway to queue (or refuse) rather than send.
@@ -150,7 +150,8 @@ class Reason(StrEnum):
     UNKNOWN_MODEL = "unknown_model"
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen: a frozen dataclass pays object.__setattr__ per field, on every decision.
+@dataclass(slots=True)
 class Decision:
     replica: ReplicaState | None
     reason: Reason

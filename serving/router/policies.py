@@ -280,9 +280,11 @@ class CostAware:
         )
         tier = self.config.tier(request.tier)
         for deployment in deployments_in_order(route, request):
-            options = self._options(deployment.deployment_id, request, now, tier, matches)
+            options, best_meeting = self._options(
+                deployment.deployment_id, request, now, tier, matches
+            )
             if options:
-                return self._pick(options, request, tier)
+                return self._pick(options, best_meeting, request, tier)
         return _no_route(request, self.state, self.name)
 
     def _options(
@@ -292,7 +294,8 @@ class CostAware:
         now: float,
         tier: SloTier,
         matches: dict[str, int],
-    ) -> list[_Option]:
+    ) -> tuple[list[_Option], float]:
+        """Candidate options and the lowest ranking price among those meeting the SLO."""
         state, config = self.state, self.config
         options: list[_Option] = []
         seen: set[str] = set()
@@ -336,16 +339,21 @@ class CostAware:
         # A group member without the prefix ranks at least this fraction of its price.
         floor = 1.0 - (config.adapter_bonus if adapter is not None else 0.0)
         allowed = request.allowed_regions
+        # A small deployment is scanned in full, so small fleets get exact answers.
+        if len(state.live(deployment_id)) <= config.full_scan_max:
+            for replica in state.live(deployment_id):
+                consider(replica)
+            return options, best_meeting
         for group in state.groups(deployment_id):
             if best_meeting * (1.0 + config.near_tie_fraction) < group.price_per_hour * floor:
                 break  # groups are sorted by price: no later one can win or tie
             if allowed is not None and group.region not in allowed:
                 continue
             self._draw(group.live.items, consider)
-        return options
+        return options, best_meeting
 
     def _draw(self, members: list[ReplicaState], consider: _Consider) -> None:
-        if len(members) <= self.config.full_scan_max:
+        if len(members) <= self.config.samples_per_group:
             for replica in members:
                 consider(replica)
             return
@@ -358,19 +366,25 @@ class CostAware:
                 if not wanted:
                     return
 
-    def _pick(self, options: list[_Option], request: RouteRequest, tier: SloTier) -> Decision:
-        meeting = [option for option in options if option.meets]
-        if meeting:
-            cheapest = min(option.rank_price for option in meeting)
-            limit = cheapest * (1.0 + self.config.near_tie_fraction)
-            ties = [option for option in meeting if option.rank_price <= limit]
+    def _pick(
+        self, options: list[_Option], best_meeting: float, request: RouteRequest, tier: SloTier
+    ) -> Decision:
+        if best_meeting != float("inf"):
+            limit = best_meeting * (1.0 + self.config.near_tie_fraction)
+            ties = [option for option in options if option.meets and option.rank_price <= limit]
             chosen = ties[0]
             if len(ties) > 1:
-                first, second = self.state.rng.sample(ties, 2)
-                chosen = first if first.prediction.ttft_s <= second.prediction.ttft_s else second
+                # Power of two choices; randrange twice is a fraction of rng.sample's cost.
+                randrange = self.state.rng.randrange
+                first = randrange(len(ties))
+                second = (first + 1 + randrange(len(ties) - 1)) % len(ties)
+                a, b = ties[first], ties[second]
+                chosen = a if a.prediction.ttft_s <= b.prediction.ttft_s else b
             return self._decision(chosen, chosen.reason, request, queue_advised=False)
-        violations = [(_slo_violation(option.prediction, tier), option) for option in options]
-        violation, chosen = min(violations, key=lambda pair: pair[0])
+        violation, chosen = min(
+            ((_slo_violation(option.prediction, tier), option) for option in options),
+            key=lambda pair: pair[0],
+        )
         return self._decision(
             chosen,
             Reason.LEAST_BAD,

@@ -26,26 +26,31 @@ class PrefixIndex:
         return len(self._blocks)
 
     def longest_matches(self, tenant: str, hashes: Sequence[int]) -> dict[str, int]:
-        """Replica id -> number of leading blocks of `hashes` it holds (only non-zero ones)."""
+        """Replicas holding the longest recorded run of leading blocks -> its length.
+
+        `record` refreshes a prompt's blocks last to first, so a prompt's earlier blocks
+        are always fresher than its later ones and the LRU evicts from the tail: if block
+        i is held, so are blocks 0..i. That makes "held" monotone along the prompt, and a
+        binary search finds the longest held block in log2(blocks) lookups, as llm-d's
+        prefix scorer notes it could. Replicas with only a shorter run are not reported;
+        the longest match is the one worth routing to.
+        """
         blocks = self._blocks
-        matched: dict[str, int] = {}
-        for position, block_hash in enumerate(hashes):
-            holders = blocks.get((tenant, block_hash))
-            if not holders:
-                break
-            extended = False
-            for replica_id in holders:
-                # Contiguity: an evicted middle block ends that replica's prefix.
-                if matched.get(replica_id, 0) == position:
-                    matched[replica_id] = position + 1
-                    extended = True
-            if not extended:
-                break
-        return matched
+        held, unknown = 0, len(hashes)  # blocks[:held] are held; blocks[unknown:] are not
+        while held < unknown:
+            middle = (held + unknown + 1) // 2
+            if blocks.get((tenant, hashes[middle - 1])):
+                held = middle
+            else:
+                unknown = middle - 1
+        if held == 0:
+            return {}
+        return dict.fromkeys(blocks[(tenant, hashes[held - 1])], held)
 
     def record(self, tenant: str, hashes: Sequence[int], replica_id: str) -> None:
         blocks = self._blocks
-        for block_hash in hashes:
+        # Last to first: see longest_matches for why earlier blocks must end up fresher.
+        for block_hash in reversed(hashes):
             key = (tenant, block_hash)
             holders = blocks.get(key)
             if holders is None:
@@ -54,7 +59,8 @@ class PrefixIndex:
                     blocks.popitem(last=False)
                 continue
             blocks.move_to_end(key)
-            holders.pop(replica_id, None)
+            if replica_id in holders:
+                continue
             holders[replica_id] = None
             if len(holders) > self._replicas_per_block:
                 del holders[next(iter(holders))]
