@@ -27,8 +27,10 @@ def coefficients_from_perf(
     Decode: the line through the step times at batch 1 and at a mid batch (32 or what KV
     allows), each sequence holding `typical_context_tokens`; it is exact while decode stays
     bandwidth-bound, which is where an LLM engine lives. Prefill: the line through a typical
-    and a long prompt, where prefill is compute-bound; the intercept keeps at least the
-    per-step overhead, since short prompts are bound by reading the weights once.
+    and a long prompt, where prefill is compute-bound (attention's growth included on
+    average); the intercept is at least a one-token prefill, since a short prompt is bound
+    by reading the weights once. Long prompts are then overestimated by at most that
+    floor: on the safe side for an SLO check.
     """
     mid_batch = max(2, min(32, perf.max_batch(typical_context_tokens, max_num_seqs)))
     step_one = perf.decode_step_s(1, typical_context_tokens)
@@ -39,7 +41,7 @@ def coefficients_from_perf(
     short = perf.prefill_s(typical_prompt_tokens)
     long = perf.prefill_s(long_prompt_tokens)
     prefill_s_per_token = (long - short) / (long_prompt_tokens - typical_prompt_tokens)
-    prefill_base_s = max(perf.step_overhead_s, short - prefill_s_per_token * typical_prompt_tokens)
+    prefill_base_s = max(perf.prefill_s(1), short - prefill_s_per_token * typical_prompt_tokens)
     return ReplicaPerf(
         prefill_s_per_token=prefill_s_per_token,
         prefill_base_s=prefill_base_s,
