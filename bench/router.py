@@ -76,7 +76,8 @@ def build_fleet(size: int, rng: random.Random, now: float) -> list[ReplicaState]
                 max_loras=4,
                 healthy=rng.random() > 0.02,
                 breaker_open_until=now + 30 if rng.random() < 0.01 else 0.0,
-                telemetry_at=now - (rng.uniform(6, 10) if rng.random() < 0.05 else rng.uniform(0, 3)),
+                telemetry_at=now
+                - (rng.uniform(6, 10) if rng.random() < 0.05 else rng.uniform(0, 3)),
             )
         )
     return replicas

@@ -1,0 +1,420 @@
+"""The router's policies over hand-built fleets. No database: the router is plain data."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs, load_model_specs
+from serving.router import (
+    POLICIES,
+    CostAware,
+    DeploymentRoute,
+    LeastLoad,
+    ModelRoute,
+    PrefixIndex,
+    Reason,
+    ReplicaPerf,
+    ReplicaState,
+    RoundRobin,
+    RouterConfig,
+    RouteRequest,
+    RouterState,
+    WeightedScorer,
+    predict,
+)
+from serving.router.coefficients import coefficients_from_perf
+
+MODEL = "llama-3.1-8b"
+NOW = 1_000.0
+
+
+def gpu(gpu_class: str) -> tuple[ReplicaPerf, float]:
+    spec = load_gpu_specs()[gpu_class]
+    return coefficients_from_perf(PerfModel(spec, load_model_specs()[MODEL])), spec.usd_per_hour
+
+
+H100 = "H100-SXM-80GB"
+A100 = "A100-SXM-80GB"
+L40S = "L40S-48GB"
+L4 = "L4-24GB"
+
+
+def replica(replica_id: str, gpu_class: str = L40S, **fields: object) -> ReplicaState:
+    perf, price = gpu(gpu_class)
+    values: dict[str, object] = {
+        "replica_id": replica_id,
+        "deployment_id": "stable",
+        "model": MODEL,
+        "version": "v1",
+        "pool": f"pool-{gpu_class}",
+        "gpu_class": gpu_class,
+        "region": "eu-west",
+        "price_per_hour": price,
+        "perf": perf,
+        "telemetry_at": NOW,
+        "max_loras": 4,
+    }
+    values.update(fields)
+    return ReplicaState(**values)  # type: ignore[arg-type]
+
+
+def fleet(*replicas: ReplicaState, seed: int = 1) -> RouterState:
+    deployments = sorted({r.deployment_id for r in replicas})
+    route = ModelRoute(MODEL, tuple(DeploymentRoute(d, "v1", 100) for d in deployments))
+    return RouterState([route], replicas, seed=seed)
+
+
+def request(**fields: object) -> RouteRequest:
+    values: dict[str, object] = {
+        "model": MODEL,
+        "tenant": "acme",
+        "tier": "standard",
+        "prompt_tokens": 200,
+        "max_tokens": 100,
+        "request_id": "req-1",
+    }
+    values.update(fields)
+    return RouteRequest(**values)  # type: ignore[arg-type]
+
+
+def chosen_id(policy: object, req: RouteRequest, now: float = NOW) -> str | None:
+    decision = policy.choose(req, now)  # type: ignore[attr-defined]
+    return None if decision.replica is None else decision.replica.replica_id
+
+
+# Round robin and least load
+
+
+def test_round_robin_takes_each_replica_in_turn() -> None:
+    policy = RoundRobin(fleet(replica("a"), replica("b"), replica("c")))
+    picks = [chosen_id(policy, request(request_id=f"r{n}")) for n in range(6)]
+    assert picks[:3] == picks[3:]
+    assert sorted(picks[:3]) == ["a", "b", "c"]
+
+
+def test_least_load_picks_the_replica_with_the_fewest_requests() -> None:
+    state = fleet(
+        replica("busy", running=10, waiting=2),
+        replica("idle-but-ours", running=1, inflight=3),
+        replica("quiet", running=2),
+    )
+    assert chosen_id(LeastLoad(state), request()) == "quiet"
+
+
+# Weighted scorer (llm-d's queue 2, KV 2, prefix 3)
+
+
+def test_weighted_scorer_prefers_the_shorter_queue_when_kv_use_is_equal() -> None:
+    state = fleet(replica("long", waiting=8, kv_usage=0.5), replica("short", kv_usage=0.5))
+    assert chosen_id(WeightedScorer(state), request()) == "short"
+
+
+def test_weighted_scorer_sends_a_known_prefix_back_to_its_replica() -> None:
+    state = fleet(replica("a", kv_usage=0.3), replica("b", kv_usage=0.3))
+    policy = WeightedScorer(state)
+    hashes = (11, 12, 13, 14)
+    first = chosen_id(policy, request(prefix_hashes=hashes, request_id="r1"))
+    other = "b" if first == "a" else "a"
+    # The other replica is now a little emptier; the prefix (weight 3) still wins.
+    state.update_telemetry(other, running=0, waiting=0, kv_usage=0.1, telemetry_at=NOW)
+    assert chosen_id(policy, request(prefix_hashes=hashes, request_id="r2")) == first
+
+
+# Cost-aware: the cheapest replica whose prediction meets the tier's SLO
+
+
+def mixed_fleet() -> RouterState:
+    return fleet(
+        replica("h100", H100), replica("a100", A100), replica("l40s", L40S), replica("l4", L4)
+    )
+
+
+def test_cost_aware_sends_a_small_standard_request_to_the_cheap_l4() -> None:
+    decision = CostAware(mixed_fleet()).choose(request(tier="standard"), NOW)
+    assert decision.replica is not None and decision.replica.gpu_class == L4
+    assert decision.reason is Reason.CHEAPEST_MEETING_SLO and decision.meets_slo
+
+
+def test_cost_aware_moves_interactive_traffic_to_l40s_when_the_l4_misses_tpot() -> None:
+    state = mixed_fleet()
+    config = RouterConfig()
+    l4_tpot = predict(state.replica("l4"), request(tier="interactive"), NOW, config).tpot_s  # type: ignore[arg-type]
+    assert l4_tpot > config.tier("interactive").tpot_s  # type: ignore[operator]
+    decision = CostAware(state, config).choose(request(tier="interactive"), NOW)
+    assert decision.replica is not None and decision.replica.gpu_class == L40S
+
+
+def test_cost_aware_pays_for_the_h100_when_only_it_prefills_a_long_prompt_in_time() -> None:
+    state = mixed_fleet()
+    config = RouterConfig()
+    long_prompt = request(tier="interactive", prompt_tokens=16_000)
+    slo = config.tier("interactive").ttft_s
+    assert slo is not None
+    meeting = [
+        r.gpu_class
+        for r in (state.replica(n) for n in ("h100", "a100", "l40s", "l4"))
+        if r is not None and predict(r, long_prompt, NOW, config).ttft_s <= slo
+    ]
+    assert meeting == [H100]
+    decision = CostAware(state, config).choose(long_prompt, NOW)
+    assert decision.replica is not None and decision.replica.gpu_class == H100
+
+
+def test_cost_aware_returns_the_least_bad_replica_and_advises_queueing_when_none_meets() -> None:
+    state = fleet(
+        replica("swamped", L4, running=256, waiting=40),
+        replica("drowning", L4, running=256, waiting=90),
+    )
+    decision = CostAware(state).choose(request(tier="interactive"), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "swamped"
+    assert decision.reason is Reason.LEAST_BAD
+    assert not decision.meets_slo and decision.queue_advised
+
+
+def test_batch_requests_have_no_slo_and_go_to_the_cheapest_replica() -> None:
+    state = fleet(replica("l4", L4, running=200, waiting=30), replica("h100", H100))
+    decision = CostAware(state).choose(request(tier="batch"), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "l4"
+    assert decision.meets_slo
+
+
+def test_stale_telemetry_makes_the_prediction_pessimistic() -> None:
+    config = RouterConfig()
+    fresh = replica("fresh", running=20)
+    stale = replica("stale", running=20, telemetry_at=NOW - config.stale_after_s - 1)
+    fresh_ttft = predict(fresh, request(), NOW, config).ttft_s
+    assert predict(stale, request(), NOW, config).ttft_s > fresh_ttft
+
+
+def test_cost_aware_prefers_fresh_telemetry_over_stale_when_the_stale_one_looks_idler() -> None:
+    config = RouterConfig()
+    state = fleet(
+        replica("fresh", L4, running=8),
+        replica("stale", L4, running=0, telemetry_at=NOW - config.stale_after_s - 1),
+    )
+    picks = {chosen_id(CostAware(state, config), request(request_id=f"r{n}")) for n in range(20)}
+    assert picks == {"fresh"}
+
+
+def test_replicas_with_very_stale_telemetry_are_not_candidates() -> None:
+    config = RouterConfig()
+    state = fleet(replica("silent", L4, telemetry_at=NOW - config.dead_after_s - 1))
+    decision = CostAware(state, config).choose(request(), NOW)
+    assert decision.replica is None and decision.reason is Reason.NO_CANDIDATES
+
+
+@pytest.mark.parametrize("policy_class", list(POLICIES.values()))
+def test_no_policy_routes_to_a_replica_whose_breaker_is_open(policy_class: type) -> None:
+    state = fleet(replica("tripped", L4, breaker_open_until=NOW + 10), replica("fine", H100))
+    policy = policy_class(state)
+    picks = {chosen_id(policy, request(request_id=f"r{n}")) for n in range(10)}
+    assert picks == {"fine"}
+
+
+@pytest.mark.parametrize("policy_class", list(POLICIES.values()))
+def test_no_policy_routes_to_a_replica_reported_unhealthy(policy_class: type) -> None:
+    state = fleet(replica("sick", L4), replica("fine", H100))
+    state.update_telemetry(
+        "sick", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, healthy=False
+    )
+    policy = policy_class(state)
+    assert {chosen_id(policy, request(request_id=f"r{n}")) for n in range(10)} == {"fine"}
+
+
+def test_a_replica_that_recovers_rejoins_the_candidates() -> None:
+    state = fleet(replica("l4", L4), replica("h100", H100))
+    state.update_telemetry("l4", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, healthy=False)
+    state.update_telemetry("l4", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, healthy=True)
+    assert chosen_id(CostAware(state), request()) == "l4"
+
+
+def test_an_unknown_model_gets_no_replica() -> None:
+    decision = CostAware(mixed_fleet()).choose(request(model="gpt-17"), NOW)
+    assert decision.replica is None and decision.reason is Reason.UNKNOWN_MODEL
+
+
+def test_near_ties_go_to_the_replica_with_the_lower_predicted_ttft() -> None:
+    state = fleet(replica("loaded", L4, running=30, waiting=3), replica("empty", L4))
+    picks = {chosen_id(CostAware(state), request(request_id=f"r{n}")) for n in range(20)}
+    assert picks == {"empty"}
+
+
+def test_cost_aware_finds_cheap_capacity_in_a_large_fleet_by_sampling() -> None:
+    replicas = [replica(f"h{n}", H100) for n in range(500)]
+    replicas += [replica(f"l{n}", L4, running=n % 50) for n in range(500)]
+    state = fleet(*replicas)
+    decision = CostAware(state).choose(request(tier="standard"), NOW)
+    assert decision.replica is not None and decision.replica.gpu_class == L4
+    assert decision.meets_slo
+
+
+# Affinity
+
+
+def test_a_tenants_prefix_pulls_its_next_request_to_the_same_replica() -> None:
+    state = fleet(replica("a", L4), replica("b", L4))
+    policy = CostAware(state)
+    hashes = (101, 102, 103, 104)
+    first = policy.choose(request(prefix_hashes=hashes, request_id="r1"), NOW)
+    assert first.replica is not None
+    other = "b" if first.replica.replica_id == "a" else "a"
+    # Make the first replica a little busier: affinity should still win the near-tie.
+    state.update_telemetry(
+        first.replica.replica_id, running=4, waiting=0, kv_usage=0.2, telemetry_at=NOW
+    )
+    again = policy.choose(request(prefix_hashes=hashes, request_id="r2"), NOW)
+    assert again.replica is not None and again.replica.replica_id != other
+    assert again.reason is Reason.PREFIX_AFFINITY
+
+
+def test_one_tenants_cached_prefix_is_never_another_tenants_hit() -> None:
+    state = fleet(replica("a", L4), replica("b", L4))
+    policy = CostAware(state)
+    hashes = (7, 8, 9)
+    policy.choose(request(tenant="acme", prefix_hashes=hashes), NOW)
+    assert state.prefix_index.longest_matches("globex", hashes) == {}
+    decision = policy.choose(request(tenant="globex", prefix_hashes=hashes), NOW)
+    assert decision.reason is not Reason.PREFIX_AFFINITY
+
+
+def test_prefix_affinity_does_not_beat_a_large_price_difference() -> None:
+    state = fleet(replica("h100", H100), replica("l4", L4))
+    hashes = (1, 2, 3)
+    state.prefix_index.record("acme", hashes, "h100")
+    decision = CostAware(state).choose(request(prefix_hashes=hashes), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "l4"
+
+
+def test_prefix_affinity_beats_a_small_price_difference() -> None:
+    cheaper = replica("cheaper", L40S)
+    holder = replica("holder", L40S, price_per_hour=cheaper.price_per_hour * 1.1)
+    state = fleet(cheaper, holder)
+    hashes = (1, 2, 3)
+    state.prefix_index.record("acme", hashes, "holder")
+    assert chosen_id(CostAware(state), request(prefix_hashes=hashes)) == "holder"
+
+
+def test_a_replica_with_the_adapter_loaded_wins_over_an_equal_one_without() -> None:
+    state = fleet(replica("plain", L40S), replica("warm", L40S, adapters_loaded=frozenset({"sql"})))
+    decision = CostAware(state).choose(request(adapter="sql"), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "warm"
+    assert decision.reason is Reason.ADAPTER_AFFINITY
+
+
+@pytest.mark.parametrize("policy_class", list(POLICIES.values()))
+def test_an_adapter_request_never_goes_to_a_replica_without_lora_support(
+    policy_class: type,
+) -> None:
+    state = fleet(replica("no-lora", L4, max_loras=0), replica("lora", H100))
+    picks = {
+        chosen_id(policy_class(state), request(adapter="sql", request_id=f"r{n}"))
+        for n in range(10)
+    }
+    assert picks == {"lora"}
+
+
+def test_the_adapter_index_follows_telemetry() -> None:
+    state = fleet(replica("a", L4))
+    state.update_telemetry(
+        "a", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, adapters_loaded=frozenset({"sql"})
+    )
+    holders = state.with_adapter("stable", "sql")
+    assert holders is not None and "a" in holders
+    state.update_telemetry(
+        "a", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, adapters_loaded=frozenset()
+    )
+    assert "a" not in holders
+
+
+# Prefix index
+
+
+def test_the_prefix_index_reports_the_longest_leading_run() -> None:
+    index = PrefixIndex()
+    index.record("acme", (1, 2, 3, 4), "a")
+    index.record("acme", (1, 2, 9), "b")
+    assert index.longest_matches("acme", (1, 2, 3, 5)) == {"a": 3}
+
+
+def test_the_prefix_index_forgets_the_least_recently_used_blocks_first() -> None:
+    index = PrefixIndex(capacity_blocks=4)
+    index.record("acme", (1, 2), "a")
+    index.record("acme", (3, 4), "b")
+    index.record("acme", (1, 2), "a")  # refresh
+    index.record("acme", (5,), "c")
+    assert len(index) == 4
+    assert index.longest_matches("acme", (1, 2)) == {"a": 2}
+    assert index.longest_matches("acme", (3, 4)) == {"b": 1}
+
+
+# Regions, over random fleets
+
+REGIONS = ("eu-west", "eu-central", "us-east")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    regions=st.lists(st.sampled_from(REGIONS), min_size=1, max_size=40),
+    allowed=st.frozensets(st.sampled_from(REGIONS), max_size=2),
+    gpus=st.lists(st.sampled_from((H100, A100, L40S, L4)), min_size=40, max_size=40),
+    loads=st.lists(st.integers(0, 300), min_size=40, max_size=40),
+    policy_name=st.sampled_from(sorted(POLICIES)),
+    tier=st.sampled_from(("interactive", "standard", "batch")),
+)
+def test_no_policy_ever_routes_outside_the_allowed_regions(
+    regions: list[str],
+    allowed: frozenset[str],
+    gpus: list[str],
+    loads: list[int],
+    policy_name: str,
+    tier: str,
+) -> None:
+    replicas = [
+        replica(f"r{n}", gpus[n], region=region, running=loads[n])
+        for n, region in enumerate(regions)
+    ]
+    state = fleet(*replicas)
+    policy = POLICIES[policy_name](state)
+    for n in range(5):
+        decision = policy.choose(
+            request(tier=tier, allowed_regions=allowed, request_id=f"r{n}"), NOW
+        )
+        if decision.replica is not None:
+            assert decision.replica.region in allowed
+        else:
+            assert not allowed & set(regions)
+
+
+def test_a_fleet_outside_the_allowed_regions_yields_no_candidate() -> None:
+    state = fleet(replica("us", L4, region="us-east"))
+    decision = CostAware(state).choose(request(allowed_regions=frozenset({"eu-west"})), NOW)
+    assert decision.replica is None and decision.reason is Reason.NO_CANDIDATES
+
+
+# Coefficients from the engine model
+
+
+def test_coefficients_reproduce_the_engine_models_idle_step_and_prefill() -> None:
+    spec = load_gpu_specs()[H100]
+    perf_model = PerfModel(spec, load_model_specs()[MODEL])
+    perf = coefficients_from_perf(perf_model)
+    linear_step = perf.decode_base_s + perf.decode_s_per_seq
+    assert linear_step == pytest.approx(perf_model.tpot_s(1, 1024), rel=0.01)
+    linear_prefill = perf.prefill_base_s + perf.prefill_s_per_token * 2048
+    assert linear_prefill >= perf_model.ttft_s(2048) * 0.95
+
+
+def test_canary_replicas_only_get_their_deployments_traffic() -> None:
+    stable = replica("stable-1", L4)
+    canary = replace(replica("canary-1", L4), deployment_id="canary")
+    route = ModelRoute(
+        MODEL, (DeploymentRoute("stable", "v1", 100), DeploymentRoute("canary", "v2", 0))
+    )
+    state = RouterState([route], [stable, canary], seed=3)
+    picks = {chosen_id(CostAware(state), request(request_id=f"r{n}")) for n in range(50)}
+    assert picks == {"stable-1"}
