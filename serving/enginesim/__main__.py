@@ -1,0 +1,3 @@
+from serving.enginesim.server import main
+
+main()

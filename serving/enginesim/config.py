@@ -1,0 +1,163 @@
+"""Command-line flags: the vLLM ones the platform sets, plus --sim-* flags of our own.
+
+Unknown flags are an error, as they are for `vllm serve`: a typo in the agent's launcher must
+fail loudly here rather than pass silently in tests and break on a GPU node.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from serving.engine.placement import check_placement
+from serving.engine.specs import (
+    GpuSpec,
+    ModelSpec,
+    find_model_spec,
+    load_gpu_specs,
+    load_model_specs,
+    normalize_quantization,
+)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str
+    served_model_names: tuple[str, ...]
+    host: str
+    port: int
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    quantization: str
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    gpu: GpuSpec
+    model_spec: ModelSpec
+    time_scale: float = 1.0
+    crash_after_tokens: int | None = None
+    error_rate: float = 0.0
+    hang: bool = False
+    slow_start_s: float = 0.0
+    fixed_ttft_ms: float | None = None
+    fixed_itl_ms: float | None = None
+    seed: int = 0
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def fixed_latency(self) -> bool:
+        return self.fixed_ttft_ms is not None
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m serving.enginesim",
+        description="A stand-in for `vllm serve MODEL` driven by the engine model.",
+    )
+    p.add_argument("model")
+    p.add_argument("--served-model-name", nargs="+", default=None)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--quantization", "-q", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    # vLLM v1 caches prefixes unless told not to.
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    sim = p.add_argument_group("simulator")
+    sim.add_argument("--sim-gpu-class", required=True, help="a gpus.csv row, e.g. L4-24GB")
+    sim.add_argument("--sim-model-spec", default=None, help="a models.csv row")
+    sim.add_argument("--sim-time-scale", type=float, default=1.0, help="10 = ten times faster")
+    sim.add_argument("--sim-crash-after-tokens", type=int, default=None)
+    sim.add_argument("--sim-error-rate", type=float, default=0.0)
+    sim.add_argument("--sim-hang", action="store_true")
+    sim.add_argument("--sim-slow-start", type=float, default=0.0, metavar="SECONDS")
+    sim.add_argument("--sim-fixed-ttft-ms", type=float, default=None)
+    sim.add_argument("--sim-fixed-itl-ms", type=float, default=None)
+    sim.add_argument("--sim-seed", type=int, default=0)
+    return p
+
+
+def parse_args(argv: list[str]) -> SimConfig:
+    """Parse and validate; argparse exits with status 2 on unknown flags, and a ConfigError
+    names any value that makes no sense (as vLLM refuses to start)."""
+    args = _parser().parse_args(argv)
+    gpus = load_gpu_specs()
+    if args.sim_gpu_class not in gpus:
+        raise ConfigError(f"--sim-gpu-class {args.sim_gpu_class!r}: use one of {', '.join(gpus)}")
+    served = tuple(args.served_model_name or [args.model])
+    model_spec = _model_spec(args.sim_model_spec, args.model, served)
+    quantization = normalize_quantization(args.quantization)
+    max_model_len = args.max_model_len or model_spec.max_context
+    if args.sim_time_scale <= 0:
+        raise ConfigError("--sim-time-scale must be positive")
+    if not 0.0 <= args.sim_error_rate <= 1.0:
+        raise ConfigError("--sim-error-rate must be between 0 and 1")
+    if (args.sim_fixed_ttft_ms is None) != (args.sim_fixed_itl_ms is None):
+        raise ConfigError("--sim-fixed-ttft-ms and --sim-fixed-itl-ms go together")
+    gpu = gpus[args.sim_gpu_class]
+    placement = check_placement(
+        gpu,
+        model_spec,
+        quantization,
+        args.tensor_parallel_size,
+        max_model_len,
+        args.gpu_memory_utilization,
+    )
+    if not placement.ok:
+        raise ConfigError(placement.message)
+    return SimConfig(
+        model=args.model,
+        served_model_names=served,
+        host=args.host,
+        port=args.port,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        quantization=quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        gpu=gpu,
+        model_spec=model_spec,
+        time_scale=args.sim_time_scale,
+        crash_after_tokens=args.sim_crash_after_tokens,
+        error_rate=args.sim_error_rate,
+        hang=args.sim_hang,
+        slow_start_s=args.sim_slow_start,
+        fixed_ttft_ms=args.sim_fixed_ttft_ms,
+        fixed_itl_ms=args.sim_fixed_itl_ms,
+        seed=args.sim_seed,
+    )
+
+
+def _model_spec(explicit: str | None, model: str, served: tuple[str, ...]) -> ModelSpec:
+    if explicit is not None:
+        specs = load_model_specs()
+        if explicit not in specs:
+            raise ConfigError(f"--sim-model-spec {explicit!r}: use one of {', '.join(specs)}")
+        return specs[explicit]
+    for name in (model, *served):
+        spec = find_model_spec(name)
+        if spec is not None:
+            return spec
+    raise ConfigError(f"cannot tell which models.csv row {model!r} is; pass --sim-model-spec")

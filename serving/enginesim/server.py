@@ -1,0 +1,726 @@
+"""The aiohttp server: vLLM's OpenAI-compatible endpoints over the engine model.
+
+One asyncio task steps the Engine in real time: it runs a step, sleeps until the step's end
+(virtual seconds / time scale), then hands each request's new token to that request's queue.
+Handlers turn queue items into SSE chunks or a JSON body. Latency histograms observe engine
+seconds, i.e. what the modelled GPU would show; at --sim-time-scale 1 that is wall-clock time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from serving.engine.core import Engine, EngineRequest, StepResult
+from serving.engine.perf import PerfModel
+from serving.engine.tokens import (
+    estimate_prompt_tokens,
+    prompt_block_hashes,
+    render_chat_prompt,
+)
+from serving.enginesim.config import ConfigError, SimConfig, parse_args
+from serving.enginesim.metrics import EngineMetrics
+from serving.enginesim.text import eos_length, next_word, request_rng
+
+CRASH_EXIT_CODE = 137  # what a SIGKILLed vLLM reports
+
+
+@dataclass(slots=True)
+class Emission:
+    tokens: int
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    queue: asyncio.Queue[Emission]
+    arrival_s: float
+    last_token_s: float | None = None
+
+
+class EngineRunner:
+    """Owns the Engine and the task that steps it on the wall clock."""
+
+    def __init__(self, config: SimConfig, metrics: EngineMetrics) -> None:
+        perf = PerfModel(
+            config.gpu,
+            config.model_spec,
+            quantization=config.quantization,
+            tensor_parallel=config.tensor_parallel_size,
+            kv_cache_dtype=config.kv_cache_dtype,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+        self.engine = Engine(
+            perf,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_loras=config.max_loras if config.enable_lora else 0,
+        )
+        self.time_scale = config.time_scale
+        self.metrics = metrics
+        self._tracked: dict[str, _Tracked] = {}
+        self._wakeup = asyncio.Event()
+        self._origin = time.monotonic()
+
+    def now_s(self) -> float:
+        """Engine (virtual) seconds since start."""
+        return (time.monotonic() - self._origin) * self.time_scale
+
+    def submit(self, request: EngineRequest) -> asyncio.Queue[Emission]:
+        self.engine.add_request(request)
+        tracked = _Tracked(asyncio.Queue(), request.arrival_s)
+        self._tracked[request.request_id] = tracked
+        self._wakeup.set()
+        return tracked.queue
+
+    def finish_early(self, request_id: str, reason: str) -> None:
+        """The client went away ("abort") or a stop string matched ("stop")."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and self.engine.abort(request_id):
+            self.metrics.observe_finish(reason, self.now_s() - tracked.arrival_s)
+
+    async def run(self) -> None:
+        while True:
+            if not self.engine.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            result = self.engine.step(self.now_s())
+            delay = self._origin + result.ended_s / self.time_scale - time.monotonic()
+            await asyncio.sleep(max(0.0, delay))  # always yield, even when running behind
+            self._deliver(result)
+
+    def _deliver(self, result: StepResult) -> None:
+        end = result.ended_s
+        for queued_s in result.queue_time_s.values():
+            self.metrics.observe_queue(queued_s)
+        reasons = dict(result.finished)
+        for rid, count in result.tokens.items():
+            tracked = self._tracked.get(rid)
+            if tracked is None:
+                continue  # aborted while the step ran
+            if tracked.last_token_s is None:
+                self.metrics.observe_first_token(end - tracked.arrival_s)
+            else:
+                self.metrics.observe_token_gap(end - tracked.last_token_s)
+            tracked.last_token_s = end
+            reason = reasons.get(rid)
+            tracked.queue.put_nowait(Emission(count, reason))
+            if reason is not None:
+                del self._tracked[rid]
+                self.metrics.observe_finish(reason, end - tracked.arrival_s)
+
+
+# --- request parsing ------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "BadRequestError", param)
+
+
+def error_response(error: ApiError) -> web.Response:
+    # vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}.
+    body = {
+        "error": {
+            "message": error.message,
+            "type": error.err_type,
+            "param": error.param,
+            "code": error.status,
+        }
+    }
+    return web.json_response(body, status=error.status, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+@dataclass(slots=True)
+class Generation:
+    kind: str  # "chat" or "completion"
+    model: str
+    lora: str | None
+    prompt_text: str
+    prompt_tokens: int
+    max_tokens: int
+    stop_after: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    seed: int | None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def response_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.request_id
+
+
+def _chat_prompt(body: dict[str, Any]) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    pairs: list[tuple[str, str]] = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request("each message needs a string 'role'", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request("message 'content' must be a string or a list of parts", "messages")
+        pairs.append((message["role"], content))
+    return render_chat_prompt(pairs)
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[str, int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, estimate_prompt_tokens(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return " ".join(map(str, prompt)), len(prompt)  # token ids: count them exactly
+    raise bad_request("'prompt' must be a string, a list of one string, or token ids", "prompt")
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise bad_request(f"'{name}' must be an integer >= {minimum}", name)
+    return value
+
+
+def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    config = state.config
+    if model is None:
+        model = config.served_model_name
+    if model not in config.served_model_names and model not in state.loras:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    lora = model if model in state.loras else None
+    if kind == "chat":
+        text = _chat_prompt(body)
+        prompt_tokens = estimate_prompt_tokens(text)
+        max_tokens = _int_field(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _int_field(body, "max_tokens", 1)
+    else:
+        text, prompt_tokens = _completion_prompt(body)
+        max_tokens = _int_field(body, "max_tokens", 1)
+    if (_int_field(body, "n", 1) or 1) != 1:
+        raise bad_request("the engine simulator supports n = 1 only", "n")
+    seed = _int_field(body, "seed", -(2**63))
+    limit = config.max_model_len - prompt_tokens
+    stop_after: int | None = None
+    if max_tokens is None:
+        # vLLM's default is the rest of the context; EOS usually comes far earlier.
+        max_tokens = max(1, limit)
+        if not body.get("ignore_eos"):
+            stop_after = eos_length(request_rng(seed, text), max_tokens)
+    if prompt_tokens + max_tokens > config.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            "max_tokens",
+        )
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return Generation(
+        kind=kind,
+        model=model,
+        lora=lora,
+        prompt_text=text,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        stop_after=stop_after,
+        stop=[s for s in stop if s],
+        stream=bool(body.get("stream")),
+        include_usage=bool(options.get("include_usage")),
+        seed=seed,
+    )
+
+
+# --- token sources --------------------------------------------------------------------------
+
+
+async def engine_tokens(state: ServerState, gen: Generation) -> AsyncGenerator[Emission, None]:
+    runner = state.runner
+    assert runner is not None
+    request = EngineRequest(
+        request_id=gen.request_id,
+        prompt_tokens=gen.prompt_tokens,
+        max_tokens=gen.max_tokens,
+        arrival_s=runner.now_s(),
+        block_hashes=prompt_block_hashes(gen.prompt_text, salt=gen.lora or ""),
+        lora=gen.lora,
+        stop_after=gen.stop_after,
+    )
+    queue = runner.submit(request)
+    finished = False
+    try:
+        while not finished:
+            emission = await queue.get()
+            finished = emission.finish_reason is not None
+            yield emission
+    finally:
+        if not finished:
+            # The client left, or the reply stopped on a stop string: free the batch slot.
+            runner.finish_early(gen.request_id, "abort")
+
+
+async def fixed_latency_tokens(
+    state: ServerState, gen: Generation
+) -> AsyncGenerator[Emission, None]:
+    """Exact TTFT and ITL, no engine model: tokens at absolute deadlines, so no drift."""
+    config = state.config
+    assert config.fixed_ttft_ms is not None and config.fixed_itl_ms is not None
+    count = gen.stop_after if gen.stop_after is not None else gen.max_tokens
+    reason = "stop" if gen.stop_after is not None else "length"
+    ttft_s, itl_s = config.fixed_ttft_ms / 1000, config.fixed_itl_ms / 1000
+    start = time.monotonic()
+    state.fixed_active += 1
+    metrics = state.metrics
+    try:
+        for i in range(count):
+            deadline = start + ttft_s + i * itl_s
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            if i == 0:
+                metrics.observe_first_token(ttft_s)
+                metrics.add_tokens(gen.prompt_tokens, 0)
+            else:
+                metrics.observe_token_gap(itl_s)
+            metrics.add_tokens(0, 1)
+            last = i == count - 1
+            if last:
+                metrics.observe_finish(reason, time.monotonic() - start)
+            yield Emission(1, reason if last else None)
+    finally:
+        state.fixed_active -= 1
+
+
+# --- server state and handlers --------------------------------------------------------------
+
+
+class ServerState:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.metrics = EngineMetrics(config.served_model_name, config.max_loras)
+        # Built here, not at start-up, so a KV cache too small for max_model_len stops the
+        # process before it binds its port, as vLLM does.
+        self.runner: EngineRunner | None = (
+            None if config.fixed_latency else EngineRunner(config, self.metrics)
+        )
+        self.loras: dict[str, str] = {}
+        self.created = int(time.time())
+        self.ready_at = time.monotonic() + config.slow_start_s
+        self.tokens_emitted = 0
+        self.fixed_active = 0
+        self.rng = random.Random(config.seed)
+        self._task: asyncio.Task[None] | None = None
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    def count_emitted(self, tokens: int) -> None:
+        self.tokens_emitted += tokens
+        limit = self.config.crash_after_tokens
+        if limit is not None and self.tokens_emitted >= limit:
+            # A hard crash, like a GPU fault: no cleanup, no response end, sockets reset.
+            sys.stderr.write(f"enginesim: crashing after {self.tokens_emitted} tokens\n")
+            sys.stderr.flush()
+            os._exit(CRASH_EXIT_CODE)
+
+    def tokens(self, gen: Generation) -> AsyncGenerator[Emission, None]:
+        if self.config.fixed_latency:
+            return fixed_latency_tokens(self, gen)
+        return engine_tokens(self, gen)
+
+
+STATE = web.AppKey("state", ServerState)
+
+
+def _chunk(gen: Generation, created: int, choice: dict[str, Any] | None) -> bytes:
+    obj: dict[str, Any] = {
+        "id": gen.response_id,
+        "object": "chat.completion.chunk" if gen.kind == "chat" else "text_completion",
+        "created": created,
+        "model": gen.model,
+        "choices": [] if choice is None else [choice],
+    }
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _usage(gen: Generation, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "total_tokens": gen.prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def _choice(
+    gen: Generation, text: str, finish_reason: str | None, stop_reason: str | None
+) -> dict[str, Any]:
+    if gen.kind == "chat":
+        return {
+            "index": 0,
+            "delta": {"content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish_reason,
+        "stop_reason": stop_reason,
+    }
+
+
+class _Reply:
+    """Turns emissions into text, applying stop strings."""
+
+    def __init__(self, gen: Generation) -> None:
+        self.gen = gen
+        self.rng = request_rng(gen.seed, gen.prompt_text)
+        self.text = ""
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+    def add(self, emission: Emission) -> str:
+        """The new text of this emission ("" once a stop string has matched)."""
+        piece = "".join(next_word(self.rng) for _ in range(emission.tokens))
+        self.completion_tokens += emission.tokens
+        before = len(self.text)
+        self.text += piece
+        for stop in self.gen.stop:
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                self.finish_reason, self.stop_reason = "stop", stop
+                return self.text[before:]
+        self.finish_reason = emission.finish_reason
+        return piece
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        body = await request.json(loads=orjson.loads)
+    except ValueError:
+        return error_response(bad_request("the request body is not valid JSON"))
+    try:
+        gen = parse_generation(kind, body, state)
+    except ApiError as error:
+        return error_response(error)
+    if not state.ready():
+        return error_response(
+            ApiError(503, "the engine is still starting", "ServiceUnavailableError")
+        )
+    if state.config.hang:
+        await asyncio.Future()  # a wedged engine: the connection stays open, nothing comes
+    if state.config.error_rate and state.rng.random() < state.config.error_rate:
+        return error_response(ApiError(500, "simulated engine failure", "InternalServerError"))
+    if gen.stream:
+        return await _stream(request, state, gen)
+    return await _complete(state, gen)
+
+
+async def _stream(request: web.Request, state: ServerState, gen: Generation) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    created = int(time.time())
+    reply = _Reply(gen)
+    tokens = state.tokens(gen)
+    try:
+        async for emission in tokens:
+            if gen.kind == "chat" and reply.completion_tokens == 0:
+                role = {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+                await response.write(_chunk(gen, created, role))
+            piece = reply.add(emission)
+            choice = _choice(gen, piece, reply.finish_reason, reply.stop_reason)
+            await response.write(_chunk(gen, created, choice))
+            state.count_emitted(emission.tokens)
+            if reply.finish_reason is not None:
+                break
+        _stop_early(state, gen, reply)
+    finally:
+        await tokens.aclose()
+    if gen.include_usage:
+        chunk = orjson.loads(_chunk(gen, created, None)[6:])
+        chunk["usage"] = _usage(gen, reply.completion_tokens)
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _stop_early(state: ServerState, gen: Generation, reply: _Reply) -> None:
+    if reply.stop_reason is not None and state.runner is not None:
+        state.runner.finish_early(gen.request_id, "stop")
+
+
+async def _complete(state: ServerState, gen: Generation) -> web.Response:
+    reply = _Reply(gen)
+    tokens = state.tokens(gen)
+    try:
+        async for emission in tokens:
+            reply.add(emission)
+            state.count_emitted(emission.tokens)
+            if reply.finish_reason is not None:
+                break
+        _stop_early(state, gen, reply)
+    finally:
+        await tokens.aclose()
+    if gen.kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": reply.text, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": reply.finish_reason,
+            "stop_reason": reply.stop_reason,
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": reply.text,
+            "logprobs": None,
+            "finish_reason": reply.finish_reason,
+            "stop_reason": reply.stop_reason,
+            "prompt_logprobs": None,
+        }
+    body = {
+        "id": gen.response_id,
+        "object": "chat.completion" if gen.kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": gen.model,
+        "choices": [choice],
+        "usage": _usage(gen, reply.completion_tokens),
+    }
+    return web.json_response(body, dumps=_dumps)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def health(request: web.Request) -> web.Response:
+    if not request.app[STATE].ready():
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.runner is not None:
+        state.metrics.sync_engine(state.runner.engine)
+    else:
+        state.metrics.set_load(state.fixed_active, 0, 0.0)
+        state.metrics.set_loras([], [])
+    return web.Response(body=state.metrics.exposition(), content_type="text/plain", charset="utf-8")
+
+
+def _model_card(
+    model_id: str, root: str, parent: str | None, created: int, max_len: int | None
+) -> dict[str, Any]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_len,
+        "permission": [
+            {
+                "id": f"modelperm-{model_id}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    config = state.config
+    cards = [
+        _model_card(name, config.model, None, state.created, config.max_model_len)
+        for name in config.served_model_names
+    ]
+    cards += [
+        _model_card(name, path, config.served_model_name, state.created, None)
+        for name, path in state.loras.items()
+    ]
+    return web.json_response({"object": "list", "data": cards}, dumps=_dumps)
+
+
+async def _lora_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json(loads=orjson.loads)
+    except ValueError:
+        raise bad_request("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _lora_body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not name or not path:
+            raise ApiError(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+            )
+        if not state.config.enable_lora:
+            raise bad_request("LoRA is not enabled; start the server with --enable-lora")
+        if name in state.loras:
+            raise ApiError(
+                400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+            )
+    except ApiError as error:
+        return error_response(error)
+    state.loras[str(name)] = str(path)
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _lora_body(request)
+        name = body.get("lora_name")
+        if not name:
+            raise ApiError(
+                400,
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+                "InvalidUserInput",
+            )
+        if name not in state.loras:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+    except ApiError as error:
+        return error_response(error)
+    del state.loras[str(name)]
+    return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+def runtime_lora_updating_allowed() -> bool:
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("true", "1")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Any unexpected failure becomes an OpenAI-shaped 500, never an HTML traceback."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            # FastAPI's shape, which is what vLLM answers for unknown routes.
+            return web.json_response({"detail": exc.reason}, status=exc.status)
+        raise
+    except ApiError as error:
+        return error_response(error)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:
+        return error_response(ApiError(500, f"internal error: {exc}", "InternalServerError"))
+
+
+async def _start_engine(app: web.Application) -> AsyncIterator[None]:
+    runner = app[STATE].runner
+    task = None if runner is None else asyncio.create_task(runner.run())
+    yield
+    if task is not None:
+        task.cancel()
+
+
+def build_app(config: SimConfig) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=64 * 1024 * 1024)
+    app[STATE] = ServerState(config)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    # Like vLLM, the adapter endpoints exist only when runtime updating is allowed.
+    if runtime_lora_updating_allowed():
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    app.cleanup_ctx.append(_start_engine)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = parse_args(sys.argv[1:] if argv is None else argv)
+        app = build_app(config)
+    except (ConfigError, ValueError) as error:
+        sys.stderr.write(f"enginesim: error: {error}\n")
+        raise SystemExit(1) from None
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,  # a client that disconnects cancels its handler -> abort
+        access_log=None,
+        print=lambda _: None,
+    )
