@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/router.py [--sizes 10,100,1000,10000] [--decisions 5000]
 
-Prints a table of p50 and p99 microseconds per decision, with PASS/FAIL against the target
+Prints a table of p50 and p99 microseconds per decision (each cell runs `--rounds` times
+with different seeds and shows the round with the median p99, because a shared machine's
+noise lands in the tail), with PASS/FAIL against the target
 (p99 under 50 us; the target is set for the cost-aware policy, the others are shown
 against it for comparison). The fleet is llama-3.1-8b on H100, A100, L40S and L4 in two
 regions, in a 90/10 canary split, with random load, a few stale, unhealthy and
@@ -120,6 +122,10 @@ def measure(policy_name: str, size: int, decisions: int, seed: int) -> tuple[int
     requests = build_requests(decisions, rng)
     in_flight: list[str] = []
     timings: list[int] = []
+    # Telemetry arrives every ~2 s per replica; decisions are 1 ms apart in simulated time.
+    # The replicas built stale stay stale, so that path stays exercised.
+    reporting = [r for r in state_replicas(state, size) if now - r.telemetry_at < 5.0]
+    refresh_per_decision = max(1, len(reporting) // 2000)
     budget_ns = 3_000_000_000  # slow baselines stop early; a few hundred samples suffice
     started = time.perf_counter_ns()
     for index, request in enumerate(requests):
@@ -132,6 +138,16 @@ def measure(policy_name: str, size: int, decisions: int, seed: int) -> tuple[int
         if len(in_flight) > 200:
             state.request_finished(in_flight.pop(rng.randrange(len(in_flight))))
         now += 0.001
+        for _ in range(refresh_per_decision):
+            fresh = reporting[rng.randrange(len(reporting))]
+            running = max(0, fresh.running + rng.randint(-2, 2))
+            state.update_telemetry(
+                fresh.replica_id,
+                running=running,
+                waiting=fresh.waiting,
+                kv_usage=min(0.99, running / 64),
+                telemetry_at=now,
+            )
         if index >= 200 and time.perf_counter_ns() - started > budget_ns:
             break
     timings.sort()
@@ -140,19 +156,37 @@ def measure(policy_name: str, size: int, decisions: int, seed: int) -> tuple[int
     return len(timings), p50, p99
 
 
+def state_replicas(state: RouterState, size: int) -> list[ReplicaState]:
+    replicas = (state.replica(f"r{index}") for index in range(size))
+    return [replica for replica in replicas if replica is not None]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10,100,1000,10000")
     parser.add_argument("--decisions", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="rounds per cell; the table shows the round with the median p99 (shared machines are noisy)",
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
 
     print(f"{'policy':<16} {'replicas':>8} {'decisions':>9} {'p50 us':>9} {'p99 us':>9}  target")
     for policy_name in args.policies.split(","):
         for size in sizes:
-            count, p50, p99 = measure(policy_name, size, args.decisions, args.seed)
+            rounds = sorted(
+                (
+                    measure(policy_name, size, args.decisions, args.seed + n)
+                    for n in range(args.rounds)
+                ),
+                key=lambda result: result[2],
+            )
+            count, p50, p99 = rounds[len(rounds) // 2]
             verdict = "PASS" if p99 < TARGET_P99_US else "FAIL"
             print(f"{policy_name:<16} {size:>8} {count:>9} {p50:>9.1f} {p99:>9.1f}  {verdict}")
     return 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from serving.router.contracts import DeploymentRoute, ModelRoute, RouteRequest
 
@@ -40,17 +40,18 @@ def split_key(route: ModelRoute, request: RouteRequest) -> str:
     return request.tenant if route.cohort_by_tenant else request.request_id
 
 
-def deployments_in_order(route: ModelRoute, request: RouteRequest) -> list[DeploymentRoute]:
+def deployments_in_order(route: ModelRoute, request: RouteRequest) -> Iterator[DeploymentRoute]:
     """The split's choice first, then the other weighted deployments as fallbacks.
 
     The fallbacks matter when the chosen deployment has no live replica: sending the
-    request to the other version beats failing it. Weight-0 deployments stay out.
+    request to the other version beats failing it. Weight-0 deployments stay out. Lazy,
+    because the fallbacks are rarely needed and the first answer is on the hot path.
     """
     chosen = split_by_weight(route.deployments, split_key(route, request))
     if chosen is None:
-        return []
-    others = sorted(
+        return
+    yield chosen
+    yield from sorted(
         (d for d in route.deployments if d.weight > 0 and d is not chosen),
         key=lambda d: -d.weight,
     )
-    return [chosen, *others]

@@ -128,8 +128,9 @@ class RouterConfig:
     near_tie_fraction: float = 0.05
     # Random replicas examined per homogeneous group when the group is large.
     samples_per_group: int = 2
-    # Deployments with up to this many live replicas are scanned in full (exact answers).
-    full_scan_max: int = 16
+    # Groups with up to this many live replicas are examined in full (exact answers for
+    # small fleets); larger ones are sampled.
+    full_scan_max: int = 4
     # When nothing meets the SLO and the least bad misses it by more than this factor,
     # the decision advises the gateway to queue (or refuse) rather than send.
     queue_over_slo_factor: float = 1.5

@@ -8,6 +8,7 @@ records the request's prefix against the chosen replica.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -15,12 +16,13 @@ from serving.router.canary import deployments_in_order
 from serving.router.contracts import (
     Decision,
     Reason,
+    ReplicaPerf,
     ReplicaState,
     RouterConfig,
     RouteRequest,
     SloTier,
 )
-from serving.router.index import ReplicaSet, RouterState
+from serving.router.index import ReplicaGroup, ReplicaSet, RouterState
 from serving.router.predict import Prediction, is_candidate, predict
 
 
@@ -241,6 +243,15 @@ class WeightedScorer:
         return best[0] if len(best) == 1 else self.state.rng.choice(best)
 
 
+def _can_meet_when_idle(
+    perf: ReplicaPerf, request: RouteRequest, ttft_limit: float, tpot_limit: float
+) -> bool:
+    """Whether an idle replica of this shape could meet the SLO (prefix cache aside)."""
+    if perf.decode_base_s + perf.decode_s_per_seq > tpot_limit:
+        return False
+    return perf.prefill_base_s + perf.prefill_s_per_token * request.prompt_tokens <= ttft_limit
+
+
 class _Option(NamedTuple):
     rank_price: float
     prediction: Prediction
@@ -256,8 +267,9 @@ class CostAware:
     Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held
     - adapter_bonus if the adapter is loaded). Candidates: every replica holding the
     prefix, a few holding the adapter, and per group (cheapest first, stopping once a
-    group cannot beat the best price found) all members of a small group or
-    `samples_per_group` random ones of a large group. Among candidates within
+    group cannot beat the best price found, and skipping groups too slow to meet the SLO
+    even when idle) all members of a small group or `samples_per_group` random ones of a
+    large group. Among candidates within
     `near_tie_fraction` of the cheapest, two are drawn and the lower predicted TTFT wins.
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`.
@@ -299,9 +311,11 @@ class CostAware:
         state, config = self.state, self.config
         options: list[_Option] = []
         seen: set[str] = set()
-        best_meeting = float("inf")
+        best_meeting = math.inf
         total_blocks = len(request.prefix_hashes)
         adapter = request.adapter
+        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s
+        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s
 
         def consider(replica: ReplicaState) -> bool:
             nonlocal best_meeting
@@ -321,7 +335,7 @@ class CostAware:
                 discount -= config.prefix_bonus * blocks / total_blocks
                 reason = Reason.PREFIX_AFFINITY
             rank_price = replica.price_per_hour * discount
-            meets = _meets(prediction, tier)
+            meets = prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit
             if meets and rank_price < best_meeting:
                 best_meeting = rank_price
             options.append(_Option(rank_price, prediction, replica, reason, blocks, meets))
@@ -339,29 +353,35 @@ class CostAware:
         # A group member without the prefix ranks at least this fraction of its price.
         floor = 1.0 - (config.adapter_bonus if adapter is not None else 0.0)
         allowed = request.allowed_regions
-        # A small deployment is scanned in full, so small fleets get exact answers.
-        if len(state.live(deployment_id)) <= config.full_scan_max:
-            for replica in state.live(deployment_id):
-                consider(replica)
-            return options, best_meeting
+        hopeless: list[ReplicaGroup] = []
         for group in state.groups(deployment_id):
             if best_meeting * (1.0 + config.near_tie_fraction) < group.price_per_hour * floor:
                 break  # groups are sorted by price: no later one can win or tie
             if allowed is not None and group.region not in allowed:
                 continue
+            if not _can_meet_when_idle(group.perf, request, ttft_limit, tpot_limit):
+                hopeless.append(group)
+                continue
             self._draw(group.live.items, consider)
+        if best_meeting == math.inf:
+            # Nothing meets: the least bad may still be on hardware too slow even when idle.
+            for group in hopeless:
+                self._draw(group.live.items, consider)
         return options, best_meeting
 
     def _draw(self, members: list[ReplicaState], consider: _Consider) -> None:
-        if len(members) <= self.config.samples_per_group:
+        if len(members) <= self.config.full_scan_max:
             for replica in members:
                 consider(replica)
             return
         # Draws that hit an excluded replica (breaker open, stale) are retried a few times.
-        randrange = self.state.rng.randrange
+        # int(random() * n) rather than randrange(n): a third of the cost, and the bias for
+        # n far below 2**53 is nil.
+        random = self.state.rng.random
         wanted = self.config.samples_per_group
+        size = len(members)
         for _ in range(4 * wanted):
-            if consider(members[randrange(len(members))]):
+            if consider(members[int(random() * size)]):
                 wanted -= 1
                 if not wanted:
                     return
@@ -369,7 +389,7 @@ class CostAware:
     def _pick(
         self, options: list[_Option], best_meeting: float, request: RouteRequest, tier: SloTier
     ) -> Decision:
-        if best_meeting != float("inf"):
+        if best_meeting != math.inf:
             limit = best_meeting * (1.0 + self.config.near_tie_fraction)
             ties = [option for option in options if option.meets and option.rank_price <= limit]
             chosen = ties[0]
