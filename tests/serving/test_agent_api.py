@@ -1,0 +1,163 @@
+"""The agent's registration, credentials and its authenticated replica API."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from pathlib import Path
+
+import aiohttp
+
+from serving.agent.agent import NodeAgent
+from tests.serving.agent_fakes import FakeControlPlane, eventually, running_agent, simulated_spec
+
+
+async def _registered(control_plane: FakeControlPlane, agent: NodeAgent) -> None:
+    await eventually(lambda: control_plane.heartbeats and agent.node_token, what="registration")
+
+
+async def test_putting_replicas_without_the_node_token_is_refused(tmp_path: Path) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+            async with (
+                aiohttp.ClientSession() as http,
+                http.put(
+                    f"{agent.agent_url}/v1/replicas", json={"replicas": [simulated_spec()]}
+                ) as response,
+            ):
+                status = response.status
+            replicas = dict(agent.replicas)
+    finally:
+        await control_plane.stop()
+
+    assert status == 401
+    assert replicas == {}
+
+
+async def test_putting_replicas_with_another_nodes_token_is_refused(tmp_path: Path) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(
+                    f"{agent.agent_url}/v1/replicas",
+                    headers={"Authorization": "Bearer node-token-999"},
+                ) as response,
+            ):
+                status = response.status
+    finally:
+        await control_plane.stop()
+
+    assert status == 401
+
+
+async def test_putting_the_same_desired_set_twice_launches_the_replica_once(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    control_plane.desired = None  # the push path alone decides here
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+            headers = {"Authorization": f"Bearer {agent.node_token}"}
+            body = {"replicas": [simulated_spec("r-7")]}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                for _ in range(2):
+                    async with http.put(f"{agent.agent_url}/v1/replicas", json=body) as response:
+                        assert response.status == 200
+                await eventually(
+                    lambda: "ready" in [e["kind"] for e in control_plane.events("r-7")],
+                    what="the ready event delivered",
+                )
+                async with http.get(f"{agent.agent_url}/v1/replicas") as response:
+                    listed = (await response.json())["replicas"]
+    finally:
+        await control_plane.stop()
+
+    assert [(r["replica_id"], r["state"]) for r in listed] == [("r-7", "Ready")]
+    assert [e["kind"] for e in control_plane.events("r-7")] == ["started", "ready"]
+
+
+async def test_a_spec_the_agent_cannot_launch_is_a_400_that_says_why(tmp_path: Path) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+            headers = {"Authorization": f"Bearer {agent.node_token}"}
+            body = {"replicas": [simulated_spec(kv_cache_dtype="int2")]}
+            async with (
+                aiohttp.ClientSession(headers=headers) as http,
+                http.put(f"{agent.agent_url}/v1/replicas", json=body) as response,
+            ):
+                status, detail = response.status, (await response.json())["detail"]
+    finally:
+        await control_plane.stop()
+
+    assert status == 400
+    assert "kv_cache_dtype" in detail
+
+
+async def test_a_restarted_agent_is_the_same_node_without_registering_again(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+        beats = len(control_plane.heartbeats)
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await eventually(lambda: len(control_plane.heartbeats) > beats, what="a heartbeat")
+            node_id = agent.credentials.node_id if agent.credentials else None
+    finally:
+        await control_plane.stop()
+
+    assert len(control_plane.registrations) == 1
+    assert node_id == "node-1"
+    assert stat.S_IMODE((tmp_path / "node.json").stat().st_mode) == 0o600
+
+
+async def test_a_node_token_the_control_plane_forgot_leads_to_a_new_registration(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+
+            control_plane.valid_tokens.clear()
+
+            await eventually(lambda: agent.node_token == "node-token-2", what="re-registration")
+    finally:
+        await control_plane.stop()
+
+    assert len(control_plane.registrations) == 2
+
+
+async def test_the_agent_keeps_trying_to_register_until_the_control_plane_answers(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    await control_plane.stop()  # keeps its port, answers nothing
+    async with running_agent(control_plane.url, tmp_path) as agent:
+        await asyncio.sleep(0.5)  # long enough for a few refused attempts
+        unregistered = agent.node_token is None
+        await control_plane.start()
+        await _registered(control_plane, agent)
+        await control_plane.stop()
+
+    assert unregistered
+    registration = control_plane.registrations[0]
+    assert registration["hostname"] == "test-node"
+    assert registration["agent_url"] == agent.agent_url
+    assert [gpu["name"] for gpu in registration["gpus"]] == ["L4-24GB", "L4-24GB"]
