@@ -1,0 +1,500 @@
+"""Every write of the tenants app (`do_*`) and its tenant-scoped lookups (`access_*`).
+
+Views, viewsets, tasks and the demo call these and nothing else. A row of a tenant the
+caller does not belong to raises Http404, never 403: its existence is not confirmed.
+Staff see every tenant. A request authenticated by an API key acts as a member of the key's
+tenant only: `manage` scope as an admin, otherwise as a viewer.
+
+After any change that the gateway caches (a key, its tenant, its quota), the keys' Redis
+records are rewritten and an event is published, once the transaction commits.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any
+
+import redis
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db import transaction
+from django.db.models import QuerySet
+from django.http import Http404
+from django.utils import timezone
+
+from tenants.keys import (
+    KEY_EVENTS_CHANNEL,
+    LAST_USED_HASH,
+    EffectiveLimits,
+    KeyPrincipal,
+    encode_key_record,
+    generate_raw_key,
+    hash_key,
+    key_prefix_of,
+    key_record_name,
+)
+from tenants.models import (
+    ROLE_RANK,
+    ApiKey,
+    KeyQuotaOverride,
+    Membership,
+    Quota,
+    Role,
+    Scope,
+    Tenant,
+)
+
+logger = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------- who may do what
+
+
+def role_of(user: Any, tenant: Tenant) -> str | None:
+    """The caller's role in a tenant, or None when not a member."""
+    if not getattr(user, "is_authenticated", False):
+        return None
+    api_key = getattr(user, "api_key", None)
+    if api_key is not None:
+        if api_key.tenant_id != tenant.pk:
+            return None
+        return Role.ADMIN if Scope.MANAGE in api_key.scopes else Role.VIEWER
+    membership = Membership.objects.filter(user=user, tenant=tenant).only("role").first()
+    return membership.role if membership else None
+
+
+def has_role(user: Any, tenant: Tenant, minimum: str) -> bool:
+    if getattr(user, "is_staff", False):
+        return True
+    role = role_of(user, tenant)
+    return role is not None and ROLE_RANK[Role(role)] >= ROLE_RANK[Role(minimum)]
+
+
+def require_role(user: Any, tenant: Tenant, minimum: str) -> None:
+    if not has_role(user, tenant, minimum):
+        raise PermissionDenied(f"This needs the {minimum} role in {tenant.slug}.")
+
+
+def require_staff(user: Any) -> None:
+    if not getattr(user, "is_staff", False):
+        raise PermissionDenied("Only platform staff may do this.")
+
+
+# ---------------------------------------------------------------- access_* lookups
+
+
+def tenants_for_user(user: Any) -> QuerySet[Tenant]:
+    if getattr(user, "is_staff", False):
+        return Tenant.objects.all()
+    api_key = getattr(user, "api_key", None)
+    if api_key is not None:
+        return Tenant.objects.filter(pk=api_key.tenant_id)
+    if not getattr(user, "is_authenticated", False):
+        return Tenant.objects.none()
+    return Tenant.objects.filter(memberships__user=user)
+
+
+def access_tenant_for_user(user: Any, tenant_slug_or_id: str | int) -> Tenant:
+    tenants = tenants_for_user(user)
+    if isinstance(tenant_slug_or_id, int) or str(tenant_slug_or_id).isdigit():
+        tenant = tenants.filter(pk=int(tenant_slug_or_id)).first()
+    else:
+        tenant = tenants.filter(slug=tenant_slug_or_id).first()
+    if tenant is None:
+        raise Http404("No such tenant.")
+    return tenant
+
+
+def access_membership(user: Any, tenant: Tenant, membership_id: int | str) -> Membership:
+    access_tenant_for_user(user, tenant.pk)
+    membership = (
+        Membership.objects.select_related("user")
+        .filter(tenant=tenant, pk=_as_id(membership_id))
+        .first()
+    )
+    if membership is None:
+        raise Http404("No such member.")
+    return membership
+
+
+def access_api_key(user: Any, tenant: Tenant, key_id: int | str) -> ApiKey:
+    access_tenant_for_user(user, tenant.pk)
+    key = (
+        ApiKey.objects.select_related("tenant", "created_by")
+        .filter(tenant=tenant, pk=_as_id(key_id))
+        .first()
+    )
+    if key is None:
+        raise Http404("No such API key.")
+    return key
+
+
+def access_quota(user: Any, tenant: Tenant) -> Quota:
+    access_tenant_for_user(user, tenant.pk)
+    quota, _ = Quota.objects.get_or_create(tenant=tenant)
+    return quota
+
+
+def access_key_override(user: Any, tenant: Tenant, key_id: int | str) -> KeyQuotaOverride:
+    key = access_api_key(user, tenant, key_id)
+    override, _ = KeyQuotaOverride.objects.get_or_create(api_key=key)
+    return override
+
+
+def _as_id(value: int | str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise Http404("No such object.") from None
+
+
+# ---------------------------------------------------------------- tenants
+
+
+@transaction.atomic
+def do_create_tenant(
+    slug: str,
+    name: str,
+    *,
+    allowed_regions: Sequence[str] = (),
+    fail_open: bool = False,
+    owner: Any = None,
+) -> Tenant:
+    tenant = Tenant.objects.create(
+        slug=slug, name=name, allowed_regions=list(allowed_regions), fail_open=fail_open
+    )
+    Quota.objects.create(tenant=tenant)
+    if owner is not None:
+        Membership.objects.create(user=owner, tenant=tenant, role=Role.OWNER)
+    return tenant
+
+
+TENANT_FIELDS = {"name", "status", "allowed_regions", "fail_open"}
+
+
+@transaction.atomic
+def do_update_tenant(tenant: Tenant, **changes: Any) -> Tenant:
+    _check_fields(changes, TENANT_FIELDS)
+    for name, value in changes.items():
+        setattr(tenant, name, value)
+    tenant.save(update_fields=list(changes))
+    republish_tenant_keys(tenant.pk)
+    return tenant
+
+
+@transaction.atomic
+def do_delete_tenant(tenant: Tenant) -> None:
+    keys = list(ApiKey.objects.filter(tenant=tenant))
+    tombstones = [(key.secret_hash, None) for key in keys]
+    tenant_id = tenant.pk
+    tenant.delete()
+    transaction.on_commit(lambda: _write_records(tombstones, [f"tenant:{tenant_id}"]))
+
+
+# ---------------------------------------------------------------- members
+
+
+@transaction.atomic
+def do_add_member(tenant: Tenant, user: Any, role: str, *, acting_user: Any) -> Membership:
+    if role == Role.OWNER:
+        require_role(acting_user, tenant, Role.OWNER)
+    if Membership.objects.filter(tenant=tenant, user=user).exists():
+        raise ValidationError({"user": "Already a member of this tenant."})
+    return Membership.objects.create(tenant=tenant, user=user, role=Role(role))
+
+
+@transaction.atomic
+def do_change_member_role(membership: Membership, role: str, *, acting_user: Any) -> Membership:
+    if Role.OWNER in (role, membership.role):
+        require_role(acting_user, membership.tenant, Role.OWNER)
+    if membership.role == Role.OWNER and role != Role.OWNER:
+        _keep_an_owner(membership)
+    membership.role = Role(role)
+    membership.save(update_fields=["role"])
+    return membership
+
+
+@transaction.atomic
+def do_remove_member(membership: Membership, *, acting_user: Any) -> None:
+    if membership.role == Role.OWNER:
+        require_role(acting_user, membership.tenant, Role.OWNER)
+        _keep_an_owner(membership)
+    membership.delete()
+
+
+def _keep_an_owner(membership: Membership) -> None:
+    owners = Membership.objects.select_for_update().filter(
+        tenant=membership.tenant, role=Role.OWNER
+    )
+    if owners.exclude(pk=membership.pk).count() == 0:
+        raise ValidationError({"role": "A tenant keeps at least one owner."})
+
+
+# ---------------------------------------------------------------- API keys
+
+
+def check_scopes_for(user: Any, tenant: Tenant, scopes: Iterable[str]) -> list[str]:
+    """Valid scopes, none beyond what the creator may do (only admins mint `manage` keys)."""
+    chosen = sorted(set(scopes))
+    unknown = [scope for scope in chosen if scope not in Scope.values]
+    if unknown or not chosen:
+        raise ValidationError({"scopes": f"Choose from {', '.join(Scope.values)}."})
+    if Scope.MANAGE in chosen and user is not None and not has_role(user, tenant, Role.ADMIN):
+        raise PermissionDenied("Only admins and owners may create keys with the manage scope.")
+    return chosen
+
+
+@transaction.atomic
+def do_create_api_key(
+    tenant: Tenant,
+    name: str,
+    created_by: Any,
+    scopes: Iterable[str],
+    model_allowlist: Iterable[str] = (),
+    expires_at: datetime | None = None,
+    *,
+    raw_key: str | None = None,
+) -> tuple[ApiKey, str]:
+    """Create a key; the secret is returned here once and stored only as its SHA-256.
+
+    `raw_key` recreates a known key (the demo's); normally a fresh one is generated.
+    """
+    chosen_scopes = check_scopes_for(created_by, tenant, scopes)
+    if raw_key is None:
+        raw_key, prefix = generate_raw_key()
+    else:
+        known_prefix = key_prefix_of(raw_key)
+        if known_prefix is None:
+            raise ValidationError("Not an API key.")
+        prefix = known_prefix
+    key = ApiKey.objects.create(
+        tenant=tenant,
+        name=name,
+        prefix=prefix,
+        secret_hash=hash_key(raw_key),
+        scopes=chosen_scopes,
+        model_allowlist=sorted(set(model_allowlist)),
+        expires_at=expires_at,
+        created_by=created_by if getattr(created_by, "pk", None) else None,
+    )
+    logger.info("API key %s (sk-%s-…) created for %s", key.pk, prefix, tenant.slug)
+    republish_keys([key.pk])
+    return key, raw_key
+
+
+KEY_FIELDS = {"name", "scopes", "model_allowlist", "expires_at"}
+
+
+@transaction.atomic
+def do_update_api_key(key: ApiKey, *, acting_user: Any, **changes: Any) -> ApiKey:
+    _check_fields(changes, KEY_FIELDS)
+    if key.is_revoked:
+        raise ValidationError("A revoked key cannot be changed.")
+    if "scopes" in changes:
+        changes["scopes"] = check_scopes_for(acting_user, key.tenant, changes["scopes"])
+    if "model_allowlist" in changes:
+        changes["model_allowlist"] = sorted(set(changes["model_allowlist"]))
+    for name, value in changes.items():
+        setattr(key, name, value)
+    key.save(update_fields=list(changes))
+    republish_keys([key.pk])
+    return key
+
+
+@transaction.atomic
+def do_revoke_api_key(key: ApiKey, acting_user: Any) -> ApiKey:
+    """Revoke for good; every gateway process drops the key within a second."""
+    if key.revoked_at is None:
+        key.revoked_at = timezone.now()
+        key.save(update_fields=["revoked_at"])
+        logger.info("API key %s (sk-%s-…) revoked by %s", key.pk, key.prefix, acting_user)
+    republish_keys([key.pk])
+    return key
+
+
+# ---------------------------------------------------------------- quotas
+
+QUOTA_FIELDS = {
+    "requests_per_minute",
+    "tokens_per_minute",
+    "concurrent_streams",
+    "max_tokens_cap",
+    "max_context_tokens",
+    "monthly_token_budget",
+    "monthly_spend_budget_usd",
+    "soft_alert_fraction",
+    "hard_budget",
+    "allowed_tiers",
+}
+OVERRIDE_FIELDS = {
+    "requests_per_minute",
+    "tokens_per_minute",
+    "concurrent_streams",
+    "max_tokens_cap",
+    "max_context_tokens",
+}
+
+
+@transaction.atomic
+def do_update_quota(quota: Quota, **changes: Any) -> Quota:
+    _check_fields(changes, QUOTA_FIELDS)
+    for name, value in changes.items():
+        setattr(quota, name, value)
+    quota.full_clean()
+    quota.save(update_fields=list(changes))
+    republish_tenant_keys(quota.tenant_id)
+    return quota
+
+
+@transaction.atomic
+def do_set_key_override(override: KeyQuotaOverride, **changes: Any) -> KeyQuotaOverride:
+    """Per-key limits; they only ever tighten the tenant's quota (the lower value wins)."""
+    _check_fields(changes, OVERRIDE_FIELDS)
+    for name, value in changes.items():
+        setattr(override, name, value)
+    override.save()
+    republish_keys([override.api_key_id])
+    return override
+
+
+def _check_fields(changes: dict[str, Any], allowed: set[str]) -> None:
+    unknown = set(changes) - allowed
+    if unknown:
+        raise ValueError(f"Cannot change {', '.join(sorted(unknown))}.")
+
+
+# ---------------------------------------------------------------- the gateway's view
+
+
+def _lower(value: int, override: int | None) -> int:
+    return value if override is None else min(value, override)
+
+
+def build_principal(key: ApiKey) -> KeyPrincipal | None:
+    """The gateway's view of a key, or None when it must be refused (revoked)."""
+    if key.is_revoked:
+        return None
+    tenant = key.tenant
+    quota = Quota.objects.filter(tenant=tenant).first() or Quota(tenant=tenant)
+    override = KeyQuotaOverride.objects.filter(api_key=key).first()
+
+    def merged(field: str) -> int:
+        return _lower(getattr(quota, field), getattr(override, field, None))
+
+    limits = EffectiveLimits(
+        requests_per_minute=merged("requests_per_minute"),
+        tokens_per_minute=merged("tokens_per_minute"),
+        concurrent_streams=merged("concurrent_streams"),
+        max_tokens_cap=merged("max_tokens_cap"),
+        max_context_tokens=merged("max_context_tokens"),
+        monthly_token_budget=quota.monthly_token_budget,
+        monthly_spend_budget_usd=quota.monthly_spend_budget_usd,
+        soft_alert_fraction=quota.soft_alert_fraction,
+        hard_budget=quota.hard_budget,
+        tenant_requests_per_minute=quota.requests_per_minute,
+        tenant_tokens_per_minute=quota.tokens_per_minute,
+        tenant_concurrent_streams=quota.concurrent_streams,
+    )
+    return KeyPrincipal(
+        key_id=key.pk,
+        key_prefix=key.prefix,
+        tenant_id=tenant.pk,
+        tenant_slug=tenant.slug,
+        tenant_status=tenant.status,
+        scopes=frozenset(key.scopes),
+        model_allowlist=frozenset(key.model_allowlist),
+        expires_at=key.expires_at.timestamp() if key.expires_at else None,
+        fail_open=tenant.fail_open,
+        allowed_regions=frozenset(tenant.allowed_regions),
+        allowed_tiers=frozenset(quota.allowed_tiers),
+        limits=limits,
+    )
+
+
+def api_key_for_raw_key(raw_key: str) -> ApiKey | None:
+    """The key row a raw key names, compared in constant time; None when unknown."""
+    prefix = key_prefix_of(raw_key)
+    if prefix is None:
+        return None
+    key = ApiKey.objects.select_related("tenant").filter(prefix=prefix).first()
+    if key is None or not hmac.compare_digest(key.secret_hash, hash_key(raw_key)):
+        return None
+    return key
+
+
+def principal_for_raw_key(raw_key: str) -> KeyPrincipal | None:
+    key = api_key_for_raw_key(raw_key)
+    return build_principal(key) if key is not None else None
+
+
+# ---------------------------------------------------------------- Redis records
+
+
+@lru_cache(maxsize=4)
+def _redis_for(url: str, timeout_s: float) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+def control_redis() -> redis.Redis:
+    return _redis_for(settings.REDIS_URL, settings.REDIS_SOCKET_TIMEOUT_S)
+
+
+def republish_keys(key_ids: Iterable[int]) -> None:
+    ids = list(key_ids)
+    transaction.on_commit(lambda: write_key_records(ApiKey.objects.filter(pk__in=ids)))
+
+
+def republish_tenant_keys(tenant_id: int) -> None:
+    transaction.on_commit(
+        lambda: write_key_records(
+            ApiKey.objects.filter(tenant_id=tenant_id), events=[f"tenant:{tenant_id}"]
+        )
+    )
+
+
+def write_key_records(keys: Iterable[ApiKey], events: Sequence[str] | None = None) -> int:
+    """Rewrite the Redis records of `keys` (tombstones for revoked ones) and tell every
+    gateway process to drop them. Returns how many were written."""
+    records = []
+    for key in keys.select_related("tenant") if isinstance(keys, QuerySet) else keys:
+        records.append((key.secret_hash, build_principal(key)))
+    if events is None:
+        events = [f"key:{secret_hash}" for secret_hash, _ in records]
+    return _write_records(records, events)
+
+
+def _write_records(records: list[tuple[str, KeyPrincipal | None]], events: Sequence[str]) -> int:
+    try:
+        pipe = control_redis().pipeline(transaction=False)
+        for secret_hash, principal in records:
+            pipe.set(key_record_name(secret_hash), encode_key_record(secret_hash, principal))
+        for event in events:
+            pipe.publish(KEY_EVENTS_CHANNEL, event)
+        pipe.execute()
+    except redis.RedisError as error:
+        # The periodic republish task repairs this once Redis is back.
+        logger.error("Could not write %d API key records to Redis: %s", len(records), error)
+        return 0
+    return len(records)
+
+
+def do_record_key_use() -> int:
+    """Move the last-used times the gateways batched in Redis to PostgreSQL."""
+    pipe = control_redis().pipeline(transaction=True)
+    pipe.hgetall(LAST_USED_HASH)
+    pipe.delete(LAST_USED_HASH)
+    batch, _ = pipe.execute()
+    updated = 0
+    for raw_id, raw_time in batch.items():
+        used_at = datetime.fromtimestamp(float(raw_time), tz=UTC)
+        key_id = int(raw_id)
+        updated += ApiKey.objects.filter(pk=key_id, last_used_at__lt=used_at).update(
+            last_used_at=used_at
+        )
+        updated += ApiKey.objects.filter(pk=key_id, last_used_at__isnull=True).update(
+            last_used_at=used_at
+        )
+    return updated

@@ -1,0 +1,105 @@
+"""Serializers of the tenants API. No serializer ever carries a key's secret or hash,
+except `ApiKeyCreatedSerializer`, answered once, to the creation request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from rest_framework import serializers
+
+from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Scope, Tenant
+
+
+class TenantSerializer(serializers.ModelSerializer[Tenant]):
+    class Meta:
+        model = Tenant
+        fields = ["id", "slug", "name", "status", "allowed_regions", "fail_open", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class MembershipSerializer(serializers.ModelSerializer[Membership]):
+    username = serializers.SlugRelatedField(
+        source="user", slug_field="username", queryset=get_user_model().objects.all()
+    )
+
+    class Meta:
+        model = Membership
+        fields = ["id", "username", "role", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class MembershipRoleSerializer(serializers.Serializer[Membership]):
+    role = serializers.ChoiceField(choices=Role.choices)
+
+
+class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices))
+    model_allowlist = serializers.ListField(child=serializers.CharField(), required=False)
+    display = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "name",
+            "prefix",
+            "display",
+            "scopes",
+            "model_allowlist",
+            "expires_at",
+            "revoked_at",
+            "last_used_at",
+            "created_by",
+            "created_at",
+        ]
+        read_only_fields = ["id", "prefix", "revoked_at", "last_used_at", "created_at"]
+
+    def get_display(self, key: ApiKey) -> str:
+        return f"sk-{key.prefix}-…"
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    secret = serializers.SerializerMethodField()
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "secret"]
+
+    def get_secret(self, key: ApiKey) -> str:
+        return str(self.context["secret"])
+
+
+class QuotaSerializer(serializers.ModelSerializer[Quota]):
+    allowed_tiers = serializers.ListField(child=serializers.CharField(), required=False)
+
+    class Meta:
+        model = Quota
+        fields = [
+            "requests_per_minute",
+            "tokens_per_minute",
+            "concurrent_streams",
+            "max_tokens_cap",
+            "max_context_tokens",
+            "monthly_token_budget",
+            "monthly_spend_budget_usd",
+            "soft_alert_fraction",
+            "hard_budget",
+            "allowed_tiers",
+        ]
+
+
+class KeyQuotaOverrideSerializer(serializers.ModelSerializer[KeyQuotaOverride]):
+    class Meta:
+        model = KeyQuotaOverride
+        fields = [
+            "requests_per_minute",
+            "tokens_per_minute",
+            "concurrent_streams",
+            "max_tokens_cap",
+            "max_context_tokens",
+        ]
+
+
+def changes_of(serializer: serializers.Serializer[Any]) -> dict[str, Any]:
+    return dict(serializer.validated_data)

@@ -1,0 +1,78 @@
+"""Demo tenants: acme and globex, a member of each role in each, generous quotas, and one
+inference key of acme's whose secret stays the same across runs (kept in var/demo.json)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from django.contrib.auth import get_user_model
+
+from tenants.actions import do_create_api_key, do_create_tenant, write_key_records
+from tenants.models import ApiKey, Membership, Quota, Role, Scope, Tenant
+
+DEMO_TENANTS = {"acme": "Acme Corporation", "globex": "Globex Corporation"}
+DEMO_KEY_NAME = "Demo inference key"
+DEMO_MEMBERS = {
+    Role.OWNER: "owner",
+    Role.ADMIN: "admin",
+    Role.DEVELOPER: "dev",
+    Role.VIEWER: "viewer",
+}
+
+
+def seed(details: dict[str, Any]) -> None:
+    details.setdefault("tenant_password", "tenant-demo-" + os.urandom(4).hex())
+    for slug, name in DEMO_TENANTS.items():
+        tenant = Tenant.objects.filter(slug=slug).first() or do_create_tenant(slug, name)
+        Quota.objects.update_or_create(
+            tenant=tenant,
+            defaults={
+                "requests_per_minute": 600,
+                "tokens_per_minute": 500_000,
+                "concurrent_streams": 32,
+                "max_tokens_cap": 4096,
+                "max_context_tokens": 32_768,
+                "monthly_token_budget": 500_000_000,
+                "hard_budget": True,
+            },
+        )
+        for role, suffix in DEMO_MEMBERS.items():
+            seed_member(tenant, f"{slug}-{suffix}", role, details["tenant_password"])
+    seed_demo_key(details)
+
+
+def seed_member(tenant: Tenant, username: str, role: str, password: str) -> None:
+    user, _ = get_user_model().objects.get_or_create(
+        username=username, defaults={"email": f"{username}@example.com"}
+    )
+    if not user.check_password(password):
+        user.set_password(password)
+        user.save()
+    Membership.objects.update_or_create(user=user, tenant=tenant, defaults={"role": role})
+
+
+def seed_demo_key(details: dict[str, Any]) -> None:
+    acme = Tenant.objects.get(slug="acme")
+    owner = get_user_model().objects.get(username="acme-owner")
+    raw_key = details.get("acme_api_key")
+    key = None
+    if raw_key:
+        key = ApiKey.objects.filter(tenant=acme, prefix=raw_key.split("-")[1]).first()
+    if key is None:
+        _, raw_key = do_create_api_key(
+            acme,
+            DEMO_KEY_NAME,
+            owner,
+            [Scope.INFERENCE, Scope.READ_USAGE],
+            raw_key=raw_key or None,
+        )
+    else:
+        # the Redis of this run may be new: make sure the gateway finds the key there
+        write_key_records([key])
+    details["acme_api_key"] = raw_key
+    details["extra"]["Demo API key (acme)"] = raw_key
+    details["extra"]["Tenant logins"] = (
+        f"acme-owner / acme-admin / acme-dev / acme-viewer (and globex-*), "
+        f"password {details['tenant_password']}"
+    )

@@ -1,0 +1,378 @@
+"""API keys on the gateway's hot path: the principal a key stands for, and its check.
+
+Where a key's record lives, fastest first:
+  1. an in-process cache of a few seconds (`KeyAuthenticator`), dropped on a pub/sub event;
+  2. Redis, `apikey:<sha256 of the raw key>` -> JSON `{"secret_hash", "revoked", "principal"}`,
+     written by the control plane whenever a key, its tenant or its quota changes (and after
+     a PostgreSQL lookup on a Redis miss), with no expiry, so admitted keys keep working
+     while PostgreSQL is down;
+  3. PostgreSQL, only on a Redis miss.
+
+Revocations and changes are published on `KEY_EVENTS_CHANNEL` as `key:<sha256>`,
+`tenant:<id>` or `all`; every process drops the matching cache entries at once.
+
+This module imports nothing from Django at import time, so gateway workers and test
+processes can use it without a configured project; the PostgreSQL fallback is imported
+lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+logger = logging.getLogger(__name__)
+
+KEY_RECORD_PREFIX = "apikey:"
+KEY_EVENTS_CHANNEL = "tenants:key-events"
+LAST_USED_HASH = "apikey:last-used"
+KEY_SCHEME = "sk"
+DEFAULT_TIMEOUT_S = 0.5
+
+
+@dataclass(frozen=True)
+class EffectiveLimits:
+    """A key's limits: the tenant's quota with the key's overrides merged (the lower wins).
+
+    `requests_per_minute`, `tokens_per_minute` and `concurrent_streams` are the key's own
+    ceilings; the `tenant_*` fields are the pool all the tenant's keys share (None: the same
+    as the key's). Budgets are the tenant's, per calendar month (UTC); None means no budget.
+    """
+
+    requests_per_minute: int
+    tokens_per_minute: int
+    concurrent_streams: int
+    max_tokens_cap: int
+    max_context_tokens: int
+    monthly_token_budget: int | None
+    monthly_spend_budget_usd: Decimal | None
+    soft_alert_fraction: float
+    hard_budget: bool
+    tenant_requests_per_minute: int | None = None
+    tenant_tokens_per_minute: int | None = None
+    tenant_concurrent_streams: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requests_per_minute": self.requests_per_minute,
+            "tokens_per_minute": self.tokens_per_minute,
+            "concurrent_streams": self.concurrent_streams,
+            "max_tokens_cap": self.max_tokens_cap,
+            "max_context_tokens": self.max_context_tokens,
+            "monthly_token_budget": self.monthly_token_budget,
+            "monthly_spend_budget_usd": (
+                None
+                if self.monthly_spend_budget_usd is None
+                else str(self.monthly_spend_budget_usd)
+            ),
+            "soft_alert_fraction": self.soft_alert_fraction,
+            "hard_budget": self.hard_budget,
+            "tenant_requests_per_minute": self.tenant_requests_per_minute,
+            "tenant_tokens_per_minute": self.tenant_tokens_per_minute,
+            "tenant_concurrent_streams": self.tenant_concurrent_streams,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EffectiveLimits:
+        spend = data.get("monthly_spend_budget_usd")
+        return cls(
+            requests_per_minute=int(data["requests_per_minute"]),
+            tokens_per_minute=int(data["tokens_per_minute"]),
+            concurrent_streams=int(data["concurrent_streams"]),
+            max_tokens_cap=int(data["max_tokens_cap"]),
+            max_context_tokens=int(data["max_context_tokens"]),
+            monthly_token_budget=data.get("monthly_token_budget"),
+            monthly_spend_budget_usd=None if spend is None else Decimal(str(spend)),
+            soft_alert_fraction=float(data.get("soft_alert_fraction", 0.8)),
+            hard_budget=bool(data.get("hard_budget", True)),
+            tenant_requests_per_minute=data.get("tenant_requests_per_minute"),
+            tenant_tokens_per_minute=data.get("tenant_tokens_per_minute"),
+            tenant_concurrent_streams=data.get("tenant_concurrent_streams"),
+        )
+
+
+@dataclass(frozen=True)
+class KeyPrincipal:
+    """Who a request comes from, as the gateway needs it; plain data, cached and shipped as JSON.
+
+    `tenant_status` may be "suspended": the gateway refuses such a tenant with a clear error
+    (`is_usable` says whether to serve at all).
+    """
+
+    key_id: int
+    key_prefix: str
+    tenant_id: int
+    tenant_slug: str
+    tenant_status: str
+    scopes: frozenset[str]
+    model_allowlist: frozenset[str]
+    expires_at: float | None
+    fail_open: bool
+    allowed_regions: frozenset[str]
+    allowed_tiers: frozenset[str]
+    limits: EffectiveLimits = field(compare=False)
+
+    def is_expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    @property
+    def is_usable(self) -> bool:
+        return self.tenant_status == "active"
+
+    def may_use_model(self, model: str) -> bool:
+        return not self.model_allowlist or model in self.model_allowlist
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key_id": self.key_id,
+            "key_prefix": self.key_prefix,
+            "tenant_id": self.tenant_id,
+            "tenant_slug": self.tenant_slug,
+            "tenant_status": self.tenant_status,
+            "scopes": sorted(self.scopes),
+            "model_allowlist": sorted(self.model_allowlist),
+            "expires_at": self.expires_at,
+            "fail_open": self.fail_open,
+            "allowed_regions": sorted(self.allowed_regions),
+            "allowed_tiers": sorted(self.allowed_tiers),
+            "limits": self.limits.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KeyPrincipal:
+        return cls(
+            key_id=int(data["key_id"]),
+            key_prefix=str(data["key_prefix"]),
+            tenant_id=int(data["tenant_id"]),
+            tenant_slug=str(data["tenant_slug"]),
+            tenant_status=str(data["tenant_status"]),
+            scopes=frozenset(data.get("scopes", ())),
+            model_allowlist=frozenset(data.get("model_allowlist", ())),
+            expires_at=data.get("expires_at"),
+            fail_open=bool(data.get("fail_open", False)),
+            allowed_regions=frozenset(data.get("allowed_regions", ())),
+            allowed_tiers=frozenset(data.get("allowed_tiers", ())),
+            limits=EffectiveLimits.from_dict(data["limits"]),
+        )
+
+
+def generate_raw_key() -> tuple[str, str]:
+    """A new key `sk-<prefix>-<secret>` and its visible prefix."""
+    prefix = secrets.token_hex(4)
+    return f"{KEY_SCHEME}-{prefix}-{secrets.token_hex(24)}", prefix
+
+
+def key_prefix_of(raw_key: str) -> str | None:
+    parts = raw_key.split("-", 2)
+    if len(parts) != 3 or parts[0] != KEY_SCHEME or not parts[1] or not parts[2]:
+        return None
+    return parts[1]
+
+
+def hash_key(raw_key: str) -> str:
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+def key_record_name(secret_hash: str) -> str:
+    return KEY_RECORD_PREFIX + secret_hash
+
+
+def encode_key_record(secret_hash: str, principal: KeyPrincipal | None) -> str:
+    """The Redis record of a key; `principal=None` is a tombstone (revoked or gone)."""
+    return json.dumps(
+        {
+            "secret_hash": secret_hash,
+            "revoked": principal is None,
+            "principal": None if principal is None else principal.to_dict(),
+        }
+    )
+
+
+def principal_from_record(raw: str | bytes, secret_hash: str) -> KeyPrincipal | None:
+    record = json.loads(raw)
+    # The lookup was by hash already; compare in constant time anyway so no path ever
+    # compares key material with an early exit.
+    if not hmac.compare_digest(str(record.get("secret_hash", "")), secret_hash):
+        return None
+    if record.get("revoked") or record.get("principal") is None:
+        return None
+    return KeyPrincipal.from_dict(record["principal"])
+
+
+DatabaseLoader = Callable[[str], Awaitable[KeyPrincipal | None]]
+
+
+async def load_principal_from_database(raw_key: str) -> KeyPrincipal | None:
+    from asgiref.sync import sync_to_async
+
+    from tenants.actions import principal_for_raw_key
+
+    return await sync_to_async(principal_for_raw_key, thread_sensitive=False)(raw_key)
+
+
+@dataclass
+class _CacheEntry:
+    fresh_until: float
+    principal: KeyPrincipal | None
+
+
+class KeyAuthenticator:
+    """Turns a raw API key into its `KeyPrincipal`, or None, without touching PostgreSQL on
+    the hot path (see the module docstring for where records live)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        cache_ttl_s: float = 5.0,
+        timeout_s: float | None = None,
+        touch_flush_s: float = 5.0,
+        load_from_database: DatabaseLoader | None = None,
+    ) -> None:
+        self._redis = redis
+        self._cache_ttl_s = cache_ttl_s
+        self._timeout_s = timeout_s if timeout_s is not None else _default_timeout_s()
+        self._touch_flush_s = touch_flush_s
+        self._load_from_database = load_from_database or load_principal_from_database
+        self._cache: dict[str, _CacheEntry] = {}
+        self._touched: dict[int, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subscribed = asyncio.Event()
+
+    async def authenticate(self, raw_key: str) -> KeyPrincipal | None:
+        if key_prefix_of(raw_key) is None:
+            return None
+        secret_hash = hash_key(raw_key)
+        entry = self._cache.get(secret_hash)
+        if entry is None or entry.fresh_until <= time.monotonic():
+            principal = await self._lookup(raw_key, secret_hash)
+            entry = _CacheEntry(time.monotonic() + self._cache_ttl_s, principal)
+            self._cache[secret_hash] = entry
+        principal = entry.principal
+        if principal is None or principal.is_expired(time.time()):
+            return None
+        return principal
+
+    async def _lookup(self, raw_key: str, secret_hash: str) -> KeyPrincipal | None:
+        redis_up = True
+        try:
+            raw = await asyncio.wait_for(
+                self._redis.get(key_record_name(secret_hash)), self._timeout_s
+            )
+        except (RedisError, OSError, TimeoutError) as error:
+            logger.warning("API key record unreadable from Redis (%s); asking PostgreSQL", error)
+            raw, redis_up = None, False
+        if raw is not None:
+            return principal_from_record(raw, secret_hash)
+        principal = await self._load_from_database(raw_key)
+        if redis_up:
+            # Seed Redis so the next process to miss its cache need not ask PostgreSQL.
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(
+                    self._redis.set(
+                        key_record_name(secret_hash),
+                        encode_key_record(secret_hash, principal),
+                        # an unknown key's tombstone expires: the key may be created later
+                        ex=None if principal is not None else 60,
+                    ),
+                    self._timeout_s,
+                )
+        return principal
+
+    def forget(self, event: str) -> None:
+        """Drop the cache entries an event names: `key:<hash>`, `tenant:<id>` or `all`."""
+        kind, _, value = event.partition(":")
+        if kind == "key":
+            self._cache.pop(value, None)
+        elif kind == "tenant" and value.isdigit():
+            tenant_id = int(value)
+            for secret_hash, entry in list(self._cache.items()):
+                if entry.principal is not None and entry.principal.tenant_id == tenant_id:
+                    del self._cache[secret_hash]
+        else:
+            self._cache.clear()
+
+    def touch(self, key_id: int) -> None:
+        """Note that a key was used; written to Redis in batches, to PostgreSQL by a task."""
+        self._touched[key_id] = time.time()
+
+    async def flush_touches(self) -> None:
+        if not self._touched:
+            return
+        batch, self._touched = self._touched, {}
+        try:
+            await asyncio.wait_for(
+                self._redis.hset(LAST_USED_HASH, mapping={str(k): v for k, v in batch.items()}),
+                self._timeout_s,
+            )
+        except (RedisError, OSError, TimeoutError) as error:
+            logger.warning("Could not record API key use in Redis: %s", error)
+            for key_id, used_at in batch.items():
+                self._touched.setdefault(key_id, used_at)
+
+    async def start(self) -> None:
+        """Follow key events (revocations, key and quota changes); returns once subscribed."""
+        self._tasks.append(asyncio.create_task(self._follow_key_events()))
+        self._tasks.append(asyncio.create_task(self._flush_touches_forever()))
+        await asyncio.wait_for(self._subscribed.wait(), 5.0)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.flush_touches()
+
+    async def _follow_key_events(self) -> None:
+        backoff_s = 0.1
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(KEY_EVENTS_CHANNEL)
+                # Events may have been missed while unsubscribed: start from nothing.
+                self._cache.clear()
+                self._subscribed.set()
+                backoff_s = 0.1
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None and message["type"] == "message":
+                        data = message["data"]
+                        self.forget(data.decode() if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, TimeoutError) as error:
+                logger.warning("Lost the key event channel (%s); resubscribing", error)
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await pubsub.aclose()
+
+    async def _flush_touches_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._touch_flush_s)
+            await self.flush_touches()
+
+
+def _default_timeout_s() -> float:
+    try:
+        from django.conf import settings
+
+        return float(settings.REDIS_SOCKET_TIMEOUT_S)
+    except Exception:  # settings not configured: a process outside Django
+        return DEFAULT_TIMEOUT_S

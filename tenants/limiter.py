@@ -1,0 +1,392 @@
+"""The rate limiter: every limit of a request checked and taken in ONE Redis Lua call.
+
+`RateLimiter.admit` runs `lua/admit.lua`: requests-per-minute and tokens-per-minute as token
+buckets (capacity = the per-minute limit, refilled continuously at limit/60 per second, on
+Redis `TIME`), a lease on a concurrent-stream slot, and the monthly token and spend budgets.
+All pass and all are taken, or nothing is taken. Tokens are reserved up front (prompt
+estimate + max_tokens, as OpenAI does); `settle` refunds or charges the difference once the
+response is done, releases the lease and adds the spend, exactly once per reservation.
+
+Redis keys, all of one tenant under the hash tag `{t:<tenant_id>}`:
+
+    rl:{t:<tenant>}:rpm                  hash l (level), t (seconds): the tenant's request bucket
+    rl:{t:<tenant>}:tpm                  the tenant's token bucket
+    rl:{t:<tenant>}:k:<key>:rpm / :tpm   a key's own buckets (only when its override is lower)
+    rl:{t:<tenant>}:streams              zset request id -> lease expiry (epoch seconds)
+    rl:{t:<tenant>}:k:<key>:streams      the key's own lease set (only when lower)
+    rl:{t:<tenant>}:month:<YYYY-MM>:tokens        tokens used this month (UTC), reserved included
+    rl:{t:<tenant>}:month:<YYYY-MM>:spend_micros  spend this month in micro-USD, added by settle
+    rl:{t:<tenant>}:settled:<request id>          marker that makes settle idempotent
+
+Stream leases: only `stream=True` admissions hold one. A lease expires after `lease_ttl_s`
+(10 min) unless `renew_lease` pushes it on, so a gateway that crashes mid-stream leaks no slot.
+
+One round trip at the end of a request: the gateway builds a pipeline, appends the settle
+with `await limiter.settle_commands(pipe, reservation, ...)`, appends its own XADD of the
+usage event, and executes the pipeline once.
+
+Redis unreachable (or slower than the timeout): `admit` raises `LimiterUnavailable` (the
+gateway answers 503 with its message) unless the principal's tenant fails open, in which
+case it admits without limits (`Admission.degraded`). Both are logged and counted in
+`platform_limiter_redis_failures_total{mode="closed"|"open"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client import Counter
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from tenants.keys import KeyPrincipal, _default_timeout_s
+
+logger = logging.getLogger(__name__)
+
+LUA_DIR = Path(__file__).resolve().parent / "lua"
+ADMIT_SCRIPT = (LUA_DIR / "admit.lua").read_text()
+SETTLE_SCRIPT = (LUA_DIR / "settle.lua").read_text()
+
+DEFAULT_LEASE_TTL_S = 600
+SETTLED_MARKER_TTL_S = 2 * 86400
+UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+
+LIMITER_REDIS_FAILURES = Counter(
+    "platform_limiter_redis_failures_total",
+    "Admissions decided without Redis because it was unreachable, by fail mode.",
+    ["mode"],
+)
+
+
+class LimiterUnavailable(Exception):
+    """Redis cannot be reached and the tenant fails closed: answer 503."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(
+            "The rate limiter is unavailable, so the request was not admitted; retry shortly. "
+            f"({detail})"
+        )
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """What an admission took, so `settle` can give back the right amount. Plain data."""
+
+    request_id: str
+    tenant_id: int
+    key_id: int
+    month: str
+    reserved_tokens: int
+    token_buckets: tuple[tuple[str, int], ...]  # (Redis key, capacity)
+    lease_keys: tuple[str, ...]
+    degraded: bool = False  # admitted without Redis: nothing to settle
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "tenant_id": self.tenant_id,
+            "key_id": self.key_id,
+            "month": self.month,
+            "reserved_tokens": self.reserved_tokens,
+            "token_buckets": [list(bucket) for bucket in self.token_buckets],
+            "lease_keys": list(self.lease_keys),
+            "degraded": self.degraded,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Reservation:
+        return cls(
+            request_id=str(data["request_id"]),
+            tenant_id=int(data["tenant_id"]),
+            key_id=int(data["key_id"]),
+            month=str(data["month"]),
+            reserved_tokens=int(data["reserved_tokens"]),
+            token_buckets=tuple((str(k), int(c)) for k, c in data["token_buckets"]),
+            lease_keys=tuple(data["lease_keys"]),
+            degraded=bool(data.get("degraded", False)),
+        )
+
+
+@dataclass(frozen=True)
+class Admission:
+    allowed: bool
+    error: str | None  # "rate_limit_exceeded" | "insufficient_quota" | None
+    limit: str | None  # requests | tokens | tokens_request_too_large | concurrent_streams |
+    #                    monthly_token_budget | monthly_spend_budget
+    retry_after_s: float | None
+    headers: dict[str, str] = field(default_factory=dict)
+    reservation: Reservation | None = None
+    degraded: bool = False
+    month_tokens_used: int = 0
+    month_spend_micros: int = 0
+    budget_alert: bool = False  # past the soft alert fraction of a monthly budget
+
+
+def tenant_tag(tenant_id: int) -> str:
+    return f"rl:{{t:{tenant_id}}}"
+
+
+def month_of(epoch_s: float) -> str:
+    return time.strftime("%Y-%m", time.gmtime(epoch_s))
+
+
+def month_tokens_key(tenant_id: int, month: str) -> str:
+    return f"{tenant_tag(tenant_id)}:month:{month}:tokens"
+
+
+def month_spend_key(tenant_id: int, month: str) -> str:
+    return f"{tenant_tag(tenant_id)}:month:{month}:spend_micros"
+
+
+def format_reset(seconds: float) -> str:
+    """OpenAI's duration style for x-ratelimit-reset-*: 20ms, 1s, 6m0s."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    whole = math.ceil(seconds)
+    minutes, secs = divmod(whole, 60)
+    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
+
+
+def usd_to_micros(usd: Any) -> int:
+    return int((Decimal(str(usd)) * 1_000_000).to_integral_value())
+
+
+class RateLimiter:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        *,
+        timeout_s: float | None = None,
+        lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
+    ) -> None:
+        self._redis = redis
+        self._timeout_s = timeout_s if timeout_s is not None else _default_timeout_s()
+        self._lease_ttl_s = lease_ttl_s
+        self._admit = redis.register_script(ADMIT_SCRIPT)
+        self._settle = redis.register_script(SETTLE_SCRIPT)
+
+    async def admit(
+        self,
+        principal: KeyPrincipal,
+        *,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        stream: bool,
+    ) -> Admission:
+        limits = principal.limits
+        tag = tenant_tag(principal.tenant_id)
+        key_tag = f"{tag}:k:{principal.key_id}"
+        reserve = max(0, prompt_tokens) + max(0, max_tokens)
+        month = month_of(time.time())
+
+        buckets: list[tuple[str, int, int, str]] = []  # key, capacity, cost, kind
+        tenant_rpm = limits.tenant_requests_per_minute or limits.requests_per_minute
+        tenant_tpm = limits.tenant_tokens_per_minute or limits.tokens_per_minute
+        buckets.append((f"{tag}:rpm", tenant_rpm, 1, "r"))
+        buckets.append((f"{tag}:tpm", tenant_tpm, reserve, "t"))
+        # A key's own bucket only matters when it is tighter than the tenant's.
+        if limits.requests_per_minute < tenant_rpm:
+            buckets.append((f"{key_tag}:rpm", limits.requests_per_minute, 1, "r"))
+        if limits.tokens_per_minute < tenant_tpm:
+            buckets.append((f"{key_tag}:tpm", limits.tokens_per_minute, reserve, "t"))
+
+        leases: list[tuple[str, int]] = []
+        if stream:
+            tenant_streams = limits.tenant_concurrent_streams or limits.concurrent_streams
+            leases.append((f"{tag}:streams", tenant_streams))
+            if limits.concurrent_streams < tenant_streams:
+                leases.append((f"{key_tag}:streams", limits.concurrent_streams))
+
+        token_budget = -1 if limits.monthly_token_budget is None else limits.monthly_token_budget
+        spend_budget = (
+            -1
+            if limits.monthly_spend_budget_usd is None
+            else usd_to_micros(limits.monthly_spend_budget_usd)
+        )
+        keys = [month_tokens_key(principal.tenant_id, month)]
+        keys.append(month_spend_key(principal.tenant_id, month))
+        keys += [bucket[0] for bucket in buckets] + [lease[0] for lease in leases]
+        args: list[Any] = [
+            len(buckets),
+            len(leases),
+            request_id,
+            self._lease_ttl_s,
+            reserve,
+            token_budget,
+            spend_budget,
+            1 if limits.hard_budget else 0,
+        ]
+        for _, capacity, cost, kind in buckets:
+            args += [max(1, capacity), cost, kind]
+        args += [max(1, limit) for _, limit in leases]
+
+        try:
+            raw = await asyncio.wait_for(self._admit(keys=keys, args=args), self._timeout_s)
+        except UNREACHABLE as error:
+            return self._without_redis(principal, request_id, month, error)
+
+        reservation = Reservation(
+            request_id=request_id,
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            month=month,
+            reserved_tokens=reserve,
+            token_buckets=tuple((b[0], max(1, b[1])) for b in buckets if b[3] == "t"),
+            lease_keys=tuple(lease[0] for lease in leases),
+        )
+        return _admission_from_script(
+            raw, reservation, limits.soft_alert_fraction, token_budget, spend_budget
+        )
+
+    def _without_redis(
+        self, principal: KeyPrincipal, request_id: str, month: str, error: BaseException
+    ) -> Admission:
+        mode = "open" if principal.fail_open else "closed"
+        LIMITER_REDIS_FAILURES.labels(mode=mode).inc()
+        logger.error(
+            "Rate limiter Redis unreachable (%s: %s); tenant %s fails %s",
+            type(error).__name__,
+            error,
+            principal.tenant_slug,
+            mode,
+        )
+        if not principal.fail_open:
+            raise LimiterUnavailable(f"{type(error).__name__}") from error
+        reservation = Reservation(
+            request_id=request_id,
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            month=month,
+            reserved_tokens=0,
+            token_buckets=(),
+            lease_keys=(),
+            degraded=True,
+        )
+        return Admission(True, None, None, None, {}, reservation, degraded=True)
+
+    async def settle_commands(
+        self,
+        pipeline: aioredis.client.Pipeline,
+        reservation: Reservation,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        charged_usd_micros: int = 0,
+    ) -> None:
+        """Append this reservation's settle to `pipeline` (the caller executes it, with its
+        own commands such as the usage event's XADD, in one round trip)."""
+        keys, args = self._settle_call(
+            reservation, prompt_tokens, completion_tokens, charged_usd_micros
+        )
+        await self._settle(keys=keys, args=args, client=pipeline)
+
+    async def settle(
+        self,
+        reservation: Reservation,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        charged_usd_micros: int = 0,
+    ) -> bool:
+        """Settle once; True when applied, False when already settled or nothing to settle."""
+        if reservation.degraded:
+            return False
+        keys, args = self._settle_call(
+            reservation, prompt_tokens, completion_tokens, charged_usd_micros
+        )
+        try:
+            applied = await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
+        except UNREACHABLE as error:
+            # The lease expires on its own and the bucket refills; the usage event, not
+            # this counter, is what bills.
+            logger.error(
+                "Could not settle %s: Redis unreachable (%s)", reservation.request_id, error
+            )
+            return False
+        return bool(applied)
+
+    def _settle_call(
+        self,
+        reservation: Reservation,
+        prompt_tokens: int,
+        completion_tokens: int,
+        charged_usd_micros: int,
+    ) -> tuple[list[str], list[Any]]:
+        tag = tenant_tag(reservation.tenant_id)
+        used = max(0, prompt_tokens) + max(0, completion_tokens)
+        keys = [
+            f"{tag}:settled:{reservation.request_id}",
+            month_tokens_key(reservation.tenant_id, reservation.month),
+            month_spend_key(reservation.tenant_id, reservation.month),
+            *(key for key, _ in reservation.token_buckets),
+            *reservation.lease_keys,
+        ]
+        args: list[Any] = [
+            len(reservation.token_buckets),
+            len(reservation.lease_keys),
+            reservation.request_id,
+            reservation.reserved_tokens - used,
+            max(0, int(charged_usd_micros)),
+            SETTLED_MARKER_TTL_S,
+            *(capacity for _, capacity in reservation.token_buckets),
+        ]
+        return keys, args
+
+    async def renew_lease(self, reservation: Reservation) -> None:
+        """Push a long stream's lease expiry on (call it every few minutes while streaming)."""
+        if not reservation.lease_keys:
+            return
+        seconds, micros = await asyncio.wait_for(self._redis.time(), self._timeout_s)
+        expiry = seconds + micros / 1_000_000 + self._lease_ttl_s
+        pipe = self._redis.pipeline(transaction=False)
+        for key in reservation.lease_keys:
+            pipe.zadd(key, {reservation.request_id: expiry}, xx=True)
+        await asyncio.wait_for(pipe.execute(), self._timeout_s)
+
+
+def _admission_from_script(
+    raw: list[Any],
+    reservation: Reservation,
+    soft_alert_fraction: float,
+    token_budget: int,
+    spend_budget: int,
+) -> Admission:
+    values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw]
+    allowed = values[0] == "1"
+    retry_after = float(values[3]) if values[3] else None
+    headers: dict[str, str] = {}
+    for kind, (limit, remaining, reset) in (
+        ("requests", values[4:7]),
+        ("tokens", values[7:10]),
+    ):
+        if limit:
+            headers[f"x-ratelimit-limit-{kind}"] = limit
+            headers[f"x-ratelimit-remaining-{kind}"] = remaining
+            headers[f"x-ratelimit-reset-{kind}"] = format_reset(float(reset))
+    if not allowed:
+        # Retry-After is whole seconds; a budget refusal is not cured by waiting.
+        headers["retry-after"] = str(max(1, math.ceil(retry_after))) if retry_after else "60"
+    month_tokens, month_spend = int(values[10]), int(values[11])
+    alert = (token_budget > 0 and month_tokens >= soft_alert_fraction * token_budget) or (
+        spend_budget > 0 and month_spend >= soft_alert_fraction * spend_budget
+    )
+    return Admission(
+        allowed=allowed,
+        error=values[1] or None,
+        limit=values[2] or None,
+        retry_after_s=retry_after,
+        headers=headers,
+        reservation=reservation if allowed else None,
+        month_tokens_used=month_tokens,
+        month_spend_micros=month_spend,
+        budget_alert=alert,
+    )
