@@ -1,0 +1,76 @@
+"""Celery tasks of the metering app: each idempotent, safe to run twice or after a crash."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import redis as redis_lib
+from celery import shared_task
+from django.conf import settings
+from django.utils import timezone
+
+from metering import budgets, ingest, invoices, prices, rollups
+from tenants.models import Tenant
+
+# Keep the consumer object (and its name) for the life of the worker process, so its own
+# pending entries are re-read first after a failed batch.
+_consumer: ingest.Consumer | None = None
+
+INVOICE_CLOSE_GRACE = timedelta(days=1)
+
+
+def _redis() -> redis_lib.Redis:
+    return redis_lib.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
+
+
+@shared_task(name="metering.ingest", ignore_result=True)
+def ingest_usage() -> int:
+    """Beat runs this every second; each run drains for up to ~0.9 s. Several workers may run
+    it at once: each is its own consumer in the group."""
+    global _consumer
+    if _consumer is None:
+        _consumer = ingest.Consumer(_redis(), ingest.consumer_name())
+    return _consumer.drain(max_seconds=0.9).inserted
+
+
+@shared_task(name="metering.rollup_recent_hours", ignore_result=True)
+def rollup_recent_hours() -> None:
+    """Recompute the current and the previous hour (late events land in the previous one)."""
+    now = timezone.now()
+    for hour in (now - timedelta(hours=1), now):
+        rollups.recompute_hour(rollups.hour_floor(hour), now)
+
+
+@shared_task(name="metering.rollup_hour", ignore_result=True)
+def rollup_hour(hour_iso: str) -> None:
+    rollups.recompute_hour(datetime.fromisoformat(hour_iso))
+
+
+@shared_task(name="metering.refresh_invoices", ignore_result=True)
+def refresh_invoices() -> None:
+    """Refresh this month's drafts; close last month's once the grace period has passed."""
+    now = timezone.now()
+    this_month = now.date().replace(day=1)
+    last_month = (this_month - timedelta(days=1)).replace(day=1)
+    close_last = now - INVOICE_CLOSE_GRACE >= datetime(
+        this_month.year, this_month.month, 1, tzinfo=UTC
+    )
+    for tenant in Tenant.objects.all():
+        invoices.do_build_invoice(tenant, this_month, finalize=False)
+        invoices.do_build_invoice(tenant, last_month, finalize=close_last)
+
+
+@shared_task(name="metering.check_budgets", ignore_result=True)
+def check_budgets() -> None:
+    month = timezone.now().date().replace(day=1)
+    client = _redis()
+    try:
+        for tenant in Tenant.objects.filter(quota__monthly_spend_budget_usd__isnull=False):
+            budgets.check_tenant_budget(client, tenant, month)
+    finally:
+        client.close()
+
+
+@shared_task(name="metering.publish_prices", ignore_result=True)
+def publish_prices() -> None:
+    prices.publish_price_book()
