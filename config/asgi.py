@@ -1,7 +1,7 @@
 """ASGI entry point: Channels' ProtocolTypeRouter in front of Django.
 
-HTTP goes to Django (the OpenAI-compatible gateway is mounted in front of it for /v1 once it
-exists); WebSockets go to Channels consumers.
+HTTP under /v1 (and /metrics) goes to the lean gateway app, the rest to Django; WebSockets
+go to Channels consumers.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 
 from config.routing import websocket_urlpatterns  # noqa: E402
+from serving.gateway.asgi import GatewayApp  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
-        "http": django_asgi_app,
+        "http": GatewayApp(fallback=django_asgi_app),
         "websocket": AllowedHostsOriginValidator(
             AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
         ),

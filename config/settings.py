@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 
 from config.env import (
     ImproperEnvironment,
@@ -19,6 +20,9 @@ from config.env import (
     env_str,
     env_url,
 )
+
+# Lets Django's classes take type parameters at run time (admin.ModelAdmin[Model], ...).
+django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SHARED_DIR = BASE_DIR.parent / "shared"

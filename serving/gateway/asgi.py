@@ -1,0 +1,320 @@
+"""The lean ASGI app serving /v1 (and /metrics); everything else falls through to Django.
+
+Hand-written ASGI instead of a Django view: no middleware stack, no thread hop, and the
+client's disconnect is seen at once (a watcher awaits `http.disconnect` while the response
+streams, and cancels the stream, which closes the upstream so the engine aborts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from serving.gateway import idempotency
+from serving.gateway.errors import ApiError, invalid_api_key
+from serving.gateway.pipeline import PRIORITY_HEADER, TIERS, Exchange
+from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from serving.gateway.service import Gateway, get_gateway
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+JSON_TYPE = (b"content-type", b"application/json")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def encode_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in headers.items()]
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: dict[str, str]) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [JSON_TYPE, *encode_headers(headers)],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"The request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def bearer_key(scope: Scope) -> str | None:
+    value = header(scope, b"authorization")
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return header(scope, b"x-api-key") or header(scope, b"api-key")
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class GatewayApp:
+    def __init__(self, fallback: ASGIApp) -> None:
+        self.fallback = fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path.startswith("/v1/") or path == "/metrics"):
+            await self.fallback(scope, receive, send)
+            return
+        request_id_headers: dict[str, str] = {}
+        try:
+            if path == "/metrics":
+                await self.metrics(send)
+                return
+            gateway = await get_gateway()
+            await self.dispatch(gateway, scope, receive, send, request_id_headers)
+        except ApiError as error:
+            await send_json(
+                send, error.status, error.body(), {**request_id_headers, **error.headers}
+            )
+        except ClientDisconnected:
+            return
+
+    async def metrics(self, send: Send) -> None:
+        body = generate_latest()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", CONTENT_TYPE_LATEST.encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def dispatch(
+        self, gateway: Gateway, scope: Scope, receive: Receive, send: Send, out: dict[str, str]
+    ) -> None:
+        path = scope["path"].rstrip("/")
+        method = scope["method"]
+        routes = {
+            "/v1/chat/completions": ("POST", "chat"),
+            "/v1/completions": ("POST", "completion"),
+            "/v1/models": ("GET", "models"),
+        }
+        if path not in routes:
+            raise ApiError(404, f"Unknown endpoint: {method} {scope['path']}", code="unknown_url")
+        allowed, kind = routes[path]
+        if method != allowed:
+            raise ApiError(405, f"{method} is not allowed on {path}; use {allowed}.")
+        raw_key = bearer_key(scope)
+        principal = await gateway.authenticator.authenticate(raw_key) if raw_key else None
+        if principal is None:
+            raise invalid_api_key()
+        if not principal.is_usable:
+            raise ApiError(403, "Your tenant is suspended.", code="tenant_suspended")
+        if "inference" not in principal.scopes:
+            raise ApiError(403, "This API key has no 'inference' scope.", code="missing_scope")
+        if kind == "models":
+            data = {"object": "list", "data": gateway.catalog.listing(principal)}
+            await send_json(send, 200, orjson.dumps(data), {})
+            return
+        raw = await read_body(receive, gateway.config.max_body_bytes)
+        body = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
+        tier = (header(scope, PRIORITY_HEADER.encode()) or "standard").lower()
+        if tier not in TIERS:
+            raise ApiError(400, f"{PRIORITY_HEADER} must be one of {', '.join(TIERS)}.",
+                           param=PRIORITY_HEADER)  # fmt: skip
+        exchange = Exchange(gateway=gateway, kind=kind, body=body, principal=principal, tier=tier)
+        out["x-request-id"] = exchange.request_id
+        idem_key = header(scope, b"idempotency-key")
+        if idem_key and not body.stream:
+            await self.idempotent(gateway, exchange, raw, idem_key, send, receive)
+            return
+        await exchange.prepare()
+        if body.stream:
+            await self.stream(exchange, send, receive)
+        else:
+            status, payload = await self.collect(exchange, receive)
+            await send_json(send, status, payload, {"x-request-id": exchange.request_id,
+                                                    **exchange.headers})  # fmt: skip
+
+    async def idempotent(
+        self, gateway: Gateway, exchange: Exchange, raw: bytes, key: str, send: Send,
+        receive: Receive,
+    ) -> None:  # fmt: skip
+        tenant = str(exchange.principal.tenant_id)
+        fingerprint = idempotency.body_fingerprint(raw)
+        stored = await idempotency.claim(gateway.redis, tenant, key, fingerprint)
+        if stored is not None:
+            await send_json(send, stored.status, stored.body, {"idempotent-replayed": "true"})
+            return
+        try:
+            await exchange.prepare()
+            status, payload = await self.collect(exchange, receive)
+        except BaseException:
+            await idempotency.release(gateway.redis, tenant, key)
+            raise
+        await idempotency.complete(gateway.redis, tenant, key, fingerprint, status, payload)
+        await send_json(send, status, payload, {"x-request-id": exchange.request_id,
+                                                **exchange.headers})  # fmt: skip
+
+    async def collect(self, exchange: Exchange, receive: Receive) -> tuple[int, bytes]:
+        """A non-streaming response: the upstream stream, assembled."""
+        pieces: list[str] = []
+        first: dict[str, Any] | None = None
+        finish: str | None = None
+
+        async def assemble() -> None:
+            nonlocal first, finish
+            async for chunk in exchange.events():
+                first = first or chunk
+                choice = chunk["choices"][0]
+                if exchange.kind == "chat":
+                    pieces.append((choice.get("delta") or {}).get("content") or "")
+                else:
+                    pieces.append(choice.get("text") or "")
+                finish = choice.get("finish_reason") or finish
+
+        try:
+            await self.until_disconnect(assemble(), receive)
+        except ApiError:
+            raise
+        except Exception as error:
+            raise ApiError(502, "The model replica failed mid-generation; please retry.",
+                           code="upstream_error", error_type="server_error") from error  # fmt: skip
+        text = "".join(pieces)
+        created = int(first["created"]) if first and "created" in first else int(time.time())
+        response_id = first["id"] if first else f"cmpl-{exchange.request_id}"
+        if exchange.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish}  # fmt: skip
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        payload = {
+            "id": response_id, "object": obj, "created": created, "model": exchange.model,
+            "choices": [choice], "usage": exchange.usage_payload(),
+        }  # fmt: skip
+        return 200, orjson.dumps(payload)
+
+    async def until_disconnect(self, work: Awaitable[None], receive: Receive) -> None:
+        """Run `work`; if the client goes away first, cancel it (closing the upstream)."""
+        task = asyncio.ensure_future(work)
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise ClientDisconnected
+            task.result()
+        finally:
+            watcher.cancel()
+
+    async def stream(self, exchange: Exchange, send: Send, receive: Receive) -> None:
+        started = False
+
+        async def pump() -> None:
+            nonlocal started
+            headers = {"x-request-id": exchange.request_id, **exchange.headers}
+            events = exchange.events()
+            try:
+                async for chunk in events:
+                    exchange.response_id = exchange.response_id or chunk.get("id")
+                    if not started:
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": [*SSE_HEADERS, *encode_headers(headers)]})  # fmt: skip
+                        started = True
+                    if not exchange.body.include_usage:
+                        chunk.pop("usage", None)
+                    elif "usage" not in chunk:
+                        chunk["usage"] = None
+                    await send(
+                        {"type": "http.response.body", "body": sse(chunk), "more_body": True}
+                    )
+                tail = b""
+                if exchange.body.include_usage:
+                    tail = sse(self.usage_chunk(exchange))
+                if not started:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": [*SSE_HEADERS, *encode_headers(headers)]})  # fmt: skip
+                    started = True
+                await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+            except ApiError as error:
+                if not started:
+                    raise
+                await self.stream_error(send, error.payload())
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the replica died mid-stream
+                if not started:
+                    raise ApiError(502, "The model replica failed; please retry.",
+                                   code="upstream_error", error_type="server_error") from error  # fmt: skip
+                await self.stream_error(
+                    send,
+                    {"error": {"message": "The model replica failed mid-stream; the tokens "
+                               "received so far are billed.", "type": "server_error",
+                               "param": None, "code": "upstream_error"}},
+                )  # fmt: skip
+            finally:
+                await events.aclose()
+
+        await self.until_disconnect(pump(), receive)
+
+    @staticmethod
+    async def stream_error(send: Send, payload: dict[str, Any]) -> None:
+        await send({"type": "http.response.body", "body": sse(payload) + b"data: [DONE]\n\n"})
+
+    @staticmethod
+    def usage_chunk(exchange: Exchange) -> dict[str, Any]:
+        return {
+            "id": exchange.response_id or f"cmpl-{exchange.request_id}",
+            "object": "chat.completion.chunk" if exchange.kind == "chat" else "text_completion",
+            "created": int(exchange.started_at),
+            "model": exchange.model,
+            "choices": [],
+            "usage": exchange.usage_payload(),
+        }  # fmt: skip

@@ -1,0 +1,60 @@
+"""Prometheus metrics of the gateway (one registry per process, scraped at /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+TOKEN_GAP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+QUEUE_TIME = Histogram(
+    "platform_gateway_queue_seconds",
+    "Time a request waited in the gateway's admission queue before routing.",
+    ["model", "pool", "tier"],
+    buckets=LATENCY_BUCKETS,
+)
+TIME_TO_FIRST_TOKEN = Histogram(
+    "platform_gateway_time_to_first_token_seconds",
+    "From the request's arrival at the gateway to its first token.",
+    ["model", "pool", "tier"],
+    buckets=LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY = Histogram(
+    "platform_gateway_inter_token_latency_seconds",
+    "Gap between consecutive streamed chunks.",
+    ["model", "pool", "tier"],
+    buckets=TOKEN_GAP_BUCKETS,
+)
+REQUEST_TIME = Histogram(
+    "platform_gateway_request_seconds",
+    "From arrival to the last byte.",
+    ["model", "pool", "tier"],
+    buckets=LATENCY_BUCKETS,
+)
+TOKENS = Counter(
+    "platform_gateway_tokens_total",
+    "Tokens served, by tenant, model and kind (prompt or completion).",
+    ["tenant", "model", "kind"],
+)
+REQUESTS = Counter(
+    "platform_gateway_requests_total",
+    "Requests by model and outcome status.",
+    ["model", "status"],
+)
+ROUTER_DECISIONS = Counter(
+    "platform_router_decisions_total",
+    "Router decisions by policy and reason.",
+    ["policy", "reason"],
+)
+UPSTREAM_FAILURES = Counter(
+    "platform_gateway_upstream_failures_total",
+    "Failures talking to a replica, by pool and kind.",
+    ["pool", "kind"],
+)
+SPOOLED_EVENTS = Counter(
+    "platform_gateway_spooled_usage_events_total",
+    "Usage events written to the local spool because Redis refused them.",
+)

@@ -1,0 +1,346 @@
+"""One generation request through the data plane, independent of the transport.
+
+    authenticate -> validate -> guardrails -> admit (one Redis call) -> route
+    -> proxy the stream (retry elsewhere only before the first token) -> settle (one Redis
+    pipeline: refund or charge, release the stream slot, XADD the usage event)
+
+`Exchange.prepare()` raises `ApiError` before anything is sent to the client; `Exchange.events()`
+then yields the OpenAI-shaped chunks, and settles in a `finally` whatever happens: a client
+that disconnects, a replica that dies mid-stream, a bug. The SSE and WebSocket transports and
+the non-streaming JSON response all consume the same `events()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.engine.tokens import estimate_prompt_tokens, prompt_block_hashes
+from serving.gateway import metrics
+from serving.gateway.errors import ApiError
+from serving.gateway.guardrails import GuardrailInput, run_guardrails
+from serving.gateway.routing import ReplicaEndpoint
+from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream
+from serving.router import Decision, RouteRequest
+
+log = logging.getLogger(__name__)
+
+PRIORITY_HEADER = "x-priority"
+TIERS = ("interactive", "standard", "batch")
+# Prefix blocks considered for affinity: enough to recognise a shared system prompt.
+MAX_PREFIX_BLOCKS = 64
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened, filled in as the exchange runs; settle reads it."""
+
+    status: str = "ok"
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    queue_s: float = 0.0
+    replica: ReplicaEndpoint | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Exchange:
+    gateway: Any  # serving.gateway.service.Gateway (typed loosely to avoid an import cycle)
+    kind: str  # "chat" or "completion"
+    body: ChatCompletionRequest | CompletionRequest
+    principal: Any
+    tier: str
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    started_at: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    model: str = ""
+    adapter: str | None = None
+    base_model: str = ""
+    prompt_estimate: int = 0
+    prompt_text: str = ""
+    max_tokens: int = 0
+    admission: Any = None
+    decision: Decision | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    outcome: Outcome = field(default_factory=Outcome)
+    response_id: str | None = None
+    _upstream: UpstreamStream | None = None
+    _settled: bool = False
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+    # --- before the first byte -------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        gateway = self.gateway
+        principal = self.principal
+        self.model = self.body.model
+        entry = gateway.catalog.resolve(self.model, principal)
+        if entry is None:
+            raise ApiError(
+                404,
+                f"The model '{self.model}' does not exist or you do not have access to it.",
+                code="model_not_found",
+                param="model",
+            )
+        self.base_model, self.adapter = entry
+        if principal.model_allowlist and not (
+            self.model in principal.model_allowlist or self.base_model in principal.model_allowlist
+        ):
+            raise ApiError(
+                403,
+                f"This API key may not use the model '{self.model}'.",
+                code="model_not_allowed",
+                param="model",
+            )
+        limits = principal.limits
+        texts = self.body.prompt_texts()
+        self.prompt_text = self.body.prompt_text()
+        self.prompt_estimate = estimate_prompt_tokens(self.prompt_text)
+        requested = self.body.requested_max_tokens()
+        cap = limits.max_tokens_cap
+        if requested is not None and cap is not None and requested > cap:
+            raise ApiError(
+                400,
+                f"max_tokens is {requested}, over this key's cap of {cap}.",
+                code="max_tokens_exceeded",
+                param="max_tokens",
+            )
+        self.max_tokens = requested or cap or gateway.config.default_max_tokens
+        run_guardrails(
+            gateway.guardrails,
+            GuardrailInput(
+                tenant_slug=principal.tenant_slug,
+                model=self.model,
+                prompt_texts=texts,
+                prompt_tokens=self.prompt_estimate,
+                max_prompt_tokens=limits.max_context_tokens,
+                blocked_patterns=tuple(getattr(principal, "blocked_patterns", ()) or ()),
+            ),
+        )
+        if principal.allowed_tiers and self.tier not in principal.allowed_tiers:
+            raise ApiError(
+                403,
+                f"This key may not use the '{self.tier}' priority tier.",
+                code="tier_not_allowed",
+                param=PRIORITY_HEADER,
+            )
+        self.admission = await gateway.admit(self)
+        self.headers.update(self.admission.headers)
+        try:
+            await self._choose_replica(exclude=frozenset())
+        except BaseException:
+            await self.settle()
+            raise
+
+    def route_request(self) -> RouteRequest:
+        tenant = str(self.principal.tenant_id)
+        # Salted by tenant and adapter: one tenant's cached prefix is never another's hit,
+        # and equal text under different adapter weights is a different KV block.
+        hashes = prompt_block_hashes(
+            self.prompt_text[: MAX_PREFIX_BLOCKS * 64], salt=f"{tenant}:{self.adapter or ''}"
+        )
+        regions = self.principal.allowed_regions
+        return RouteRequest(
+            model=self.base_model,
+            tenant=tenant,
+            tier=self.tier,  # type: ignore[arg-type]
+            prompt_tokens=self.prompt_estimate,
+            max_tokens=self.max_tokens,
+            request_id=self.request_id,
+            adapter=self.adapter,
+            prefix_hashes=hashes,
+            allowed_regions=frozenset(regions) if regions else None,
+        )
+
+    async def _choose_replica(self, exclude: frozenset[str]) -> None:
+        gateway = self.gateway
+        request = self.route_request()
+        decision = gateway.choose(request, exclude)
+        if decision.replica is None:
+            raise ApiError(
+                503,
+                f"No replica of '{self.model}' is available right now; retry shortly.",
+                code="no_capacity",
+                headers={"Retry-After": "2"},
+            )
+        if decision.queue_advised:
+            # Nothing meets the SLO: wait for capacity in the bounded priority queue.
+            self.outcome.queue_s += await gateway.wait_in_queue(self.tier)
+            decision = gateway.choose(request, exclude)
+            if decision.replica is None:
+                raise ApiError(503, "No replica is available right now.", code="no_capacity",
+                               headers={"Retry-After": "2"})  # fmt: skip
+        self.decision = decision
+        self.outcome.replica = gateway.routing.snapshot.endpoints.get(decision.replica.replica_id)
+
+    # --- the stream --------------------------------------------------------------------------
+
+    def upstream_payload(self, served_name: str) -> dict[str, Any]:
+        payload = self.body.model_dump(exclude_none=True, exclude={"stream_options", "n"})
+        payload["model"] = self.adapter or served_name
+        payload["stream"] = True
+        # Always ask for usage upstream, so tokens are counted even when the client did not ask.
+        payload["stream_options"] = {"include_usage": True}
+        if self.kind == "chat":
+            payload.pop("max_completion_tokens", None)
+        payload["max_tokens"] = self.max_tokens
+        return payload
+
+    async def _open_upstream(self) -> UpstreamStream:
+        """Open the replica's stream, retrying once on another replica before any token."""
+        gateway = self.gateway
+        tried: set[str] = set()
+        for attempt in range(2):
+            assert self.decision is not None and self.decision.replica is not None
+            replica = self.decision.replica
+            endpoint = gateway.routing.snapshot.endpoints.get(replica.replica_id)
+            self.outcome.replica = endpoint
+            if endpoint is None:
+                raise ApiError(503, "The chosen replica left the routing table; retry.",
+                               code="no_capacity", headers={"Retry-After": "1"})  # fmt: skip
+            gateway.request_started(replica.replica_id)
+            try:
+                stream = await open_stream(
+                    gateway.session, endpoint.endpoint, self.path,
+                    self.upstream_payload(endpoint.served_model_name),
+                )  # fmt: skip
+                return stream
+            except UpstreamError as error:
+                gateway.request_finished(replica.replica_id)
+                if error.status is not None and 400 <= error.status < 500:
+                    # The engine refused the request itself (e.g. longer than its context).
+                    raise ApiError(400, str(error).split(": ", 1)[-1][:400],
+                                   code="invalid_request") from error  # fmt: skip
+                gateway.record_failure(endpoint, error.kind)
+                tried.add(replica.replica_id)
+                if attempt == 1:
+                    raise ApiError(502, "The model replica failed; please retry.",
+                                   code="upstream_error", error_type="server_error") from error  # fmt: skip
+                await self._choose_replica(exclude=frozenset(tried))
+        raise AssertionError("unreachable")
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The OpenAI chunks for the client. Settles exactly once in `finally`."""
+        gateway = self.gateway
+        labels = self._labels()
+        last_chunk_at: float | None = None
+        try:
+            try:
+                self._upstream = await self._open_upstream()
+            except ApiError as error:
+                self.outcome.status = "upstream_failed" if error.status >= 500 else "error"
+                self.outcome.error = error.message
+                raise
+            try:
+                async for chunk in self._upstream.chunks():
+                    usage = chunk.get("usage")
+                    if usage:
+                        self._take_usage(usage)
+                    choices = chunk.get("choices") or []
+                    if not choices:
+                        continue  # the usage-only chunk; the client gets ours at the end
+                    choice = choices[0]
+                    if choice.get("finish_reason"):
+                        self.outcome.finish_reason = choice["finish_reason"]
+                    if self._has_content(choice):
+                        now = time.monotonic()
+                        if self.outcome.first_token_at is None:
+                            self.outcome.first_token_at = now
+                            metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(
+                                now - self.started_mono
+                            )
+                        elif last_chunk_at is not None:
+                            metrics.INTER_TOKEN_LATENCY.labels(*labels).observe(now - last_chunk_at)
+                        last_chunk_at = now
+                        self.outcome.completion_tokens += 1 if not usage else 0
+                    yield chunk
+            except UpstreamError as error:
+                # The replica died mid-stream: the client gets an error event; what was
+                # delivered is still settled and metered.
+                self.outcome.status = "upstream_failed"
+                self.outcome.error = str(error)
+                if self.outcome.replica is not None:
+                    gateway.record_failure(self.outcome.replica, "mid_stream")
+                raise
+            if self.outcome.replica is not None:
+                gateway.record_success(self.outcome.replica)
+        except (asyncio.CancelledError, GeneratorExit):
+            self.outcome.status = "client_cancelled"
+            raise
+        except ApiError:
+            raise
+        except UpstreamError:
+            raise
+        except Exception as error:
+            self.outcome.status = "error"
+            self.outcome.error = repr(error)
+            log.exception("generation %s failed", self.request_id)
+            raise
+        finally:
+            if self._upstream is not None:
+                self._upstream.close()
+                if self.decision is not None and self.decision.replica is not None:
+                    gateway.request_finished(self.decision.replica.replica_id)
+            await asyncio.shield(self.settle())
+
+    def _take_usage(self, usage: dict[str, Any]) -> None:
+        self.outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        self.outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        self.outcome.cached_prompt_tokens = int(details.get("cached_tokens") or 0)
+
+    @staticmethod
+    def _has_content(choice: dict[str, Any]) -> bool:
+        if "text" in choice:
+            return bool(choice["text"])
+        delta = choice.get("delta") or {}
+        return bool(delta.get("content"))
+
+    def _labels(self) -> tuple[str, str, str]:
+        pool = self.outcome.replica.pool if self.outcome.replica else ""
+        return (self.model, pool, self.tier)
+
+    def usage_payload(self) -> dict[str, int]:
+        prompt = self.outcome.prompt_tokens or self.prompt_estimate
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.outcome.completion_tokens,
+            "total_tokens": prompt + self.outcome.completion_tokens,
+        }
+
+    # --- settle --------------------------------------------------------------------------------
+
+    async def settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        outcome = self.outcome
+        if not outcome.prompt_tokens:
+            outcome.prompt_tokens = self.prompt_estimate if outcome.replica else 0
+        ended = time.time()
+        total_s = time.monotonic() - self.started_mono
+        labels = self._labels()
+        metrics.REQUEST_TIME.labels(*labels).observe(total_s)
+        metrics.QUEUE_TIME.labels(*labels).observe(outcome.queue_s)
+        metrics.REQUESTS.labels(self.model, outcome.status).inc()
+        slug = self.principal.tenant_slug
+        metrics.TOKENS.labels(slug, self.model, "prompt").inc(outcome.prompt_tokens)
+        metrics.TOKENS.labels(slug, self.model, "completion").inc(outcome.completion_tokens)
+        ttft_ms = (
+            (outcome.first_token_at - self.started_mono) * 1000
+            if outcome.first_token_at is not None
+            else None
+        )
+        await self.gateway.settle(self, ended_at=ended, total_ms=total_s * 1000, ttft_ms=ttft_ms)

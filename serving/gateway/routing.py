@@ -1,0 +1,262 @@
+"""The gateway's in-memory routing state, refreshed in the background from Redis.
+
+The control plane publishes one versioned routing-table document (`routing:table`, version
+announced on `routing:updates`) and the latest replica telemetry (`routing:telemetry`, a hash
+of replica id -> compact JSON). This module turns them into the router's `RouterState`; the
+hot path only reads memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from serving.engine.perf import PerfModel
+from serving.engine.specs import find_model_spec, load_gpu_specs
+from serving.router import (
+    DeploymentRoute,
+    ModelRoute,
+    PrefixIndex,
+    ReplicaPerf,
+    ReplicaState,
+    RouterState,
+)
+from serving.router.coefficients import coefficients_from_perf
+
+log = logging.getLogger(__name__)
+
+ROUTING_TABLE_KEY = "routing:table"
+ROUTING_UPDATES_CHANNEL = "routing:updates"
+TELEMETRY_KEY = "routing:telemetry"
+
+# A conservative stand-in when a replica's GPU or model is unknown to the engine model.
+FALLBACK_PERF = ReplicaPerf(
+    prefill_s_per_token=0.0002,
+    prefill_base_s=0.02,
+    decode_base_s=0.02,
+    decode_s_per_seq=0.0005,
+    kv_capacity_tokens=100_000,
+    max_num_seqs=256,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaEndpoint:
+    """What the gateway needs to send a request to a replica and to meter it."""
+
+    replica_id: str
+    deployment_id: str
+    endpoint: str
+    pool: str
+    gpu_class: str
+    model: str
+    served_model_name: str
+    version: str
+    version_id: str | None
+    price_per_hour: float
+
+
+@dataclass(slots=True)
+class RoutingSnapshot:
+    version: int
+    state: RouterState
+    endpoints: dict[str, ReplicaEndpoint]
+    deployment_tiers: dict[str, str] = field(default_factory=dict)
+
+
+@lru_cache(maxsize=512)
+def replica_perf(
+    gpu_class: str,
+    model_spec: str,
+    quantization: str,
+    tensor_parallel: int,
+    max_num_seqs: int,
+    kv_cache_dtype: str,
+    gpu_memory_utilization: float,
+) -> ReplicaPerf:
+    gpu = load_gpu_specs().get(gpu_class)
+    model = find_model_spec(model_spec)
+    if gpu is None or model is None:
+        return FALLBACK_PERF
+    try:
+        perf = PerfModel(
+            gpu,
+            model,
+            quantization=quantization or "bf16",
+            tensor_parallel=tensor_parallel,
+            kv_cache_dtype=kv_cache_dtype or "auto",
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        return coefficients_from_perf(perf, max_num_seqs=max_num_seqs)
+    except ValueError:
+        return FALLBACK_PERF
+
+
+def _replica_state(model: str, deployment: dict[str, Any], row: dict[str, Any]) -> ReplicaState:
+    perf = replica_perf(
+        str(row.get("gpu_class", "")),
+        str(row.get("model_spec") or model),
+        str(row.get("quantization") or "bf16"),
+        int(row.get("tensor_parallel") or 1),
+        int(row.get("max_num_seqs") or 256),
+        str(row.get("kv_cache_dtype") or "auto"),
+        float(row.get("gpu_memory_utilization") or 0.9),
+    )
+    return ReplicaState(
+        replica_id=str(row["replica_id"]),
+        deployment_id=str(deployment["deployment_id"]),
+        model=model,
+        version=str(deployment.get("version", "")),
+        pool=str(row.get("pool", "")),
+        gpu_class=str(row.get("gpu_class", "")),
+        region=str(row.get("region", "")),
+        price_per_hour=float(row.get("price_per_hour") or 0.0),
+        perf=perf,
+        adapters_loaded=frozenset(row.get("adapters") or ()),
+        max_loras=int(row.get("max_loras") or 0),
+        telemetry_at=time.monotonic(),
+    )
+
+
+def build_snapshot(
+    table: dict[str, Any], prefix_index: PrefixIndex | None = None
+) -> RoutingSnapshot:
+    routes: list[ModelRoute] = []
+    replicas: list[ReplicaState] = []
+    endpoints: dict[str, ReplicaEndpoint] = {}
+    tiers: dict[str, str] = {}
+    for model, entry in (table.get("models") or {}).items():
+        deployments = entry.get("deployments") or []
+        routes.append(
+            ModelRoute(
+                model=model,
+                deployments=tuple(
+                    DeploymentRoute(
+                        deployment_id=str(d["deployment_id"]),
+                        version=str(d.get("version", "")),
+                        weight=int(d.get("weight", 0)),
+                    )
+                    for d in deployments
+                ),
+                cohort_by_tenant=bool(entry.get("cohort_by_tenant", False)),
+            )
+        )
+        for deployment in deployments:
+            tiers[str(deployment["deployment_id"])] = str(deployment.get("slo_tier") or "standard")
+            for row in deployment.get("replicas") or []:
+                replica = _replica_state(model, deployment, row)
+                replicas.append(replica)
+                endpoints[replica.replica_id] = ReplicaEndpoint(
+                    replica_id=replica.replica_id,
+                    deployment_id=replica.deployment_id,
+                    endpoint=str(row["endpoint"]).rstrip("/"),
+                    pool=replica.pool,
+                    gpu_class=replica.gpu_class,
+                    model=model,
+                    served_model_name=str(row.get("served_model_name") or model),
+                    version=replica.version,
+                    version_id=(
+                        str(deployment["version_id"]) if deployment.get("version_id") else None
+                    ),
+                    price_per_hour=replica.price_per_hour,
+                )
+    state = RouterState(
+        routes, replicas, version=int(table.get("version", 0)), prefix_index=prefix_index
+    )
+    return RoutingSnapshot(int(table.get("version", 0)), state, endpoints, tiers)
+
+
+class RoutingCache:
+    """Holds the current snapshot; a background task keeps it and its telemetry fresh."""
+
+    def __init__(self, redis: aioredis.Redis, telemetry_interval_s: float = 1.0) -> None:
+        self.redis = redis
+        self.telemetry_interval_s = telemetry_interval_s
+        self.snapshot = build_snapshot({})
+        self.loaded = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.reload()
+        self._tasks = [
+            asyncio.create_task(self._follow_updates(), name="routing-updates"),
+            asyncio.create_task(self._poll(), name="routing-poll"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    async def reload(self) -> None:
+        raw = await self.redis.get(ROUTING_TABLE_KEY)
+        table = orjson.loads(raw) if raw else {}
+        version = int(table.get("version", 0))
+        if version != self.snapshot.version or not self.loaded.is_set():
+            previous = self.snapshot
+            self.snapshot = build_snapshot(table, previous.state.prefix_index)
+            # Requests in flight on a replica stay counted across table versions.
+            for replica_id in previous.endpoints:
+                old = previous.state.replica(replica_id)
+                new = self.snapshot.state.replica(replica_id)
+                if old is not None and new is not None:
+                    new.inflight = old.inflight
+                    new.breaker_open_until = old.breaker_open_until
+        await self.refresh_telemetry()
+        self.loaded.set()
+
+    async def refresh_telemetry(self) -> None:
+        rows = await self.redis.hgetall(TELEMETRY_KEY)
+        now_mono = time.monotonic()
+        now_wall = time.time()
+        state = self.snapshot.state
+        for replica_id, raw in rows.items():
+            item = orjson.loads(raw)
+            scraped_at = float(item.get("scraped_at") or now_wall)
+            state.update_telemetry(
+                replica_id.decode() if isinstance(replica_id, bytes) else str(replica_id),
+                running=int(item.get("running", 0)),
+                waiting=int(item.get("waiting", 0)),
+                kv_usage=float(item.get("kv", 0.0)),
+                telemetry_at=now_mono - max(0.0, now_wall - scraped_at),
+                adapters_loaded=frozenset(item.get("loras") or ()),
+            )
+
+    async def _follow_updates(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(ROUTING_UPDATES_CHANNEL)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        await self.reload()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # Redis away: keep serving from memory, retry
+                log.warning("routing updates interrupted: %s", error)
+                await asyncio.sleep(1.0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _poll(self) -> None:
+        # Telemetry every interval; the table too, in case an update message was missed.
+        while True:
+            await asyncio.sleep(self.telemetry_interval_s)
+            try:
+                await self.reload()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("routing refresh failed: %s", error)

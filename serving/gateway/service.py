@@ -1,0 +1,379 @@
+"""The gateway's per-process state and the steps of the hot path that touch it.
+
+One `Gateway` per process, started lazily on the first request: a Redis client with short
+timeouts, the key authenticator, the limiter, the routing cache, the catalog and price book,
+circuit breakers, the admission queue, an upstream connection pool and the usage spool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from metering.pricing import PRICE_BOOK_KEY, PriceBook, PriceNotFound, charge_usd_micros
+from metering.usage import UsageEvent, UsageSpool, add_usage_event
+from registry.rollout_metrics import request_fields, stats_key
+from serving.gateway import metrics
+from serving.gateway.catalog import Catalog, load_catalog
+from serving.gateway.errors import ApiError
+from serving.gateway.guardrails import DEFAULT_CHAIN, Guardrail, load_chain
+from serving.gateway.routing import ReplicaEndpoint, RoutingCache
+from serving.gateway.upstream import UpstreamTimeouts, make_session
+from serving.router import (
+    POLICIES,
+    AdmissionQueue,
+    CircuitBreaker,
+    Decision,
+    QueueFull,
+    RouterConfig,
+    RouteRequest,
+)
+from tenants.keys import KeyAuthenticator
+from tenants.limiter import LimiterUnavailable, RateLimiter
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_STATS_TTL_S = 3 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    redis_url: str
+    redis_timeout_s: float = 0.5
+    policy: str = "cost_aware"
+    default_max_tokens: int = 1024
+    queue_max: int = 256
+    queue_aging_s: float = 10.0
+    queue_timeout_s: float = 20.0
+    upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
+    breaker_failures: int = 3
+    breaker_base_s: float = 2.0
+    breaker_max_s: float = 60.0
+    refresh_s: float = 1.0
+    spool_path: str = "var/usage-spool.jsonl"
+    guardrails: tuple[str, ...] = DEFAULT_CHAIN
+    max_body_bytes: int = 4 * 1024 * 1024
+
+    @classmethod
+    def from_settings(cls) -> GatewayConfig:
+        from django.conf import settings
+
+        return cls(
+            redis_url=settings.REDIS_URL,
+            redis_timeout_s=settings.REDIS_SOCKET_TIMEOUT_S,
+            policy=getattr(settings, "GATEWAY_ROUTER_POLICY", "cost_aware"),
+            upstream=UpstreamTimeouts(
+                connect_s=getattr(settings, "GATEWAY_CONNECT_TIMEOUT_S", 2.0),
+                read_s=getattr(settings, "GATEWAY_READ_TIMEOUT_S", 30.0),
+            ),
+            spool_path=str(
+                getattr(settings, "GATEWAY_SPOOL_PATH", None)
+                or Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var"))
+                / f"usage-spool-{os.getpid()}.jsonl"
+            ),
+            guardrails=tuple(getattr(settings, "GATEWAY_GUARDRAILS", DEFAULT_CHAIN)),
+        )
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.redis = aioredis.Redis.from_url(
+            config.redis_url,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            health_check_interval=10,
+        )
+        self.authenticator = KeyAuthenticator(self.redis, timeout_s=config.redis_timeout_s)
+        self.limiter = RateLimiter(self.redis)
+        self.routing = RoutingCache(self.redis, telemetry_interval_s=config.refresh_s)
+        self.catalog = Catalog()
+        self.price_book = PriceBook([])
+        self.guardrails: list[Guardrail] = load_chain(config.guardrails)
+        self.router_config = RouterConfig()
+        self.queue = AdmissionQueue(config.queue_max, config.queue_aging_s)
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self.spool = UsageSpool(config.spool_path)
+        self.session: aiohttp.ClientSession = None  # type: ignore[assignment]  # set in start
+        self._policy: Any = None
+        self._policy_version = -1
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.session = make_session(self.config.upstream)
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.authenticator.start()
+        await self.routing.start()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.refresh_reference_data()
+        self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await self.routing.close()
+        with contextlib.suppress(Exception):
+            await self.authenticator.close()
+        if self.session is not None:
+            await self.session.close()
+        await self.redis.aclose()
+
+    async def refresh_reference_data(self) -> None:
+        self.catalog = await load_catalog(self.redis)
+        raw = await self.redis.get(PRICE_BOOK_KEY)
+        if raw:
+            self.price_book = PriceBook.from_json(raw)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_s * 2)
+            try:
+                await self.refresh_reference_data()
+                if self.spool.pending():
+                    sent = await self.spool.replay(self.redis)
+                    log.info("replayed %d spooled usage events", sent)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("gateway refresh failed: %s", error)
+
+    # --- admit ---------------------------------------------------------------------------
+
+    async def admit(self, exchange: Any) -> Any:
+        principal = exchange.principal
+        try:
+            admission = await self.limiter.admit(
+                principal,
+                request_id=exchange.request_id,
+                prompt_tokens=exchange.prompt_estimate,
+                max_tokens=exchange.max_tokens,
+                stream=bool(exchange.body.stream),
+            )
+        except LimiterUnavailable as error:
+            raise ApiError(503, str(error), code="limiter_unavailable",
+                           error_type="service_unavailable_error",
+                           headers={"Retry-After": "2"}) from error  # fmt: skip
+        if admission.allowed:
+            return admission
+        if admission.error == "insufficient_quota":
+            message = (
+                "You exceeded your current quota: your tenant's monthly "
+                f"{(admission.limit or 'budget').replace('_', ' ')} is used up. Ask your tenant "
+                "owner to raise it, or wait for the next month."
+            )
+        else:
+            message = (
+                f"Rate limit reached for {(admission.limit or 'requests').replace('_', ' ')}. "
+                "Retry after the time in Retry-After."
+            )
+        raise ApiError(
+            429, message, code=admission.error or "rate_limit_exceeded", headers=admission.headers
+        )
+
+    # --- route ---------------------------------------------------------------------------
+
+    def policy(self) -> Any:
+        snapshot = self.routing.snapshot
+        if (
+            self._policy is None
+            or self._policy_version != snapshot.version
+            or (self._policy.state is not snapshot.state)
+        ):
+            self._policy = POLICIES[self.config.policy](snapshot.state, self.router_config)
+            self._policy_version = snapshot.version
+        return self._policy
+
+    def choose(self, request: RouteRequest, exclude: frozenset[str]) -> Decision:
+        state = self.routing.snapshot.state
+        hidden: list[tuple[str, float]] = []
+        # Exclusion (a retry after a failure) reuses the breaker field: the router already
+        # skips a replica whose breaker is open.
+        far_future = time.monotonic() + 3600
+        for replica_id in exclude:
+            replica = state.replica(replica_id)
+            if replica is not None:
+                hidden.append((replica_id, replica.breaker_open_until))
+                replica.breaker_open_until = far_future
+        try:
+            decision = self.policy().choose(request, time.monotonic())
+        finally:
+            for replica_id, until in hidden:
+                state.set_breaker(replica_id, until)
+        metrics.ROUTER_DECISIONS.labels(decision.policy, str(decision.reason)).inc()
+        return decision
+
+    async def wait_in_queue(self, tier: str) -> float:
+        try:
+            return await self.queue.wait_for_slot(tier, timeout_s=self.config.queue_timeout_s)
+        except QueueFull as full:
+            raise ApiError(
+                429,
+                "Every replica is at its latency limit and the queue is full; retry later.",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(max(1, round(full.retry_after_s)))},
+            ) from None
+        except TimeoutError:
+            raise ApiError(
+                503,
+                "Every replica is at its latency limit; the request waited too long.",
+                code="no_capacity",
+                headers={"Retry-After": str(max(1, round(self.queue.retry_after_s())))},
+            ) from None
+
+    def request_started(self, replica_id: str) -> None:
+        state = self.routing.snapshot.state
+        state.request_started(replica_id)
+        breaker = self.breakers.get(replica_id)
+        if breaker is not None and breaker.allow_request():
+            # Half-open: this request is the probe; nothing else goes until it reports.
+            state.set_breaker(replica_id, breaker.blocked_until)
+
+    def request_finished(self, replica_id: str) -> None:
+        self.routing.snapshot.state.request_finished(replica_id)
+        if len(self.queue):
+            self.queue.release()
+
+    def _breaker(self, replica_id: str) -> CircuitBreaker:
+        breaker = self.breakers.get(replica_id)
+        if breaker is None:
+            breaker = CircuitBreaker(
+                failure_threshold=self.config.breaker_failures,
+                base_open_s=self.config.breaker_base_s,
+                max_open_s=self.config.breaker_max_s,
+            )
+            self.breakers[replica_id] = breaker
+        return breaker
+
+    def record_failure(self, replica: ReplicaEndpoint, kind: str) -> None:
+        metrics.UPSTREAM_FAILURES.labels(replica.pool, kind).inc()
+        breaker = self._breaker(replica.replica_id)
+        breaker.record_failure()
+        self.routing.snapshot.state.set_breaker(replica.replica_id, breaker.blocked_until)
+
+    def record_success(self, replica: ReplicaEndpoint) -> None:
+        breaker = self.breakers.get(replica.replica_id)
+        if breaker is not None:
+            breaker.record_success()
+            self.routing.snapshot.state.set_breaker(replica.replica_id, breaker.blocked_until)
+
+    # --- settle --------------------------------------------------------------------------
+
+    def price(self, exchange: Any, at: float) -> int:
+        outcome = exchange.outcome
+        try:
+            price = self.price_book.price_for(
+                exchange.base_model, exchange.adapter, exchange.tier,
+                exchange.principal.tenant_id, at,
+            )  # fmt: skip
+        except PriceNotFound:
+            return 0
+        return charge_usd_micros(
+            price, outcome.prompt_tokens, outcome.cached_prompt_tokens, outcome.completion_tokens
+        )
+
+    async def settle(
+        self, exchange: Any, *, ended_at: float, total_ms: float, ttft_ms: float | None
+    ) -> None:
+        """ONE Redis round trip: limiter refund/charge and slot release, the usage event,
+        the rollout counters. If Redis refuses, the usage event goes to the local spool."""
+        outcome = exchange.outcome
+        principal = exchange.principal
+        replica = outcome.replica
+        charged = self.price(exchange, exchange.started_at)
+        event = UsageEvent(
+            request_id=exchange.request_id,
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            model=exchange.model,
+            version_id=int(replica.version_id) if replica and replica.version_id else None,
+            adapter=exchange.adapter or "",
+            deployment_id=int(replica.deployment_id) if replica else None,
+            pool=replica.pool if replica else "",
+            replica_id=replica.replica_id if replica else "",
+            priority=exchange.tier,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_prompt_tokens=outcome.cached_prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            status=outcome.status,  # type: ignore[arg-type]
+            finish_reason=outcome.finish_reason or "",
+            queue_ms=outcome.queue_s * 1000,
+            ttft_ms=ttft_ms,
+            total_ms=total_ms,
+            started_at=exchange.started_at,
+            ended_at=ended_at,
+            price_charged_usd_micros=charged,
+        )
+        pipeline = self.redis.pipeline(transaction=False)
+        reservation = exchange.admission.reservation if exchange.admission else None
+        if reservation is not None and not reservation.degraded:
+            await self.limiter.settle_commands(
+                pipeline,
+                reservation,
+                prompt_tokens=outcome.prompt_tokens,
+                completion_tokens=outcome.completion_tokens,
+                charged_usd_micros=charged,
+            )
+        add_usage_event(pipeline, event)
+        if replica is not None:
+            tpot_s = None
+            if ttft_ms is not None and outcome.completion_tokens > 1:
+                tpot_s = (total_ms - ttft_ms) / 1000 / (outcome.completion_tokens - 1)
+            key = stats_key(replica.deployment_id)
+            for name, amount in request_fields(
+                ok=outcome.status in ("ok", "client_cancelled"),
+                ttft_s=None if ttft_ms is None else ttft_ms / 1000,
+                tpot_s=tpot_s,
+                output_tokens=outcome.completion_tokens,
+                finish_reason=outcome.finish_reason,
+            ).items():
+                pipeline.hincrby(key, name, amount)
+            pipeline.expire(key, ROLLOUT_STATS_TTL_S)
+        try:
+            await pipeline.execute()
+        except (RedisError, OSError, TimeoutError) as error:
+            log.error(
+                "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
+            )
+            metrics.SPOOLED_EVENTS.inc()
+            await self.spool.append_async(event)
+        if exchange.principal is not None:
+            self.authenticator.touch(principal.key_id)
+
+
+_gateway: Gateway | None = None
+_gateway_lock: asyncio.Lock | None = None
+
+
+async def get_gateway() -> Gateway:
+    """The process's gateway, started on first use (uvicorn runs without lifespan here)."""
+    global _gateway, _gateway_lock
+    if _gateway is not None:
+        return _gateway
+    if _gateway_lock is None:
+        _gateway_lock = asyncio.Lock()
+    async with _gateway_lock:
+        if _gateway is None:
+            gateway = Gateway(GatewayConfig.from_settings())
+            await gateway.start()
+            _gateway = gateway
+    return _gateway
+
+
+def decode_json(raw: bytes) -> Any:
+    return orjson.loads(raw)

@@ -1,0 +1,97 @@
+"""Streaming from a replica (vLLM or the engine simulator) over HTTP with aiohttp.
+
+Connect and first-byte timeouts bound how long one unresponsive replica can hold a request;
+closing the response aborts the generation in the engine (vLLM aborts a request whose client
+went away).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+class UpstreamError(Exception):
+    """A replica failed. `before_first_token` tells whether a retry elsewhere is safe."""
+
+    def __init__(self, message: str, *, kind: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    connect_s: float = 2.0
+    # Until the response headers and then between chunks: a replica silent this long is
+    # treated as failed.
+    read_s: float = 30.0
+
+
+def make_session(timeouts: UpstreamTimeouts) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(
+            total=None,
+            connect=timeouts.connect_s,
+            sock_connect=timeouts.connect_s,
+            sock_read=timeouts.read_s,
+        ),
+        json_serialize=lambda value: orjson.dumps(value).decode(),
+        auto_decompress=False,
+    )
+
+
+class UpstreamStream:
+    """One streamed generation from a replica: iterate the decoded SSE chunks, then close."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        buffer = b""
+        try:
+            async for data in self.response.content.iter_any():
+                buffer += data
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            return
+                        yield orjson.loads(payload)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise UpstreamError(f"replica stream broke: {error!r}", kind="stream_broken") from error
+        raise UpstreamError("replica closed the stream before [DONE]", kind="stream_broken")
+
+    def close(self) -> None:
+        # Dropping the connection (not returning it to the pool) makes the engine abort.
+        self.response.close()
+
+
+async def open_stream(
+    session: aiohttp.ClientSession, endpoint: str, path: str, payload: dict[str, Any]
+) -> UpstreamStream:
+    """POST a streaming generation; return once the replica answered with 200 headers."""
+    try:
+        response = await session.post(f"{endpoint}{path}", json=payload)
+    except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        raise UpstreamError(f"could not reach replica: {error!r}", kind="connect") from error
+    if response.status != 200:
+        try:
+            detail = (await response.read())[:500].decode(errors="replace")
+        except (aiohttp.ClientError, TimeoutError):
+            detail = ""
+        finally:
+            response.release()
+        raise UpstreamError(
+            f"replica answered {response.status}: {detail}", kind="status", status=response.status
+        )
+    return UpstreamStream(response)

@@ -1,0 +1,120 @@
+"""The official `openai` client, unmodified, against the running gateway."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import redis
+
+from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def client(gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis):
+    fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    return openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key=key.secret, max_retries=0)
+
+
+def test_chat_completion_without_streaming(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello"}], max_tokens=12
+    )
+    assert reply.object == "chat.completion"
+    assert reply.model == MODEL
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in {"stop", "length"}
+    assert reply.usage is not None
+    assert 0 < reply.usage.completion_tokens <= 12
+    assert reply.usage.prompt_tokens > 0
+
+
+def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to five"}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content, "no tokens streamed"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(content)
+    assert all(c.usage is None for c in chunks[:-1])
+    assert {c.id for c in chunks} == {chunks[0].id}
+
+
+def test_completion_streamed_and_not(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    assert whole.object == "text_completion"
+    assert whole.choices[0].text
+    assert whole.usage is not None and whole.usage.completion_tokens <= 6
+    pieces = list(client.completions.create(model=MODEL, prompt="Hi", max_tokens=5, stream=True))
+    assert pieces and all(p.usage is None for p in pieces)
+    assert "".join(p.choices[0].text for p in pieces if p.choices)
+
+
+def test_models_list_shows_what_the_key_may_use(client: openai.OpenAI) -> None:
+    assert [model.id for model in client.models.list()] == [MODEL]
+
+
+def test_a_wrong_key_raises_authentication_error(gateway_server: GatewayServer) -> None:
+    bad = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key="sk-nope-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as raised:
+        bad.models.list()
+    assert raised.value.code == "invalid_api_key"
+
+
+def test_an_unknown_model_raises_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert raised.value.code == "model_not_found"
+
+
+def test_a_model_outside_the_allowlist_raises_permission_denied(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme", allowlist=("qwen2.5-7b",))
+    limited = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key=key.secret, max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError):
+        limited.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+
+def test_n_above_one_raises_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+        )
+    assert raised.value.param == "n"
+    assert "n greater than 1" in str(raised.value)
+
+
+def test_exhausted_rate_limit_raises_rate_limit_error(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme", requests_per_minute=1)
+    client = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key=key.secret, max_retries=0)
+    client.completions.create(model=MODEL, prompt="one", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as raised:
+        client.completions.create(model=MODEL, prompt="two", max_tokens=2)
+    assert raised.value.code == "rate_limit_exceeded"
+    headers = raised.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-limit-requests"] == "1"
+    assert headers["x-ratelimit-remaining-requests"] == "0"
