@@ -1,1 +1,324 @@
-"""Models of the registry app."""
+"""Models of the registry: models, versions, LoRA adapters, deployments and canary rollouts.
+
+A `Model.name` is the served model name clients put in `"model"`. Its deployments share that
+name in the routing table, which splits traffic between them by `Deployment.traffic_weight`.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
+from django.db import models
+
+from serving.engine.specs import BYTES_PER_PARAM, ModelSpec
+
+SERVED_NAME = RegexValidator(
+    r"^[a-z0-9][a-z0-9._-]{0,127}$",
+    "Lower-case letters, digits, dots, dashes and underscores, starting with a letter or digit.",
+)
+ARTIFACT_URI = RegexValidator(
+    r"^(s3://[^/\s]+/\S*|hf://\S+|file:///\S+)$",
+    "An artifact URI starts with s3://bucket/, hf:// or file:///.",
+)
+
+
+class Visibility(models.TextChoices):
+    PUBLIC = "public"
+    RESTRICTED = "restricted"
+
+
+class Quantization(models.TextChoices):
+    BF16 = "bf16"
+    FP8 = "fp8"
+    AWQ_INT4 = "awq-int4"
+
+
+class SloTier(models.TextChoices):
+    INTERACTIVE = "interactive"
+    STANDARD = "standard"
+    BATCH = "batch"
+
+
+class Model(models.Model):
+    """A served model with the architecture figures the performance model needs."""
+
+    name = models.CharField(max_length=128, unique=True, validators=[SERVED_NAME])
+    family = models.CharField(max_length=64)
+    description = models.TextField(blank=True)
+    params_b = models.FloatField(validators=[MinValueValidator(0.01)], help_text="Billions.")
+    layers = models.PositiveIntegerField()
+    hidden = models.PositiveIntegerField()
+    kv_heads = models.PositiveIntegerField()
+    head_dim = models.PositiveIntegerField()
+    max_context = models.PositiveIntegerField()
+    visibility = models.CharField(
+        max_length=16, choices=Visibility.choices, default=Visibility.PUBLIC
+    )
+    granted_tenants = models.ManyToManyField(
+        "tenants.Tenant", blank=True, related_name="granted_models"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def kv_bytes_per_token_bf16(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2
+
+    def spec(self) -> ModelSpec:
+        return ModelSpec(
+            name=self.name,
+            params_b=self.params_b,
+            layers=self.layers,
+            hidden=self.hidden,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            max_context=self.max_context,
+            kv_bytes_per_token_bf16=self.kv_bytes_per_token_bf16,
+        )
+
+
+class ModelVersion(models.Model):
+    class Status(models.TextChoices):
+        DRAFT = "draft"
+        APPROVED = "approved"
+        DEPRECATED = "deprecated"
+        RETIRED = "retired"
+
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="versions")
+    version = models.CharField(max_length=64, validators=[SERVED_NAME])
+    artifact_uri = models.CharField(max_length=500, validators=[ARTIFACT_URI])
+    revision = models.CharField(max_length=128, blank=True)
+    quantization = models.CharField(
+        max_length=16, choices=Quantization.choices, default=Quantization.BF16
+    )
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DRAFT)
+    approved_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    approved_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model", "-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "version"], name="one_version_label_per_model")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model.name}@{self.version}"
+
+    @property
+    def weights_gb(self) -> float:
+        return self.model.params_b * BYTES_PER_PARAM[self.quantization]
+
+
+class Adapter(models.Model):
+    """A LoRA on a base version. `name` is what a client puts in `"model"` to use it."""
+
+    name = models.CharField(max_length=128, unique=True, validators=[SERVED_NAME])
+    base_version = models.ForeignKey(
+        ModelVersion, on_delete=models.PROTECT, related_name="adapters"
+    )
+    rank = models.PositiveSmallIntegerField(
+        default=16, validators=[MinValueValidator(1), MaxValueValidator(512)]
+    )
+    artifact_uri = models.CharField(max_length=500, validators=[ARTIFACT_URI])
+    # No owner: a platform adapter. An owned adapter is always visible to its owner.
+    owner_tenant = models.ForeignKey(
+        "tenants.Tenant",
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="adapters",
+    )
+    visibility = models.CharField(
+        max_length=16, choices=Visibility.choices, default=Visibility.RESTRICTED
+    )
+    granted_tenants = models.ManyToManyField(
+        "tenants.Tenant", blank=True, related_name="granted_adapters"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# vLLM launch settings a deployment starts from; engine_args on a row override any of them.
+DEFAULT_ENGINE_ARGS: dict[str, object] = {
+    "max_model_len": 8192,
+    "max_num_seqs": 256,
+    "gpu_memory_utilization": 0.9,
+    "kv_cache_dtype": "auto",
+    "enable_prefix_caching": True,
+    "max_loras": 0,
+    "max_lora_rank": 16,
+}
+
+
+def default_engine_args() -> dict[str, object]:
+    return dict(DEFAULT_ENGINE_ARGS)
+
+
+class Deployment(models.Model):
+    class Status(models.TextChoices):
+        ACTIVE = "active"  # replicas wanted; in the routing table at its traffic weight
+        DRAINING = "draining"  # out of the routing table; replicas finish what they hold
+        STOPPED = "stopped"  # no replicas
+
+    name = models.SlugField(max_length=128, unique=True)
+    model_version = models.ForeignKey(
+        ModelVersion, on_delete=models.PROTECT, related_name="deployments"
+    )
+    pool = models.ForeignKey(
+        "serving.GpuPool", on_delete=models.PROTECT, related_name="deployments"
+    )
+    tensor_parallel = models.PositiveSmallIntegerField(
+        default=1, choices=[(1, "1"), (2, "2"), (4, "4"), (8, "8")]
+    )
+    replicas_min = models.PositiveIntegerField(default=1)
+    replicas_max = models.PositiveIntegerField(default=1)
+    replicas_desired = models.PositiveIntegerField(default=1)
+    engine_args = models.JSONField(default=default_engine_args, blank=True)
+    slo_tier = models.CharField(max_length=16, choices=SloTier.choices, default=SloTier.STANDARD)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    # Percent of the served model name's traffic. The rollout controller moves it.
+    traffic_weight = models.PositiveSmallIntegerField(
+        default=100, validators=[MaxValueValidator(100)]
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(replicas_min__lte=models.F("replicas_desired"))
+                & models.Q(replicas_desired__lte=models.F("replicas_max")),
+                name="deployment_replicas_min_desired_max",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(traffic_weight__lte=100), name="deployment_weight_percent"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_version.model.name
+
+    def effective_engine_args(self) -> dict[str, object]:
+        return {**DEFAULT_ENGINE_ARGS, **(self.engine_args or {})}
+
+
+def default_steps() -> list[int]:
+    return [5, 25, 50, 100]
+
+
+class Rollout(models.Model):
+    class State(models.TextChoices):
+        RUNNING = "running"
+        PAUSED = "paused"
+        PROMOTED = "promoted"
+        ROLLED_BACK = "rolled_back"
+        ABORTED = "aborted"
+
+    LIVE_STATES = (State.RUNNING, State.PAUSED)
+
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="rollouts")
+    baseline = models.ForeignKey(
+        Deployment, on_delete=models.PROTECT, related_name="rollouts_as_baseline"
+    )
+    canary = models.ForeignKey(
+        Deployment, on_delete=models.PROTECT, related_name="rollouts_as_canary"
+    )
+    steps = models.JSONField(default=default_steps)
+    step_index = models.PositiveSmallIntegerField(default=0)
+    step_started_at = models.DateTimeField()
+    step_min_duration_s = models.PositiveIntegerField(default=300)
+    step_min_requests = models.PositiveIntegerField(default=200)
+    # Overrides of registry.rollout_policy.GateThresholds, by field name.
+    gate_thresholds = models.JSONField(default=dict, blank=True)
+    # Canary traffic chosen by tenant (one tenant sees one version), not by request. The
+    # routing table publishes it as ModelRoute.cohort_by_tenant for the served model name.
+    cohort_by_tenant = models.BooleanField(default=False)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.RUNNING)
+    # Counter snapshots (registry.rollout_metrics marks) that open the comparison windows.
+    baseline_mark = models.JSONField(default=dict, blank=True)
+    canary_mark = models.JSONField(default=dict, blank=True)
+    # The controller's latest reading, for the console: move, reason and gate figures.
+    last_decision = models.JSONField(default=dict, blank=True)
+    last_tick_at = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["model"],
+                condition=models.Q(state__in=["running", "paused"]),
+                name="one_live_rollout_per_model",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"rollout {self.pk} of {self.model.name}"
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in self.LIVE_STATES
+
+    @property
+    def canary_weight(self) -> int:
+        return int(self.steps[self.step_index])
+
+
+class RolloutTransition(models.Model):
+    """One recorded change of a rollout: who or what made it, why, and on which figures."""
+
+    CONTROLLER = "controller"
+
+    rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="transitions")
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16)
+    from_weight = models.PositiveSmallIntegerField(null=True, blank=True)
+    to_weight = models.PositiveSmallIntegerField()
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        related_name="+",
+    )
+    # "controller" or the staff user's username, kept even if the user is deleted.
+    actor_label = models.CharField(max_length=150)
+    reason = models.TextField()
+    gate = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["rollout", "created_at", "pk"]
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}: {self.from_state} -> {self.to_state} by {self.actor_label}"
