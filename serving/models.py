@@ -57,3 +57,185 @@ class GpuPool(models.Model):
         if self.usd_per_gpu_hour is not None:
             return self.usd_per_gpu_hour
         return self.gpu_class.default_usd_per_hour
+
+
+class JoinToken(models.Model):
+    """A secret that lets a node agent register itself into one pool.
+
+    Only the SHA-256 of the secret is stored; the secret is shown once, when it is made."""
+
+    pool = models.ForeignKey(GpuPool, on_delete=models.CASCADE, related_name="join_tokens")
+    name = models.CharField(max_length=64, blank=True)
+    token_hash = models.CharField(max_length=64, unique=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["pool", "created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.pool.name}:{self.name or self.pk}"
+
+
+class Node(models.Model):
+    """A GPU machine running a node agent.
+
+    Health (`health`: ready / not ready, from heartbeats) and scheduling (`scheduling`: active,
+    cordoned, draining, set by staff) are separate fields, so a node can be NotReady AND
+    cordoned; `status` folds them into the one word the console shows."""
+
+    class Health(models.TextChoices):
+        READY = "ready", "Ready"
+        NOT_READY = "not_ready", "NotReady"
+
+    class Scheduling(models.TextChoices):
+        ACTIVE = "active", "Active"
+        CORDONED = "cordoned", "Cordoned"
+        DRAINING = "draining", "Draining"
+
+    pool = models.ForeignKey(GpuPool, on_delete=models.PROTECT, related_name="nodes")
+    hostname = models.CharField(max_length=255)
+    agent_url = models.URLField(max_length=500)
+    health = models.CharField(max_length=16, choices=Health.choices, default=Health.READY)
+    scheduling = models.CharField(
+        max_length=16, choices=Scheduling.choices, default=Scheduling.ACTIVE
+    )
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    # SHA-256 of the node token, for the agent -> control plane direction.
+    token_hash = models.CharField(max_length=64, blank=True)
+    # The node token is HMAC(SECRET_KEY, nonce): the control plane can rebuild it to call the
+    # agent, yet the database alone never holds it (see serving/actions.py).
+    token_nonce = models.CharField(max_length=64, blank=True)
+    registered_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["pool", "hostname"]
+        constraints = [
+            models.UniqueConstraint(fields=["pool", "hostname"], name="node_hostname_per_pool")
+        ]
+
+    def __str__(self) -> str:
+        return self.hostname
+
+    @property
+    def status(self) -> str:
+        if self.health == self.Health.NOT_READY:
+            return "NotReady"
+        if self.scheduling == self.Scheduling.CORDONED:
+            return "Cordoned"
+        if self.scheduling == self.Scheduling.DRAINING:
+            return "Draining"
+        return "Ready"
+
+    @property
+    def schedulable(self) -> bool:
+        return self.health == self.Health.READY and self.scheduling == self.Scheduling.ACTIVE
+
+
+class Gpu(models.Model):
+    """One GPU of a node, as the agent inventoried it."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=128)
+    name = models.CharField(max_length=128)
+    memory_mb = models.PositiveIntegerField()
+
+    class Meta:
+        ordering = ["node", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_index_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node.hostname}/gpu{self.index}"
+
+
+class Replica(models.Model):
+    """One engine process of a deployment, on some GPUs of one node."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", "Pending"
+        STARTING = "starting", "Starting"
+        READY = "ready", "Ready"
+        DRAINING = "draining", "Draining"
+        FAILED = "failed", "Failed"
+        STOPPED = "stopped", "Stopped"
+
+    # States whose process the agent should be running: they hold their GPUs.
+    DESIRED_STATES = (State.PENDING, State.STARTING, State.READY, State.FAILED)
+    # States that hold GPUs on the node (a draining process is still alive).
+    HOLDING_STATES = (*DESIRED_STATES, State.DRAINING)
+
+    deployment = models.ForeignKey(
+        "registry.Deployment", on_delete=models.CASCADE, related_name="replicas"
+    )
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="replicas")
+    gpu_indices = models.JSONField(default=list)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    last_error = models.TextField(blank=True)
+    restarts = models.PositiveIntegerField(default=0)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    draining_since = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["deployment", "created_at"]
+        indexes = [models.Index(fields=["state", "node"])]
+
+    def __str__(self) -> str:
+        return f"replica {self.pk} of deployment {self.deployment_id} on {self.node_id}"
+
+    @property
+    def replica_id(self) -> str:
+        return str(self.pk)
+
+
+class ReplicaEvent(models.Model):
+    """Something that happened to a replica: a crash, a restart, a state change, a placement."""
+
+    class Source(models.TextChoices):
+        AGENT = "agent", "Agent"
+        CONTROL_PLANE = "control_plane", "Control plane"
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="events")
+    kind = models.CharField(max_length=64)
+    message = models.TextField(blank=True)
+    at = models.DateTimeField()
+    source = models.CharField(max_length=16, choices=Source.choices)
+
+    class Meta:
+        ordering = ["replica", "at"]
+        constraints = [
+            # Agents resend events until a heartbeat succeeds: a replay must not duplicate.
+            models.UniqueConstraint(fields=["replica", "kind", "at"], name="replica_event_once")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class TelemetrySample(models.Model):
+    """A sampled point of a replica's engine telemetry (about one per 30 s per replica)."""
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="samples")
+    at = models.DateTimeField(db_index=True)
+    running = models.PositiveIntegerField()
+    waiting = models.PositiveIntegerField()
+    kv_cache_usage = models.FloatField()
+    prompt_tokens_total = models.BigIntegerField()
+    generation_tokens_total = models.BigIntegerField()
+    prefix_cache_hits_total = models.BigIntegerField()
+    prefix_cache_queries_total = models.BigIntegerField()
+    preemptions_total = models.BigIntegerField()
+    gpu_utilization_pct = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["replica", "at"]
+
+    def __str__(self) -> str:
+        return f"sample of {self.replica_id} at {self.at:%H:%M:%S}"

@@ -1,0 +1,88 @@
+"""The fleet's staff REST API: pools, nodes (with cordon, uncordon, drain), GPUs, replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.db.models import QuerySet
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import IsAdminUser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from serving import actions
+from serving.api.serializers import (
+    GpuPoolSerializer,
+    GpuSerializer,
+    NodeSerializer,
+    ReplicaEventSerializer,
+    ReplicaSerializer,
+)
+from serving.models import Gpu, GpuPool, Node, Replica
+
+
+class GpuPoolViewSet(viewsets.ModelViewSet):
+    permission_classes = [IsAdminUser]
+    serializer_class = GpuPoolSerializer
+    queryset = GpuPool.objects.select_related("gpu_class")
+
+
+class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+    permission_classes = [IsAdminUser]
+    serializer_class = NodeSerializer
+    queryset = Node.objects.select_related("pool").prefetch_related("gpus")
+
+    def get_queryset(self) -> QuerySet[Node]:
+        queryset = super().get_queryset()
+        pool = self.request.query_params.get("pool")
+        return queryset.filter(pool__name=pool) if pool else queryset
+
+    def _act(self, change: Callable[[Node], Node]) -> Response:
+        node = change(self.get_object())
+        return Response(NodeSerializer(node).data)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def cordon(self, request: Request, pk: str | None = None) -> Response:
+        return self._act(actions.do_cordon_node)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request: Request, pk: str | None = None) -> Response:
+        return self._act(actions.do_uncordon_node)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str | None = None) -> Response:
+        return self._act(actions.do_drain_node)
+
+
+class GpuViewSet(viewsets.ReadOnlyModelViewSet):
+    permission_classes = [IsAdminUser]
+    serializer_class = GpuSerializer
+    queryset = Gpu.objects.all()
+
+
+class ReplicaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    permission_classes = [IsAdminUser]
+    serializer_class = ReplicaSerializer
+    queryset = Replica.objects.select_related("node")
+
+    def get_queryset(self) -> QuerySet[Replica]:
+        queryset = super().get_queryset()
+        params = self.request.query_params
+        if params.get("state"):
+            queryset = queryset.filter(state=params["state"])
+        if params.get("deployment"):
+            queryset = queryset.filter(deployment_id=params["deployment"])
+        if params.get("node"):
+            queryset = queryset.filter(node_id=params["node"])
+        return queryset
+
+    @extend_schema(responses=ReplicaEventSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, pk: str | None = None) -> Response:
+        replica = self.get_object()
+        return Response(ReplicaEventSerializer(replica.events.all(), many=True).data)

@@ -1,0 +1,133 @@
+"""The demo fleet: four pools in two regions, a stable join token per pool, simulated nodes,
+and (when the registry's demo has not put any on these pools) deployments of three models."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from serving.actions import do_create_join_token, hash_token
+from serving.models import GpuClass, GpuPool, JoinToken
+
+
+@dataclass(frozen=True)
+class DemoPool:
+    name: str
+    gpu_class: str
+    region: str
+    usd_per_gpu_hour: Decimal | None
+    nodes: int
+    gpus_per_node: int
+
+
+DEMO_POOLS: tuple[DemoPool, ...] = (
+    DemoPool("h100-us-east", "H100-SXM-80GB", "us-east", None, 1, 2),
+    DemoPool("a100-us-east", "A100-SXM-80GB", "us-east", None, 1, 1),
+    DemoPool("l40s-eu-west", "L40S-48GB", "eu-west", None, 1, 1),
+    DemoPool("l4-eu-west", "L4-24GB", "eu-west", Decimal("0.7000"), 2, 1),
+)
+
+# (served name = models.csv row, artifact, quantization, pool, TP): three models, four pools.
+DEMO_DEPLOYMENTS: tuple[tuple[str, str, str, str, int], ...] = (
+    ("llama-3.1-70b", "hf://meta-llama/Llama-3.1-70B-Instruct", "fp8", "h100-us-east", 2),
+    ("qwen2.5-7b", "hf://Qwen/Qwen2.5-7B-Instruct", "bf16", "a100-us-east", 1),
+    ("llama-3.1-8b", "hf://meta-llama/Llama-3.1-8B-Instruct", "bf16", "l40s-eu-west", 1),
+    ("llama-3.1-8b", "hf://meta-llama/Llama-3.1-8B-Instruct", "bf16", "l4-eu-west", 1),
+)
+
+
+def seed(details: dict[str, Any]) -> None:
+    fleet = details.setdefault("fleet", {})
+    tokens: dict[str, str] = fleet.setdefault("join_tokens", {})
+    for demo in DEMO_POOLS:
+        pool, _ = GpuPool.objects.update_or_create(
+            name=demo.name,
+            defaults={
+                "gpu_class": GpuClass.objects.get(name=demo.gpu_class),
+                "region": demo.region,
+                "usd_per_gpu_hour": demo.usd_per_gpu_hour,
+                "labels": {"demo": "true"},
+            },
+        )
+        secret = tokens.get(demo.name) or "jt_demo_" + os.urandom(16).hex()
+        tokens[demo.name] = secret
+        if not JoinToken.objects.filter(token_hash=hash_token(secret)).exists():
+            do_create_join_token(pool, name="demo", secret=secret)
+    details["extra"]["Join token (L4 pool)"] = tokens["l4-eu-west"]
+    _seed_deployments()
+
+
+def _seed_deployments() -> None:
+    """Deployments on the demo pools, unless the registry's demo already made some."""
+    from registry.models import Deployment, Model, ModelVersion
+    from serving.engine.specs import load_model_specs
+
+    if Deployment.objects.filter(pool__name__in=[p.name for p in DEMO_POOLS]).exists():
+        return
+    specs = load_model_specs()
+    for served, artifact, quantization, pool_name, tp in DEMO_DEPLOYMENTS:
+        spec = specs[served]
+        model, _ = Model.objects.get_or_create(
+            name=served,
+            defaults={
+                "family": served.split("-")[0],
+                "params_b": spec.params_b,
+                "layers": spec.layers,
+                "hidden": spec.hidden,
+                "kv_heads": spec.kv_heads,
+                "head_dim": spec.head_dim,
+                "max_context": spec.max_context,
+            },
+        )
+        version, _ = ModelVersion.objects.get_or_create(
+            model=model,
+            version="v1",
+            defaults={
+                "artifact_uri": artifact,
+                "quantization": quantization,
+                "status": ModelVersion.Status.APPROVED,
+            },
+        )
+        Deployment.objects.get_or_create(
+            name=f"{served}-{pool_name}".replace(".", "-"),
+            defaults={
+                "model_version": version,
+                "pool": GpuPool.objects.get(name=pool_name),
+                "tensor_parallel": tp,
+                "engine_args": {"max_model_len": 8192, "max_num_seqs": 64},
+            },
+        )
+
+
+def agent_commands(details: dict[str, Any], control_plane: str) -> list[dict[str, Any]]:
+    """One node agent per demo node, as argv lists `make run` starts as child processes."""
+    tokens = details.get("fleet", {}).get("join_tokens", {})
+    state_root = Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var")) / "agents"
+    commands = []
+    for demo in DEMO_POOLS:
+        if demo.name not in tokens:
+            continue
+        short = demo.name.split("-")[0]
+        for number in range(1, demo.nodes + 1):
+            name = f"agent-{short}-{number}"
+            commands.append(
+                {
+                    "name": name,
+                    "argv": [
+                        sys.executable, "-m", "serving.agent",
+                        "--control-plane", control_plane,
+                        "--token", tokens[demo.name],
+                        "--simulate-gpus", f"{demo.gpu_class}:{demo.gpus_per_node}",
+                        "--node-name", name,
+                        "--state-dir", str(state_root / name),
+                        "--sim-time-scale", "1",
+                    ],
+                }
+            )  # fmt: skip
+    return commands

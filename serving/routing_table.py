@@ -1,0 +1,201 @@
+"""The routing table: deployments, their canary weights and their READY replicas, as one
+versioned JSON document in Redis that every gateway process keeps in memory.
+
+`publish_routing_table()` bumps the version only when the content changed (compared by digest
+inside one Lua script, so two publishers never both bump), then announces the version on
+`routing:updates`. Only replicas in state Ready enter: starting, draining, failed replicas and
+those of a NotReady node never receive traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+from django.db import transaction
+from django.utils import timezone
+
+from serving import telemetry
+from serving.models import Node, Replica
+
+logger = logging.getLogger(__name__)
+
+TABLE_KEY = "routing:table"
+VERSION_KEY = "routing:version"
+DIGEST_KEY = "routing:digest"
+UPDATES_CHANNEL = "routing:updates"
+
+# Compare, bump, store and announce atomically. The document is the content with the version
+# and publish time spliced in front, so the stored JSON is one self-describing object.
+_PUBLISH_SCRIPT = """
+if redis.call('GET', KEYS[3]) == ARGV[1] then return 0 end
+local version = redis.call('INCR', KEYS[2])
+local doc = '{"version":' .. version .. ',"published_at":"' .. ARGV[3] .. '",' .. string.sub(ARGV[2], 2)
+redis.call('SET', KEYS[1], doc)
+redis.call('SET', KEYS[3], ARGV[1])
+redis.call('PUBLISH', ARGV[4], version)
+return version
+"""
+
+
+def build_routing_table() -> dict[str, Any]:
+    """The table's content (without version and publish time), from PostgreSQL."""
+    from serving.actions import deployment_launch, deployments_to_run
+
+    ready = _ready_replicas()
+    rollouts = _live_rollouts()
+    models: dict[str, dict[str, Any]] = {}
+    for deployment in deployments_to_run():
+        launch = deployment_launch(deployment)
+        if not launch.active:
+            continue  # a draining deployment's replicas finish their work but get nothing new
+        rollout = rollouts.get(launch.served_model_name)
+        route = models.setdefault(
+            launch.served_model_name,
+            {
+                "cohort_by_tenant": bool(rollout and rollout["cohort_by_tenant"]),
+                "rollout": rollout,
+                "deployments": [],
+            },
+        )
+        route["deployments"].append(
+            {
+                "deployment_id": deployment.pk,
+                "name": deployment.name,
+                "version": launch.version_label,
+                "version_id": deployment.model_version_id,
+                "weight": launch.traffic_weight,
+                "slo_tier": launch.slo_tier,
+                "role": _role(rollout, deployment.pk),
+                "pool": deployment.pool.name,
+                "adapters": [name for name, _ in launch.adapters],
+                "replicas": [
+                    _replica_row(replica, launch) for replica in ready.get(deployment.pk, [])
+                ],
+            }
+        )
+    return {"models": models}
+
+
+def _live_rollouts() -> dict[str, dict[str, Any]]:
+    from registry.models import Rollout
+
+    return {
+        rollout.model.name: {
+            "rollout_id": rollout.pk,
+            "baseline_deployment_id": rollout.baseline_id,
+            "canary_deployment_id": rollout.canary_id,
+            "cohort_by_tenant": rollout.cohort_by_tenant,
+        }
+        for rollout in Rollout.objects.filter(state__in=Rollout.LIVE_STATES).select_related("model")
+    }
+
+
+def _role(rollout: dict[str, Any] | None, deployment_id: int) -> str | None:
+    if rollout is None:
+        return None
+    if rollout["canary_deployment_id"] == deployment_id:
+        return "canary"
+    return "baseline" if rollout["baseline_deployment_id"] == deployment_id else None
+
+
+def _ready_replicas() -> dict[int, list[Replica]]:
+    replicas = (
+        Replica.objects.filter(
+            state=Replica.State.READY, node__health=Node.Health.READY, port__isnull=False
+        )
+        .select_related("node__pool__gpu_class")
+        .order_by("pk")
+    )
+    by_deployment: dict[int, list[Replica]] = {}
+    for replica in replicas:
+        by_deployment.setdefault(replica.deployment_id, []).append(replica)
+    return by_deployment
+
+
+def _replica_row(replica: Replica, launch: Any) -> dict[str, Any]:
+    pool = replica.node.pool
+    host = urlsplit(replica.node.agent_url).hostname or replica.node.hostname
+    gpus = len(replica.gpu_indices)
+    return {
+        "replica_id": replica.replica_id,
+        "endpoint": f"http://{host}:{replica.port}",
+        "node": replica.node.hostname,
+        "pool": pool.name,
+        "region": pool.region,
+        "gpu_class": pool.gpu_class.name,
+        "gpus": gpus,
+        "price_per_hour": float(pool.price_per_gpu_hour * gpus),
+        "spot": pool.spot,
+        "tensor_parallel": launch.tensor_parallel,
+        "model_spec": launch.model_spec,
+        "quantization": launch.quantization,
+        "max_model_len": launch.max_model_len,
+        "max_num_seqs": launch.max_num_seqs,
+        "adapters": [name for name, _ in launch.adapters],
+    }
+
+
+def publish_routing_table() -> int:
+    """Publish the table if it changed; the new version, or 0 when nothing changed."""
+    content = build_routing_table()
+    body = orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
+    digest = hashlib.sha256(body).hexdigest()
+    client = telemetry.redis_client()
+    published_at = timezone.now().isoformat()
+    version = int(
+        client.eval(  # type: ignore[arg-type]
+            _PUBLISH_SCRIPT,
+            3,
+            TABLE_KEY,
+            VERSION_KEY,
+            DIGEST_KEY,
+            digest,
+            body,
+            published_at,
+            UPDATES_CHANNEL,
+        )
+    )
+    _prune_telemetry(client)
+    if version:
+        logger.info("routing table v%d published", version)
+    return version
+
+
+def _prune_telemetry(client: Any) -> None:
+    """Drop routing telemetry of replicas that no longer run (a lost node's, a stopped one's)."""
+    live = {
+        str(pk)
+        for pk in Replica.objects.filter(state__in=Replica.HOLDING_STATES).values_list(
+            "pk", flat=True
+        )
+    }
+    stale = [
+        key.decode()
+        for key in client.hkeys(telemetry.ROUTING_TELEMETRY_KEY)
+        if key.decode() not in live
+    ]
+    if stale:
+        client.hdel(telemetry.ROUTING_TELEMETRY_KEY, *stale)
+
+
+def read_routing_table(client: Any | None = None) -> dict[str, Any] | None:
+    raw = (client or telemetry.redis_client()).get(TABLE_KEY)
+    return None if raw is None else orjson.loads(raw)
+
+
+def request_publish() -> None:
+    """Publish once the current transaction commits (the registry calls this after weights
+    change); a broker hiccup is logged, and the periodic publish catches up."""
+    from serving.tasks import publish_routing_table as task
+
+    def send() -> None:
+        try:
+            task.delay()
+        except Exception:
+            logger.warning("could not enqueue a routing table publish", exc_info=True)
+
+    transaction.on_commit(send)

@@ -1,0 +1,8 @@
+"""Periodic loops of the fleet, merged into Celery beat by config/celery.py."""
+
+BEAT_SCHEDULE: dict[str, dict[str, object]] = {
+    "serving-reconcile": {"task": "serving.reconcile", "schedule": 2.0},
+    "serving-node-health": {"task": "serving.node_health", "schedule": 2.0},
+    # Changes publish on commit; this catches anything a lost enqueue missed.
+    "serving-publish-routing-table": {"task": "serving.publish_routing_table", "schedule": 5.0},
+}

@@ -1,0 +1,153 @@
+"""The agents' API: registration with a join token, heartbeats with the node token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from serving import telemetry
+from serving.actions import do_reconcile
+from serving.models import Gpu, Node, Replica, ReplicaEvent, TelemetrySample
+
+from .conftest import replica_report, send_heartbeat
+
+pytestmark = pytest.mark.django_db
+
+
+def test_registration_yields_a_node_token_that_authenticates_heartbeats(
+    make_pool, register
+) -> None:
+    _, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=2)
+    assert node["heartbeat_interval_s"] == 2
+    assert send_heartbeat(node).status_code == 200
+    assert Gpu.objects.filter(node_id=node["node_id"]).count() == 2
+
+
+def test_the_node_token_is_stored_only_as_a_hash(make_pool, register) -> None:
+    _, secret = make_pool()
+    node = register(secret, "gpu-1")
+    row = Node.objects.get(pk=node["node_id"])
+    assert node["node_token"] not in (row.token_hash, row.token_nonce)
+    assert len(row.token_hash) == 64
+
+
+def test_an_unknown_join_token_is_refused(make_pool) -> None:
+    make_pool()
+    response = Client().post(
+        "/api/agent/v1/register",
+        {"join_token": "jt_wrong", "hostname": "h", "agent_url": "http://h:1", "gpus": []},
+        content_type="application/json",
+    )
+    assert response.status_code == 401
+
+
+def test_a_heartbeat_with_a_wrong_token_is_refused(make_pool, register) -> None:
+    _, secret = make_pool()
+    node = register(secret, "gpu-1")
+    assert send_heartbeat({**node, "node_token": "nt_forged"}).status_code == 401
+
+
+def test_registering_the_same_hostname_again_reuses_the_node_and_revokes_the_old_token(
+    make_pool, register
+) -> None:
+    _, secret = make_pool()
+    first = register(secret, "gpu-1")
+    second = register(secret, "gpu-1")
+    assert second["node_id"] == first["node_id"]
+    assert send_heartbeat(first).status_code == 401
+    assert send_heartbeat(second).status_code == 200
+
+
+def test_the_heartbeat_answers_with_the_nodes_desired_replicas(
+    make_pool, make_deployment, register
+) -> None:
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=2)
+    make_deployment(pool, replicas=2)
+    do_reconcile()
+    desired = send_heartbeat(node).json()["desired_replicas"]
+    assert sorted(tuple(spec["gpu_indices"]) for spec in desired) == [(0,), (1,)]
+    assert {spec["served_model_name"] for spec in desired} == {"llama-3.1-8b"}
+    assert desired[0]["sim"]["gpu_class"] == "L4-24GB"
+
+
+def test_reported_states_are_recorded_with_an_event(make_pool, make_deployment, register) -> None:
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=1)
+    make_deployment(pool)
+    do_reconcile()
+    replica = Replica.objects.get()
+    send_heartbeat(node, replicas=[replica_report(replica.replica_id, "Ready", port=18123)])
+    replica.refresh_from_db()
+    assert (replica.state, replica.port) == (Replica.State.READY, 18123)
+    assert replica.events.filter(kind="state_ready").exists()
+
+
+def test_replayed_events_are_recorded_once(make_pool, make_deployment, register) -> None:
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=1)
+    make_deployment(pool)
+    do_reconcile()
+    replica = Replica.objects.get()
+    crash = {
+        "replica_id": replica.replica_id,
+        "kind": "crashed",
+        "message": "exit 1",
+        "at": 1_700_000_100.5,
+    }
+    send_heartbeat(node, events=[crash])
+    send_heartbeat(node, events=[crash])
+    assert ReplicaEvent.objects.filter(replica=replica, kind="crashed").count() == 1
+
+
+def _telemetry(running: int, waiting: int, kv: float) -> dict[str, Any]:
+    return {
+        "num_requests_running": running,
+        "num_requests_waiting": waiting,
+        "kv_cache_usage_perc": kv,
+        "prompt_tokens_total": 100,
+        "generation_tokens_total": 50,
+        "running_lora_adapters": ["sql-lora"],
+        "scraped_at": 1_700_000_200.0,
+    }
+
+
+def test_telemetry_lands_in_redis_for_the_gateway(
+    make_pool, make_deployment, register, redis_client
+) -> None:
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=1)
+    make_deployment(pool)
+    do_reconcile()
+    replica = Replica.objects.get()
+    report = replica_report(replica.replica_id, telemetry=_telemetry(3, 2, 0.41))
+    send_heartbeat(node, replicas=[report])
+    compact = telemetry.read_routing_telemetry(redis_client)[replica.replica_id]
+    assert compact == {
+        "running": 3,
+        "waiting": 2,
+        "kv": 0.41,
+        "loras": ["sql-lora"],
+        "scraped_at": 1_700_000_200.0,
+    }
+    assert redis_client.ttl(telemetry.replica_key(replica.replica_id)) > 0
+
+
+def test_history_is_sampled_once_per_interval_however_many_heartbeats(
+    make_pool, make_deployment, register, redis_client
+) -> None:
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=1)
+    make_deployment(pool)
+    do_reconcile()
+    replica = Replica.objects.get()
+    for running in (1, 2, 3):
+        send_heartbeat(
+            node,
+            replicas=[replica_report(replica.replica_id, telemetry=_telemetry(running, 0, 0.1))],
+        )
+    samples = TelemetrySample.objects.filter(replica=replica)
+    assert [s.running for s in samples] == [1]
