@@ -71,7 +71,7 @@ def _simulator_flags(
         flags += ["--sim-model-spec", spec.sim.model_spec]
     time_scale = spec.sim.time_scale if spec.sim.time_scale is not None else default_time_scale
     flags += ["--sim-time-scale", _number(time_scale)]
-    return flags
+    return [*flags, *spec.sim.extra_args]
 
 
 def _engine_env(spec: ReplicaSpec) -> dict[str, str]:

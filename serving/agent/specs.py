@@ -29,6 +29,8 @@ class SimSpec:
     gpu_class: str | None = None
     model_spec: str | None = None
     time_scale: float | None = None
+    # Simulator-only flags such as fault injection (--sim-hang, --sim-crash-after-tokens N).
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +82,7 @@ class ReplicaSpec:
                 "gpu_class": self.sim.gpu_class,
                 "model_spec": self.sim.model_spec,
                 "time_scale": self.sim.time_scale,
+                "extra_args": list(self.sim.extra_args),
             },
         }
 
@@ -176,8 +179,13 @@ def _parse_sim(raw: Any) -> SimSpec:
     if not isinstance(raw, dict):
         raise SpecError("sim must be an object")
     scale = raw.get("time_scale")
+    extra_args = tuple(str(arg) for arg in raw.get("extra_args") or ())
+    # Only the simulator's own flags: the engine flags come from the spec and nowhere else.
+    if any(arg.startswith("-") and not arg.startswith("--sim-") for arg in extra_args):
+        raise SpecError("sim.extra_args may only carry --sim-* flags")
     return SimSpec(
         gpu_class=_optional_str(raw.get("gpu_class")),
         model_spec=_optional_str(raw.get("model_spec")),
         time_scale=None if scale is None else float(scale),
+        extra_args=extra_args,
     )

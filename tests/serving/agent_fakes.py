@@ -106,7 +106,7 @@ def simulated_spec(replica_id: str = "r-1", **overrides: Any) -> dict[str, Any]:
     return spec
 
 
-def agent_config(control_plane: str, state_dir: Path) -> AgentConfig:
+def agent_config(control_plane: str, state_dir: Path, ready_timeout_s: float = 30.0) -> AgentConfig:
     return AgentConfig(
         control_plane=control_plane,
         join_token="join-secret",
@@ -115,7 +115,7 @@ def agent_config(control_plane: str, state_dir: Path) -> AgentConfig:
         launch=LaunchSettings(simulated=True, default_time_scale=50, sim_gpu_class="L4-24GB"),
         timings=SupervisionTimings(
             backoff=Backoff(base_s=0.2, cap_s=1.0),
-            ready_timeout_s=30.0,
+            ready_timeout_s=ready_timeout_s,
             ready_poll_s=0.1,
             stop_grace_s=5.0,
             drain_timeout_s=5.0,
@@ -127,9 +127,12 @@ def agent_config(control_plane: str, state_dir: Path) -> AgentConfig:
 
 
 @asynccontextmanager
-async def running_agent(control_plane: str, state_dir: Path) -> AsyncIterator[NodeAgent]:
+async def running_agent(
+    control_plane: str, state_dir: Path, ready_timeout_s: float = 30.0
+) -> AsyncIterator[NodeAgent]:
     agent = NodeAgent(
-        agent_config(control_plane, state_dir), SimulatedGpus("L4-24GB", 2, "test-node")
+        agent_config(control_plane, state_dir, ready_timeout_s),
+        SimulatedGpus("L4-24GB", 2, "test-node"),
     )
     await agent.start()
     try:

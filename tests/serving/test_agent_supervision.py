@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from pathlib import Path
@@ -136,3 +137,62 @@ async def test_a_replica_no_longer_desired_is_drained_stopped_and_reported_once(
     assert control_plane.latest_replica("r-1")["state"] == "Stopped"  # type: ignore[index]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+async def test_an_engine_whose_health_is_200_but_cannot_generate_never_becomes_ready(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    wedged = simulated_spec("r-1", sim={"gpu_class": "L4-24GB", "extra_args": ["--sim-hang"]})
+    control_plane.desired = [wedged]
+    try:
+        async with running_agent(control_plane.url, tmp_path, ready_timeout_s=2.0) as agent:
+            replica = await eventually(lambda: agent.replicas.get("r-1"), what="the replica")
+            async with aiohttp.ClientSession() as http:
+
+                async def health() -> int:
+                    try:
+                        async with http.get(f"{replica.base_url}/health") as response:
+                            return response.status
+                    except aiohttp.ClientError:
+                        return 0
+
+                while await health() != 200:
+                    await asyncio.sleep(0.05)
+            state_when_healthy = replica.state
+            await eventually(
+                lambda: "failed" in _kinds(control_plane, "r-1"), what="the readiness failure"
+            )
+    finally:
+        await control_plane.stop()
+
+    assert state_when_healthy == "Starting"
+    assert "ready" not in _kinds(control_plane, "r-1")
+
+
+async def test_a_ready_replica_has_its_lora_adapters_loaded(tmp_path: Path) -> None:
+    control_plane = FakeControlPlane()
+    await control_plane.start()
+    control_plane.desired = [
+        simulated_spec(
+            "r-1",
+            enable_lora=True,
+            max_loras=2,
+            max_lora_rank=16,
+            adapters=[{"name": "sql", "path": "/adapters/sql"}],
+        )
+    ]
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await eventually(lambda: _is_ready(control_plane, "r-1"), what="Ready")
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"{agent.replicas['r-1'].base_url}/v1/models") as response,
+            ):
+                served = [model["id"] for model in (await response.json())["data"]]
+    finally:
+        await control_plane.stop()
+
+    assert "sql" in served
+    assert control_plane.latest_replica("r-1")["adapters"] == ["sql"]  # type: ignore[index]
