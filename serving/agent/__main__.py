@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -21,7 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m serving.agent", description="GPU node agent: runs and reports replicas."
     )
     parser.add_argument("--control-plane", required=True, help="base URL of the control plane")
-    parser.add_argument("--token", required=True, help="join token issued by the control plane")
+    # The environment keeps the join token out of `ps`; systemd passes it that way.
+    join_token = os.environ.get("NODE_AGENT_JOIN_TOKEN")
+    parser.add_argument(
+        "--token",
+        required=join_token is None,
+        default=join_token,
+        help="join token issued by the control plane (or set NODE_AGENT_JOIN_TOKEN)",
+    )
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of the agent's API")
     parser.add_argument("--advertise-url", help="URL the control plane uses to reach this agent")
     parser.add_argument("--node-name", default=socket.gethostname(), help="defaults to hostname")
