@@ -606,9 +606,10 @@ def _reconcile_deployment(
         report.placed += 1
     if missing < 0:
         report.drained += _drain(_scale_down_victims(staying, -missing), "scaled_down")
-    # A draining node's replica leaves once enough replacements are serving.
+    # A draining node's replicas leave once their replacements serve, so capacity never dips;
+    # a drain with no room elsewhere waits (as a PodDisruptionBudget would) until staff act.
     ready_elsewhere = sum(1 for r in staying if r.state == Replica.State.READY)
-    if leaving and ready_elsewhere >= min(launch.desired, len(staying)):
+    if leaving and ready_elsewhere >= launch.desired:
         report.drained += _drain(leaving, "node_draining")
 
 

@@ -1,0 +1,70 @@
+"""The routing table: READY replicas only, versioned, published only on change."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from serving.actions import do_reconcile
+from serving.models import Replica
+from serving.routing_table import UPDATES_CHANNEL, publish_routing_table, read_routing_table
+
+from .conftest import replica_report, send_heartbeat
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def fleet(make_pool, make_deployment, register):
+    pool, secret = make_pool("l4-eu", "L4-24GB", "eu-west")
+    node = register(secret, "gpu-1", gpus=2)
+    deployment = make_deployment(pool, replicas=2, weight=90)
+    do_reconcile()
+    ready, starting = deployment.replicas.order_by("pk")
+    send_heartbeat(
+        node,
+        replicas=[
+            replica_report(ready.replica_id, "Ready", port=18001),
+            replica_report(starting.replica_id, "Starting", port=18002),
+        ],
+    )
+    return deployment, ready, starting
+
+
+def test_only_ready_replicas_enter_the_table(fleet, redis_client) -> None:
+    deployment, ready, _ = fleet
+    publish_routing_table()
+    (entry,) = read_routing_table(redis_client)["models"]["llama-3.1-8b"]["deployments"]
+    assert [r["replica_id"] for r in entry["replicas"]] == [ready.replica_id]
+    assert entry["weight"] == 90
+
+
+def test_a_replica_row_carries_endpoint_pool_and_price(fleet, redis_client) -> None:
+    deployment, ready, _ = fleet
+    publish_routing_table()
+    row = read_routing_table(redis_client)["models"]["llama-3.1-8b"]["deployments"][0]["replicas"][
+        0
+    ]
+    pool = deployment.pool
+    assert row["endpoint"] == "http://gpu-1.local:18001"
+    assert (row["pool"], row["region"], row["gpu_class"]) == ("l4-eu", "eu-west", "L4-24GB")
+    assert row["price_per_hour"] == pytest.approx(float(pool.price_per_gpu_hour))
+
+
+def test_the_version_moves_only_when_the_content_changes(fleet, redis_client) -> None:
+    first = publish_routing_table()
+    again = publish_routing_table()
+    Replica.objects.filter(state=Replica.State.READY).update(state=Replica.State.DRAINING)
+    changed = publish_routing_table()
+    assert (again, changed) == (0, first + 1)
+    assert read_routing_table(redis_client)["version"] == changed
+
+
+def test_a_new_version_is_announced_on_the_updates_channel(fleet, redis_client) -> None:
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe(UPDATES_CHANNEL)
+    pubsub.get_message(timeout=1)  # the subscribe confirmation
+    version = publish_routing_table()
+    message = pubsub.get_message(timeout=2)
+    pubsub.close()
+    assert orjson.loads(message["data"]) == version
