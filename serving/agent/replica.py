@@ -211,7 +211,10 @@ class ReplicaSupervisor:
     async def _become_ready(self, exited: asyncio.Task[int]) -> None:
         deadline = time.monotonic() + self._timings.ready_timeout_s
         while not exited.done():
-            if await self._generates_a_token():
+            remaining = deadline - time.monotonic()
+            if await self._generates_a_token(
+                max(0.5, min(self._timings.http_timeout_s, remaining))
+            ):
                 await self._sync_adapters(self.spec.adapters)
                 if self.state == STARTING:
                     self.state = READY
@@ -227,14 +230,14 @@ class ReplicaSupervisor:
                 return
             await asyncio.sleep(self._timings.ready_poll_s)
 
-    async def _generates_a_token(self) -> bool:
+    async def _generates_a_token(self, timeout_s: float) -> bool:
         """/health answers 200 even after a GPU fault (vLLM #36960): ask for one real token."""
         body = {"model": self.spec.served_model_name, "prompt": "ping", "max_tokens": 1}
         try:
             async with self._http.post(
                 f"{self.base_url}/v1/completions",
                 json=body,
-                timeout=aiohttp.ClientTimeout(total=self._timings.http_timeout_s),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 if response.status != 200:
                     return False
@@ -368,6 +371,9 @@ class ReplicaSupervisor:
                 self._signal(signal.SIGKILL)
         if self._task is not None:
             await self._task
+        elif self.state != STOPPED:
+            # Never launched (refused before start): nothing to signal, only to report.
+            self._mark_stopped()
 
     def _signal(self, signum: signal.Signals) -> None:
         process = self._process

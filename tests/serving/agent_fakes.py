@@ -117,7 +117,7 @@ def agent_config(control_plane: str, state_dir: Path, ready_timeout_s: float = 3
             backoff=Backoff(base_s=0.2, cap_s=1.0),
             ready_timeout_s=ready_timeout_s,
             ready_poll_s=0.1,
-            stop_grace_s=5.0,
+            stop_grace_s=2.0,
             drain_timeout_s=5.0,
         ),
         control_plane_timeout_s=1.0,

@@ -161,3 +161,27 @@ async def test_the_agent_keeps_trying_to_register_until_the_control_plane_answer
     assert registration["hostname"] == "test-node"
     assert registration["agent_url"] == agent.agent_url
     assert [gpu["name"] for gpu in registration["gpus"]] == ["L4-24GB", "L4-24GB"]
+
+
+async def test_a_replica_on_a_gpu_the_node_lacks_fails_and_can_still_be_removed(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    control_plane.desired = [simulated_spec("r-9", gpu_indices=[5])]
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await eventually(
+                lambda: (control_plane.latest_replica("r-9") or {}).get("state") == "Failed",
+                what="the refusal reported",
+            )
+            last_error = agent.replicas["r-9"].last_error
+
+            control_plane.desired = []
+
+            await eventually(lambda: "r-9" not in agent.replicas, what="the replica forgotten")
+    finally:
+        await control_plane.stop()
+
+    assert last_error == "this node has no GPU [5]"
+    assert [e["kind"] for e in control_plane.events("r-9")] == ["failed", "stopped"]
