@@ -162,6 +162,8 @@ DEFAULT_ENGINE_ARGS: dict[str, object] = {
     "gpu_memory_utilization": 0.9,
     "kv_cache_dtype": "auto",
     "enable_prefix_caching": True,
+    # LoRA turns on by itself when the version has adapters (serving.actions.deployment_launch).
+    "enable_lora": False,
     "max_loras": 0,
     "max_lora_rank": 16,
 }

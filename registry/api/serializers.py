@@ -1,0 +1,220 @@
+"""Serializers of the registry API. Writes go through registry.actions; these only parse."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from registry.models import (
+    Adapter,
+    Deployment,
+    Model,
+    ModelVersion,
+    Rollout,
+    RolloutTransition,
+    Visibility,
+)
+from registry.rollout_policy import DEFAULT_STEPS
+from serving.models import GpuPool
+from tenants.models import Tenant
+
+
+class StaffOnlyFieldsMixin:
+    """Who else a row is granted to is staff business: tenants never see other tenants' ids."""
+
+    staff_only_fields: tuple[str, ...] = ()
+
+    def to_representation(self, instance: Any) -> dict[str, Any]:
+        data: dict[str, Any] = super().to_representation(instance)  # type: ignore[misc]
+        request = self.context.get("request")  # type: ignore[attr-defined]
+        if request is None or not getattr(request.user, "is_staff", False):
+            for name in self.staff_only_fields:
+                data.pop(name, None)
+        return data
+
+
+class ModelSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Model]):
+    staff_only_fields = ("granted_tenants",)
+    granted_tenants = serializers.PrimaryKeyRelatedField(
+        many=True, queryset=Tenant.objects.all(), required=False
+    )
+    kv_bytes_per_token_bf16 = serializers.IntegerField(read_only=True)
+
+    class Meta:
+        model = Model
+        fields = [
+            "id",
+            "name",
+            "family",
+            "description",
+            "params_b",
+            "layers",
+            "hidden",
+            "kv_heads",
+            "head_dim",
+            "max_context",
+            "kv_bytes_per_token_bf16",
+            "visibility",
+            "granted_tenants",
+            "created_at",
+        ]
+        read_only_fields = ["id", "created_at"]
+
+
+class ModelVersionSerializer(serializers.ModelSerializer[ModelVersion]):
+    model = serializers.PrimaryKeyRelatedField(queryset=Model.objects.all())
+    model_name = serializers.CharField(source="model.name", read_only=True)
+    weights_gb = serializers.FloatField(read_only=True)
+    approved_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = ModelVersion
+        fields = [
+            "id",
+            "model",
+            "model_name",
+            "version",
+            "artifact_uri",
+            "revision",
+            "quantization",
+            "weights_gb",
+            "status",
+            "approved_by",
+            "approved_at",
+            "created_at",
+        ]
+        read_only_fields = ["id", "status", "approved_by", "approved_at", "created_at"]
+
+
+class AdapterSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Adapter]):
+    staff_only_fields = ("granted_tenants",)
+    base_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    base_model = serializers.CharField(source="base_version.model.name", read_only=True)
+    owner_tenant = serializers.PrimaryKeyRelatedField(
+        queryset=Tenant.objects.all(), required=False, allow_null=True
+    )
+    granted_tenants = serializers.PrimaryKeyRelatedField(
+        many=True, queryset=Tenant.objects.all(), required=False
+    )
+    visibility = serializers.ChoiceField(choices=Visibility.choices, required=False)
+
+    class Meta:
+        model = Adapter
+        fields = [
+            "id",
+            "name",
+            "base_version",
+            "base_model",
+            "rank",
+            "artifact_uri",
+            "owner_tenant",
+            "visibility",
+            "granted_tenants",
+            "created_at",
+        ]
+        read_only_fields = ["id", "created_at"]
+
+
+class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
+    name = serializers.SlugField(max_length=128, required=False)
+    model = serializers.CharField(source="served_model_name", read_only=True)
+    model_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=GpuPool.objects.all())
+    gpu_class = serializers.CharField(source="pool.gpu_class.name", read_only=True)
+    effective_engine_args = serializers.DictField(read_only=True)
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "model",
+            "model_version",
+            "pool",
+            "gpu_class",
+            "tensor_parallel",
+            "replicas_min",
+            "replicas_max",
+            "replicas_desired",
+            "engine_args",
+            "effective_engine_args",
+            "slo_tier",
+            "status",
+            "traffic_weight",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = ["id", "created_at", "updated_at"]
+        # Uniqueness and constraints are checked by the action, with placement.
+        validators: list[Any] = []
+
+
+class RolloutTransitionSerializer(serializers.ModelSerializer[RolloutTransition]):
+    class Meta:
+        model = RolloutTransition
+        fields = [
+            "id",
+            "from_state",
+            "to_state",
+            "from_weight",
+            "to_weight",
+            "actor_label",
+            "reason",
+            "gate",
+            "created_at",
+        ]
+        read_only_fields = fields
+
+
+class RolloutSerializer(serializers.ModelSerializer[Rollout]):
+    model = serializers.CharField(source="model.name", read_only=True)
+    baseline = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all())
+    target_version = serializers.PrimaryKeyRelatedField(
+        queryset=ModelVersion.objects.all(), write_only=True
+    )
+    steps = serializers.ListField(
+        child=serializers.IntegerField(min_value=1, max_value=100),
+        default=lambda: list(DEFAULT_STEPS),
+    )
+    canary_weight = serializers.IntegerField(source="canary.traffic_weight", read_only=True)
+    transitions = RolloutTransitionSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Rollout
+        fields = [
+            "id",
+            "model",
+            "baseline",
+            "target_version",
+            "canary",
+            "steps",
+            "step_index",
+            "canary_weight",
+            "step_started_at",
+            "step_min_duration_s",
+            "step_min_requests",
+            "gate_thresholds",
+            "cohort_by_tenant",
+            "state",
+            "last_decision",
+            "last_tick_at",
+            "created_at",
+            "finished_at",
+            "transitions",
+        ]
+        read_only_fields = [
+            "id",
+            "canary",
+            "step_index",
+            "step_started_at",
+            "state",
+            "last_decision",
+            "last_tick_at",
+            "created_at",
+            "finished_at",
+        ]
+
+
+class ReasonSerializer(serializers.Serializer[Any]):
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=2000)

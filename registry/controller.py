@@ -1,0 +1,97 @@
+"""The rollout controller: read each live rollout's windows, decide, act through actions.py.
+
+Level-triggered and idempotent: a tick reads the rollout's state and the metrics now, so
+running it twice, late, or after a crash does no harm. Each rollout is decided under a row
+lock taken with SKIP LOCKED, so overlapping ticks never double-step one rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import redis
+from django.db import transaction
+from django.utils import timezone
+
+from registry.actions import (
+    default_metrics_source,
+    do_advance_rollout_step,
+    do_promote_rollout,
+    do_rollback_rollout,
+)
+from registry.models import Rollout
+from registry.rollout_metrics import RolloutMetricsSource
+from registry.rollout_policy import GateThresholds, Move, StepDecision, StepProgress, decide_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TickOutcome:
+    rollout_id: int
+    move: Move
+    reason: str
+
+
+def run_rollout_tick(metrics: RolloutMetricsSource | None = None) -> list[TickOutcome]:
+    metrics = metrics or default_metrics_source()
+    live = Rollout.objects.filter(state__in=Rollout.LIVE_STATES).values_list("pk", flat=True)
+    outcomes: list[TickOutcome] = []
+    for rollout_id in list(live):
+        try:
+            outcome = tick_rollout(rollout_id, metrics)
+        except redis.RedisError:
+            # No figures is no evidence either way: hold, and try again next tick.
+            logger.warning("rollout %s: metrics unreadable, holding", rollout_id, exc_info=True)
+            continue
+        if outcome is not None:
+            outcomes.append(outcome)
+    return outcomes
+
+
+def tick_rollout(rollout_id: int, metrics: RolloutMetricsSource) -> TickOutcome | None:
+    with transaction.atomic():
+        rollout = (
+            Rollout.objects.select_for_update(of=("self",), skip_locked=True)
+            .filter(pk=rollout_id, state__in=Rollout.LIVE_STATES)
+            .first()
+        )
+        if rollout is None:
+            return None  # finished meanwhile, or another tick holds it
+        decision = _decide(rollout, metrics)
+        _act(rollout, decision, metrics)
+        return TickOutcome(rollout.pk, decision.move, decision.reason)
+
+
+def _decide(rollout: Rollout, metrics: RolloutMetricsSource) -> StepDecision:
+    now = timezone.now()
+    progress = StepProgress(
+        steps=tuple(rollout.steps),
+        step_index=rollout.step_index,
+        step_elapsed_s=(now - rollout.step_started_at).total_seconds(),
+        step_min_duration_s=float(rollout.step_min_duration_s),
+        step_min_requests=rollout.step_min_requests,
+        paused=rollout.state == Rollout.State.PAUSED,
+    )
+    canary = metrics.window_stats(rollout.canary_id, rollout.canary_mark)
+    baseline = metrics.window_stats(rollout.baseline_id, rollout.baseline_mark)
+    return decide_step(
+        progress, canary, baseline, GateThresholds.from_dict(rollout.gate_thresholds)
+    )
+
+
+def _act(rollout: Rollout, decision: StepDecision, metrics: RolloutMetricsSource) -> None:
+    gate = decision.verdict.as_dict()
+    if decision.move is Move.ROLL_BACK:
+        do_rollback_rollout(rollout, actor=None, reason=decision.reason, gate=gate)
+    elif decision.move is Move.ADVANCE:
+        do_advance_rollout_step(
+            rollout, actor=None, reason=decision.reason, gate=gate, metrics=metrics
+        )
+    elif decision.move is Move.PROMOTE:
+        do_promote_rollout(rollout, actor=None, reason=decision.reason, gate=gate)
+    Rollout.objects.filter(pk=rollout.pk).update(
+        last_tick_at=timezone.now(),
+        last_decision={"move": decision.move.value, "reason": decision.reason, "gate": gate},
+    )

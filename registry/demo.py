@@ -1,0 +1,97 @@
+"""Demo registry: the seven models of models.csv, an approved v1 of each (fp8 from 70B up),
+an approved v2 of llama-3.1-8b ready to roll out, a model restricted to acme, and LoRA
+adapters (one public, one owned by acme). Deployments come with the demo fleet's pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from registry.actions import publish_visibility
+from registry.models import Adapter, Model, ModelVersion, Visibility
+from serving.engine.specs import ModelSpec, load_model_specs
+from tenants.models import Tenant
+
+ARTIFACTS = {
+    "llama-3.2-1b": "hf://meta-llama/Llama-3.2-1B-Instruct",
+    "qwen2.5-7b": "hf://Qwen/Qwen2.5-7B-Instruct",
+    "llama-3.1-8b": "hf://meta-llama/Llama-3.1-8B-Instruct",
+    "mistral-7b-v0.3": "hf://mistralai/Mistral-7B-Instruct-v0.3",
+    "llama-3.1-70b": "hf://meta-llama/Llama-3.1-70B-Instruct",
+    "qwen2.5-72b": "hf://Qwen/Qwen2.5-72B-Instruct",
+    "llama-3.1-405b": "hf://meta-llama/Llama-3.1-405B-Instruct-FP8",
+}
+# Granted to acme only: shows a model globex never sees.
+RESTRICTED_TO_ACME = "qwen2.5-72b"
+
+
+def model_fields(spec: ModelSpec) -> dict[str, Any]:
+    """A Model row's architecture figures from a models.csv row."""
+    return {
+        "family": spec.name.split("-")[0],
+        "params_b": spec.params_b,
+        "layers": spec.layers,
+        "hidden": spec.hidden,
+        "kv_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "max_context": spec.max_context,
+    }
+
+
+def seed(details: dict[str, Any]) -> None:
+    acme = Tenant.objects.filter(slug="acme").first()
+    for name, spec in load_model_specs().items():
+        restricted = name == RESTRICTED_TO_ACME
+        model, _ = Model.objects.update_or_create(
+            name=name,
+            defaults={
+                **model_fields(spec),
+                "visibility": Visibility.RESTRICTED if restricted else Visibility.PUBLIC,
+            },
+        )
+        if restricted and acme is not None:
+            model.granted_tenants.add(acme)
+        ModelVersion.objects.get_or_create(
+            model=model,
+            version="v1",
+            defaults={
+                "artifact_uri": ARTIFACTS[name],
+                "quantization": "fp8" if spec.params_b >= 70 else "bf16",
+                "status": ModelVersion.Status.APPROVED,
+            },
+        )
+    llama_8b = Model.objects.get(name="llama-3.1-8b")
+    v1 = ModelVersion.objects.get(model=llama_8b, version="v1")
+    ModelVersion.objects.get_or_create(
+        model=llama_8b,
+        version="v2",
+        defaults={
+            "artifact_uri": ARTIFACTS["llama-3.1-8b"],
+            "revision": "main",
+            "status": ModelVersion.Status.APPROVED,
+        },
+    )
+    Adapter.objects.get_or_create(
+        name="llama-3.1-8b-sql",
+        defaults={
+            "base_version": v1,
+            "rank": 16,
+            "artifact_uri": "s3://demo-adapters/llama-3.1-8b-sql/",
+            "visibility": Visibility.PUBLIC,
+        },
+    )
+    if acme is not None:
+        Adapter.objects.get_or_create(
+            name="acme-support-tone",
+            defaults={
+                "base_version": v1,
+                "rank": 8,
+                "artifact_uri": "s3://demo-adapters/acme-support-tone/",
+                "owner_tenant": acme,
+                "visibility": Visibility.RESTRICTED,
+            },
+        )
+    try:
+        publish_visibility()
+    except Exception as error:  # a seed without Redis still leaves a usable database
+        details.setdefault("warnings", []).append(f"model visibility not published: {error}")
+    details["extra"]["Rollout to try"] = "llama-3.1-8b v1 -> v2 (POST /api/v1/rollouts/)"

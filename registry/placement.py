@@ -1,0 +1,67 @@
+"""Placement of a deployment: database rows in, the engine model's check out.
+
+The rule and the arithmetic live in serving.engine.placement (weights plus the bf16 KV of one
+full sequence at max_model_len must fit memory x utilization minus 3 GB per GPU); this module
+only turns rows into specs and adds the pools where the deployment would fit as it stands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from serving.engine.placement import PlacementResult, check_placement
+from serving.engine.specs import GpuSpec
+from serving.models import GpuClass, GpuPool
+
+ENGINE_OVERHEAD_GB = 3.0
+
+
+def gpu_spec(gpu_class: GpuClass, usd_per_hour: float | None = None) -> GpuSpec:
+    return GpuSpec(
+        name=gpu_class.name,
+        memory_gb=gpu_class.memory_gb,
+        mem_bandwidth_gbs=gpu_class.mem_bandwidth_gbs,
+        bf16_tflops=gpu_class.bf16_tflops,
+        fp8_tflops=gpu_class.fp8_tflops,
+        tdp_w=float(gpu_class.tdp_w),
+        usd_per_hour=(
+            usd_per_hour if usd_per_hour is not None else float(gpu_class.default_usd_per_hour)
+        ),
+    )
+
+
+def check_deployment_placement(deployment: Any) -> PlacementResult:
+    """`deployment` is a registry Deployment, saved or not."""
+    version = deployment.model_version
+    args = deployment.effective_engine_args()
+    settings = {
+        "max_model_len": int(args["max_model_len"]),
+        "gpu_memory_utilization": float(args["gpu_memory_utilization"]),
+        "engine_overhead_gb": ENGINE_OVERHEAD_GB,
+    }
+    model = version.model.spec()
+    result = check_placement(
+        gpu_spec(deployment.pool.gpu_class),
+        model,
+        version.quantization,
+        deployment.tensor_parallel,
+        **settings,
+    )
+    if result.ok:
+        return result
+    pools = [
+        pool.name
+        for pool in GpuPool.objects.select_related("gpu_class").exclude(pk=deployment.pool_id)
+        if check_placement(
+            gpu_spec(pool.gpu_class),
+            model,
+            version.quantization,
+            deployment.tensor_parallel,
+            **settings,
+        ).ok
+    ]
+    if pools:
+        where = f" Pools where it fits as it stands: {', '.join(pools)}."
+        return replace(result, message=result.message + where)
+    return result
