@@ -32,7 +32,7 @@ from .replica import (
     SupervisionTimings,
     pick_free_port,
 )
-from .specs import ReplicaSpec, SpecError, parse_desired_set
+from .specs import ReplicaSpec, SpecError, parse_desired_set, parse_desired_set_leniently
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +108,16 @@ class NodeAgent:
 
     # -- desired state ----------------------------------------------------------------------
 
-    async def apply_desired(self, specs: list[ReplicaSpec]) -> None:
+    async def apply_desired(
+        self, specs: list[ReplicaSpec], untouchable: frozenset[str] = frozenset()
+    ) -> None:
         """Level-triggered: make the running set equal `specs`. Applying the same set again
-        changes nothing; a changed launch spec replaces its replica."""
+        changes nothing; a changed launch spec replaces its replica. Replicas in
+        `untouchable` (desired, but with a spec this agent refused) are left as they are."""
         async with self._apply_lock:
             desired = {spec.replica_id: spec for spec in specs}
             for replica_id, replica in list(self.replicas.items()):
-                if replica.state == STOPPED:
+                if replica.state == STOPPED or replica_id in untouchable:
                     continue
                 spec = desired.get(replica_id)
                 if spec is None:
@@ -218,9 +221,13 @@ class NodeAgent:
         # An answer without the key says nothing about the desired set; [] means "run none".
         if desired is not None:
             try:
-                await self.apply_desired_json(desired)
+                specs, refused = parse_desired_set_leniently(desired)
             except SpecError as exc:
-                log.error("control plane sent a desired set we cannot run: %s", exc)
+                log.error("control plane sent a desired set we cannot read: %s", exc)
+                return
+            for replica_id, reason in refused.items():
+                log.error("cannot run replica %s: %s", replica_id, reason)
+            await self.apply_desired(specs, untouchable=frozenset(refused))
 
     def heartbeat_body(self, events: list[Any]) -> dict[str, Any]:
         loads = [replica.gpu_load() for replica in self.replicas.values()]

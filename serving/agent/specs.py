@@ -96,7 +96,8 @@ def parse_replica_spec(raw: Any) -> ReplicaSpec:
         raise SpecError("a replica spec must be a JSON object")
     try:
         spec = ReplicaSpec(
-            replica_id=_required_str(raw, "replica_id"),
+            # The control plane's ids are database keys; accept them as numbers too.
+            replica_id=str(raw["replica_id"]) if raw.get("replica_id") not in (None, "") else "",
             deployment_id=str(raw.get("deployment_id") or ""),
             model=_required_str(raw, "model"),
             served_model_name=str(raw.get("served_model_name") or raw["model"]),
@@ -119,8 +120,26 @@ def parse_replica_spec(raw: Any) -> ReplicaSpec:
         if isinstance(exc, SpecError):
             raise
         raise SpecError(f"bad replica spec: {exc}") from exc
+    if not spec.replica_id:
+        raise SpecError("replica_id is required")
     _check(spec)
     return spec
+
+
+def parse_desired_set_leniently(raw: Any) -> tuple[list[ReplicaSpec], dict[str, str]]:
+    """For the heartbeat answer: the specs that parse, and why the others did not, by replica
+    id. One bad row must not freeze every other change to the node."""
+    if not isinstance(raw, list):
+        raise SpecError("desired_replicas must be a list of specs")
+    specs: list[ReplicaSpec] = []
+    refused: dict[str, str] = {}
+    for item in raw:
+        try:
+            specs.append(parse_replica_spec(item))
+        except SpecError as exc:
+            replica_id = item.get("replica_id") if isinstance(item, dict) else None
+            refused[str(replica_id)] = str(exc)
+    return specs, refused
 
 
 def parse_desired_set(raw: Any) -> list[ReplicaSpec]:

@@ -185,3 +185,22 @@ async def test_a_replica_on_a_gpu_the_node_lacks_fails_and_can_still_be_removed(
 
     assert last_error == "this node has no GPU [5]"
     assert [e["kind"] for e in control_plane.events("r-9")] == ["failed", "stopped"]
+
+
+async def test_one_unrunnable_spec_in_a_heartbeat_answer_does_not_block_the_others(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    control_plane.desired = [
+        simulated_spec("r-bad", quantization="int3"),
+        {**simulated_spec(), "replica_id": 42},
+    ]
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await eventually(lambda: "42" in agent.replicas, what="the good replica launched")
+            ids = set(agent.replicas)
+    finally:
+        await control_plane.stop()
+
+    assert ids == {"42"}
