@@ -1,0 +1,106 @@
+"""The fleet a simulation runs on: pools of one GPU class each, serving one model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs, load_model_specs
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleBounds:
+    minimum: int
+    maximum: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    name: str
+    gpu_class: str
+    replicas: int
+    # None: the GPU class's reference price from gpus.csv.
+    usd_per_gpu_hour: float | None = None
+    tensor_parallel: int = 1
+    region: str = "local"
+    # None: a static pool of `replicas`; otherwise `replicas` is the starting count.
+    autoscale: AutoscaleBounds | None = None
+
+    @property
+    def price_per_gpu_hour(self) -> float:
+        if self.usd_per_gpu_hour is not None:
+            return self.usd_per_gpu_hour
+        return load_gpu_specs()[self.gpu_class].usd_per_hour
+
+    @property
+    def price_per_replica_hour(self) -> float:
+        return self.price_per_gpu_hour * self.tensor_parallel
+
+    @property
+    def hourly_cost(self) -> float:
+        return self.price_per_replica_hour * self.replicas
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    pools: tuple[PoolSpec, ...]
+    model: str = "llama-3.1-8b"
+    quantization: str = "bf16"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    # Engine flags per pool are derived: max_model_len is the model's context, or what the
+    # pool's KV cache holds when that is less (vLLM refuses to start otherwise).
+    engine_overrides: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hourly_cost(self) -> float:
+        return sum(pool.hourly_cost for pool in self.pools)
+
+    @property
+    def replicas(self) -> int:
+        return sum(pool.replicas for pool in self.pools)
+
+    def perf(self, pool: PoolSpec) -> PerfModel:
+        return PerfModel(
+            load_gpu_specs()[pool.gpu_class],
+            load_model_specs()[self.model],
+            quantization=self.quantization,
+            tensor_parallel=pool.tensor_parallel,
+        )
+
+    def max_model_len(self, perf: PerfModel, block_size: int = 16) -> int:
+        held = perf.kv_capacity_tokens // block_size * block_size
+        return min(perf.model.max_context, held)
+
+    def describe(self) -> str:
+        return " + ".join(f"{p.replicas}x {p.gpu_class}" for p in self.pools)
+
+
+def pool_name(gpu_class: str) -> str:
+    return gpu_class.split("-")[0].lower()
+
+
+def homogeneous(gpu_class: str, replicas: int, model: str = "llama-3.1-8b") -> FleetSpec:
+    return FleetSpec(pools=(PoolSpec(pool_name(gpu_class), gpu_class, replicas),), model=model)
+
+
+def with_budget(
+    shares: dict[str, float], hourly_budget: float, model: str = "llama-3.1-8b"
+) -> FleetSpec:
+    """A heterogeneous fleet spending about `hourly_budget`: each GPU class gets its share of
+    the budget in whole replicas (rounded down), and what is left buys the cheapest class that
+    still fits, so the fleet never costs more than the budget."""
+    gpus = load_gpu_specs()
+    total = sum(shares.values())
+    counts = {
+        gpu: int(hourly_budget * share / total // gpus[gpu].usd_per_hour)
+        for gpu, share in shares.items()
+    }
+    left = hourly_budget - sum(counts[g] * gpus[g].usd_per_hour for g in counts)
+    for gpu in sorted(counts, key=lambda g: -gpus[g].usd_per_hour):
+        while left >= gpus[gpu].usd_per_hour:
+            counts[gpu] += 1
+            left -= gpus[gpu].usd_per_hour
+    pools = tuple(PoolSpec(pool_name(gpu), gpu, count) for gpu, count in counts.items() if count)
+    return FleetSpec(pools=pools, model=model)

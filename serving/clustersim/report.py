@@ -1,0 +1,263 @@
+"""Figures of a simulation: latency percentiles, SLO attainment, utilisation, cost; CSV and PNG."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from serving.clustersim.simulator import RequestRecord, SimResult
+from serving.router import DEFAULT_SLO_TIERS, SloTier
+
+PERCENTILES = (50, 95, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    tier: str
+    requests: int
+    failed: int
+    ttft_p50_s: float
+    ttft_p95_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p95_s: float
+    tpot_p99_s: float
+    # Share of the tier's requests whose TTFT met its objective (failed ones count as misses).
+    ttft_attainment: float
+    # ... whose TTFT and TPOT both met their objectives.
+    slo_attainment: float
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    policy: str
+    fleet: str
+    replicas_started: int
+    requests: int
+    failed: int
+    duration_s: float
+    cpu_s: float
+    speedup: float
+    prompt_tokens: int
+    output_tokens: int
+    gpu_hours: float
+    cost_usd: float
+    cost_per_hour: float
+    cost_per_million_tokens: float
+    cost_per_million_output_tokens: float
+    gpu_utilization: float
+    ttft_p50_s: float
+    ttft_p95_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p95_s: float
+    tpot_p99_s: float
+    queue_advised: int
+    preemptions: int
+    tiers: dict[str, TierFigures]
+    share_by_gpu: dict[str, float]
+
+
+def _percentiles(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return (float("nan"),) * 3  # type: ignore[return-value]
+    p50, p95, p99 = np.percentile(np.asarray(values), PERCENTILES)
+    return float(p50), float(p95), float(p99)
+
+
+def _meets_ttft(record: RequestRecord, tier: SloTier) -> bool:
+    ttft = record.ttft_s
+    return ttft is not None and (tier.ttft_s is None or ttft <= tier.ttft_s)
+
+
+def _meets_tpot(record: RequestRecord, tier: SloTier) -> bool:
+    if record.finished_s is None:
+        return False
+    tpot = record.tpot_s
+    return tpot is None or tier.tpot_s is None or tpot <= tier.tpot_s
+
+
+def tier_figures(name: str, records: list[RequestRecord], tier: SloTier) -> TierFigures:
+    ttfts = [t for r in records if (t := r.ttft_s) is not None]
+    tpots = [t for r in records if (t := r.tpot_s) is not None]
+    met_ttft = sum(1 for r in records if _meets_ttft(r, tier))
+    met_both = sum(1 for r in records if _meets_ttft(r, tier) and _meets_tpot(r, tier))
+    count = len(records)
+    return TierFigures(
+        name,
+        count,
+        sum(1 for r in records if r.failed),
+        *_percentiles(ttfts),
+        *_percentiles(tpots),
+        met_ttft / count if count else 1.0,
+        met_both / count if count else 1.0,
+    )
+
+
+def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) -> Summary:
+    tiers = slo_tiers or result.config.router.slo_tiers or DEFAULT_SLO_TIERS
+    records = result.records
+    by_tier: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        by_tier.setdefault(record.request.tier, []).append(record)
+    served = [r for r in records if r.finished_s is not None]
+    prompt = sum(r.request.prompt_tokens for r in served)
+    output = sum(r.output_tokens for r in served)
+    replica_s = sum((r.stopped_s or result.ended_s) - r.started_s for r in result.replicas)
+    gpu_s = sum(r.gpus * ((r.stopped_s or result.ended_s) - r.started_s) for r in result.replicas)
+    cost = sum(
+        r.pool.price_per_replica_hour * ((r.stopped_s or result.ended_s) - r.started_s) / 3600
+        for r in result.replicas
+    )
+    busy = sum(r.busy_s for r in result.replicas)
+    by_gpu: dict[str, int] = {}
+    for record in served:
+        by_gpu[record.gpu_class or "?"] = by_gpu.get(record.gpu_class or "?", 0) + 1
+    duration = result.ended_s
+    return Summary(
+        policy=result.config.policy,
+        fleet=result.fleet.describe(),
+        replicas_started=len(result.replicas),
+        requests=len(records),
+        failed=sum(1 for r in records if r.failed),
+        duration_s=duration,
+        cpu_s=result.cpu_s,
+        speedup=duration / result.cpu_s if result.cpu_s else float("inf"),
+        prompt_tokens=prompt,
+        output_tokens=output,
+        gpu_hours=gpu_s / 3600,
+        cost_usd=cost,
+        cost_per_hour=cost / (duration / 3600) if duration else 0.0,
+        cost_per_million_tokens=cost / ((prompt + output) / 1e6) if prompt + output else 0.0,
+        cost_per_million_output_tokens=cost / (output / 1e6) if output else 0.0,
+        gpu_utilization=busy / replica_s if replica_s else 0.0,
+        ttft_p50_s=(ttft := _percentiles([t for r in records if (t := r.ttft_s) is not None]))[0],
+        ttft_p95_s=ttft[1],
+        ttft_p99_s=ttft[2],
+        tpot_p50_s=(tpot := _percentiles([t for r in records if (t := r.tpot_s) is not None]))[0],
+        tpot_p95_s=tpot[1],
+        tpot_p99_s=tpot[2],
+        queue_advised=result.queue_advised,
+        preemptions=sum(r.preemptions for r in records),
+        tiers={
+            name: tier_figures(name, members, tiers.get(name) or SloTier(name, None, None))
+            for name, members in sorted(by_tier.items())
+        },
+        share_by_gpu={gpu: n / len(served) for gpu, n in sorted(by_gpu.items())} if served else {},
+    )
+
+
+def summary_rows(summary: Summary) -> list[dict[str, object]]:
+    """One row for the whole run and one per tier, for a CSV."""
+    head = {k: v for k, v in asdict(summary).items() if k not in ("tiers", "share_by_gpu")}
+    rows: list[dict[str, object]] = [{"scope": "all", **head}]
+    for figures in summary.tiers.values():
+        rows.append({"scope": f"tier:{figures.tier}", **asdict(figures)})
+    return rows
+
+
+def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    requests_path = out_dir / "requests.csv"
+    with requests_path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(
+            ["request_id", "tenant", "tier", "arrival_s", "prompt_tokens", "output_tokens",
+             "replica", "gpu_class", "ttft_s", "tpot_s", "finished_s", "preemptions", "failed"]
+        )  # fmt: skip
+        for r in result.records:
+            writer.writerow(
+                [r.request.request_id, r.request.tenant, r.request.tier,
+                 f"{r.request.arrival_s:.4f}", r.request.prompt_tokens, r.output_tokens,
+                 r.replica_id or "", r.gpu_class or "", _fmt(r.ttft_s), _fmt(r.tpot_s),
+                 _fmt(r.finished_s), r.preemptions, r.failed or ""]
+            )  # fmt: skip
+    summary_path = out_dir / "summary.csv"
+    rows = summary_rows(summary)
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with summary_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    timeline_path = out_dir / "timeline.csv"
+    pools = [p.name for p in result.fleet.pools]
+    with timeline_path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["at_s", "running", "waiting", "kv_usage", *(f"ready_{p}" for p in pools)])
+        for point in result.timeline:
+            writer.writerow(
+                [f"{point.at_s:.1f}", point.running, point.waiting, f"{point.kv_usage:.4f}",
+                 *(point.ready.get(p, 0) for p in pools)]
+            )  # fmt: skip
+    return [requests_path, summary_path, timeline_path]
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.5f}"
+
+
+def plot(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; the simulator never opens a window
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for tier in summary.tiers:
+        ttfts = np.sort(
+            [t for r in result.records if r.request.tier == tier and (t := r.ttft_s) is not None]
+        )
+        if len(ttfts):
+            ax.plot(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), label=tier)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT by tier: {summary.policy} on {summary.fleet}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    paths.append(out_dir / "ttft_cdf.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    times = [p.at_s for p in result.timeline]
+    for pool in result.fleet.pools:
+        top.step(times, [p.ready.get(pool.name, 0) for p in result.timeline], label=pool.name)
+    top.set_ylabel("ready replicas")
+    top.legend()
+    bottom.plot(times, [p.running for p in result.timeline], label="running")
+    bottom.plot(times, [p.waiting for p in result.timeline], label="waiting")
+    bottom.set_ylabel("requests")
+    bottom.set_xlabel("simulated time (s)")
+    bottom.legend()
+    paths.append(out_dir / "timeline.png")
+    fig.tight_layout()
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def format_summary(summary: Summary) -> str:
+    lines = [
+        f"{summary.policy} on {summary.fleet}: {summary.requests} requests "
+        f"({summary.failed} failed) over {summary.duration_s:.0f} s simulated "
+        f"in {summary.cpu_s:.1f} CPU s ({summary.speedup:.0f}x real time)",
+        f"  TTFT p50/p95/p99 {summary.ttft_p50_s:.3f}/{summary.ttft_p95_s:.3f}/"
+        f"{summary.ttft_p99_s:.3f} s   TPOT p50/p95/p99 {summary.tpot_p50_s * 1000:.1f}/"
+        f"{summary.tpot_p95_s * 1000:.1f}/{summary.tpot_p99_s * 1000:.1f} ms",
+        f"  GPU-hours {summary.gpu_hours:.2f}  utilisation {summary.gpu_utilization:.0%}  "
+        f"cost ${summary.cost_usd:.2f} (${summary.cost_per_hour:.2f}/h, "
+        f"${summary.cost_per_million_tokens:.3f} per M tokens)",
+    ]
+    for t in summary.tiers.values():
+        lines.append(
+            f"  {t.tier:<12} n={t.requests:<6} TTFT p99 {t.ttft_p99_s:.3f} s  "
+            f"TTFT SLO {t.ttft_attainment:.2%}  TTFT+TPOT SLO {t.slo_attainment:.2%}"
+        )
+    return "\n".join(lines)

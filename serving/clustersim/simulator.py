@@ -1,0 +1,435 @@
+"""The discrete-event loop: the real router and the real autoscaler over engine models.
+
+Virtual time moves from event to event: an arrival, a telemetry scrape, an autoscaler tick, a
+replica finishing its cold start. Before anything happens at time t, every busy engine is
+advanced to t with `Engine.advance`, which fast-forwards runs of identical decode steps, so
+finishes are known (the router's in-flight counts drop) before the next decision.
+
+The router sees what the gateway sees: telemetry (running, waiting, KV use) as of the last
+scrape, every `telemetry_interval_s`, plus its own in-flight counts, which are exact. The
+autoscaler sees windowed samples of the same scrapes; a replica it adds pays for its cold
+start before it takes traffic, and one it removes drains (leaves the router at once, stops
+when its engine is empty), paying until then.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from serving.autoscaler import (
+    AutoscalerConfig,
+    FleetSample,
+    ReplicaBounds,
+    daily_forecast,
+    recommend,
+)
+from serving.clustersim.fleet import FleetSpec, PoolSpec
+from serving.clustersim.workloads import SimRequest
+from serving.engine.core import FINISHED, FIRST_TOKEN, PREEMPTED, Engine, EngineRequest
+from serving.router import (
+    POLICIES,
+    DeploymentRoute,
+    ModelRoute,
+    ReplicaState,
+    RouterConfig,
+    RouteRequest,
+    RouterState,
+)
+from serving.router.coefficients import coefficients_from_perf
+
+DEPLOYMENT = "sim"
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    policy: str = "cost_aware"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    telemetry_interval_s: float = 2.0
+    autoscaler: AutoscalerConfig | None = None
+    autoscale_interval_s: float = 15.0
+    cold_start_s: float = 90.0
+    # The daily pattern the autoscaler's forecast looks back over; None: no forecast.
+    forecast_period_s: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request: SimRequest
+    replica_id: str | None = None
+    gpu_class: str | None = None
+    first_token_s: float | None = None
+    finished_s: float | None = None
+    output_tokens: int = 0
+    preemptions: int = 0
+    # Why it never ran: "no_candidates", "too_long"; None when it was served.
+    failed: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.request.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.finished_s is None or self.first_token_s is None or self.output_tokens < 2:
+            return None
+        return (self.finished_s - self.first_token_s) / (self.output_tokens - 1)
+
+
+@dataclass(slots=True)
+class SimReplica:
+    replica_id: str
+    pool: PoolSpec
+    engine: Engine
+    state: ReplicaState
+    started_s: float
+    ready_s: float
+    drain_s: float | None = None
+    stopped_s: float | None = None
+    busy_s: float = 0.0
+
+    @property
+    def gpus(self) -> int:
+        return self.pool.tensor_parallel
+
+
+@dataclass(slots=True)
+class TimePoint:
+    at_s: float
+    ready: dict[str, int]
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+@dataclass(slots=True)
+class SimResult:
+    fleet: FleetSpec
+    config: SimConfig
+    records: list[RequestRecord]
+    replicas: list[SimReplica]
+    timeline: list[TimePoint]
+    ended_s: float
+    cpu_s: float
+    scaling_events: list[tuple[float, str, int, str]]
+    queue_advised: int = 0
+
+
+class ClusterSimulator:
+    def __init__(self, fleet: FleetSpec, config: SimConfig | None = None) -> None:
+        self.fleet = fleet
+        self.config = config or SimConfig()
+        self._perf = {pool.name: fleet.perf(pool) for pool in fleet.pools}
+        self._coefficients = {
+            name: coefficients_from_perf(perf, max_num_seqs=fleet.max_num_seqs)
+            for name, perf in self._perf.items()
+        }
+        self._route = ModelRoute(fleet.model, (DeploymentRoute(DEPLOYMENT, "v1", 100),))
+        self._replicas: dict[str, SimReplica] = {}
+        self._serial = 0
+        self._state = RouterState([self._route], [], seed=self.config.seed)
+        self._policy = POLICIES[self.config.policy](self._state, self.config.router)
+        self._records: dict[str, RequestRecord] = {}
+        self._samples: dict[str, deque[FleetSample]] = {p.name: deque() for p in fleet.pools}
+        self._raw: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in fleet.pools}
+        self._history: dict[str, list[tuple[float, int]]] = {p.name: [] for p in fleet.pools}
+        self._recent_ttft: dict[str, list[float]] = {p.name: [] for p in fleet.pools}
+        self._timeline: list[TimePoint] = []
+        self._scaling: list[tuple[float, str, int, str]] = []
+        self._queue_advised = 0
+        self._dirty = False
+
+    # --- replicas ----------------------------------------------------------------------
+
+    def _add_replica(self, pool: PoolSpec, now_s: float, ready_s: float) -> SimReplica:
+        perf = self._perf[pool.name]
+        replica_id = f"{pool.name}-{self._serial}"
+        self._serial += 1
+        engine = Engine(
+            perf,
+            max_model_len=self.fleet.max_model_len(perf),
+            max_num_seqs=self.fleet.max_num_seqs,
+            max_num_batched_tokens=self.fleet.max_num_batched_tokens,
+            enable_prefix_caching=self.fleet.enable_prefix_caching,
+            clock_s=now_s,
+        )
+        state = ReplicaState(
+            replica_id=replica_id,
+            deployment_id=DEPLOYMENT,
+            model=self.fleet.model,
+            version="v1",
+            pool=pool.name,
+            gpu_class=pool.gpu_class,
+            region=pool.region,
+            price_per_hour=pool.price_per_replica_hour,
+            perf=self._coefficients[pool.name],
+            telemetry_at=ready_s,
+        )
+        replica = SimReplica(replica_id, pool, engine, state, now_s, ready_s)
+        self._replicas[replica_id] = replica
+        self._dirty = True
+        return replica
+
+    def _routable(self, now_s: float) -> list[SimReplica]:
+        return [r for r in self._replicas.values() if r.drain_s is None and r.ready_s <= now_s]
+
+    def _republish(self, now_s: float) -> None:
+        """A new routing-table version: the prefix index and in-flight counts carry over."""
+        self._state = RouterState(
+            [self._route],
+            [r.state for r in self._routable(now_s)],
+            version=self._state.version + 1,
+            prefix_index=self._state.prefix_index,
+            seed=self.config.seed + self._state.version + 1,
+        )
+        self._policy = POLICIES[self.config.policy](self._state, self.config.router)
+        self._dirty = False
+
+    # --- engines -----------------------------------------------------------------------
+
+    def _advance_all(self, now_s: float) -> None:
+        records = self._records
+        for replica in self._replicas.values():
+            engine = replica.engine
+            if not engine.has_work:
+                continue
+            started = engine.clock_s
+            events = engine.advance(now_s)
+            last = started
+            for event in events:
+                record = records[event.request_id]
+                kind = event.kind
+                if kind == FIRST_TOKEN:
+                    record.first_token_s = event.time_s
+                    self._recent_ttft[replica.pool.name].append(
+                        event.time_s - record.request.arrival_s
+                    )
+                elif kind == FINISHED:
+                    record.finished_s = event.time_s
+                    record.output_tokens = event.output_tokens
+                    self._state.request_finished(replica.replica_id)
+                    last = event.time_s
+                elif kind == PREEMPTED:
+                    record.preemptions += 1
+            replica.busy_s += (engine.clock_s if engine.has_work else last) - started
+            if replica.drain_s is not None and not engine.has_work:
+                replica.stopped_s = max(last, replica.drain_s)
+
+    # --- routing -----------------------------------------------------------------------
+
+    def _route_request(self, request: SimRequest) -> None:
+        record = RequestRecord(request)
+        self._records[request.request_id] = record
+        decision = self._policy.choose(
+            RouteRequest(
+                model=self.fleet.model,
+                tenant=request.tenant,
+                tier=request.tier,  # type: ignore[arg-type]
+                prompt_tokens=request.prompt_tokens,
+                max_tokens=request.output_tokens,
+                request_id=request.request_id,
+                prefix_hashes=request.block_hashes,
+            ),
+            request.arrival_s,
+        )
+        if decision.replica is None:
+            record.failed = "no_candidates"
+            return
+        if decision.queue_advised:
+            # The gateway would hold it in the admission queue; sending it now is the
+            # least-bad choice the router made, so the simulation follows it and counts.
+            self._queue_advised += 1
+        replica = self._replicas[decision.replica.replica_id]
+        engine = replica.engine
+        if request.prompt_tokens + request.output_tokens > engine.max_model_len:
+            record.failed = "too_long"
+            return
+        record.replica_id = replica.replica_id
+        record.gpu_class = replica.pool.gpu_class
+        self._state.request_started(replica.replica_id)
+        engine.add_request(
+            EngineRequest(
+                request.request_id,
+                request.prompt_tokens,
+                request.output_tokens,
+                request.arrival_s,
+                request.block_hashes,
+            )
+        )
+
+    # --- telemetry and autoscaling -----------------------------------------------------
+
+    def _scrape(self, now_s: float) -> None:
+        ready: dict[str, int] = {}
+        running = waiting = 0
+        kv_total = 0.0
+        per_pool: dict[str, list[SimReplica]] = {p.name: [] for p in self.fleet.pools}
+        for replica in self._routable(now_s):
+            engine = replica.engine
+            self._state.update_telemetry(
+                replica.replica_id,
+                running=engine.num_running,
+                waiting=engine.num_waiting,
+                kv_usage=engine.kv_usage,
+                telemetry_at=now_s,
+            )
+            per_pool[replica.pool.name].append(replica)
+            running += engine.num_running
+            waiting += engine.num_waiting
+            kv_total += engine.kv_usage
+        count = sum(len(members) for members in per_pool.values())
+        for name, members in per_pool.items():
+            ready[name] = len(members)
+            self._sample_pool(name, members, now_s)
+        self._timeline.append(
+            TimePoint(now_s, ready, running, waiting, kv_total / count if count else 0.0)
+        )
+
+    def _sample_pool(self, pool: str, members: list[SimReplica], now_s: float) -> None:
+        ttfts = self._recent_ttft[pool]
+        p95 = None
+        if ttfts:
+            ttfts.sort()
+            p95 = ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]
+            self._recent_ttft[pool] = []
+        samples = self._samples[pool]
+        samples.append(
+            FleetSample(
+                now_s,
+                len(members),
+                sum(r.engine.num_running for r in members),
+                sum(r.engine.num_waiting for r in members),
+                sum(r.engine.kv_usage for r in members) / len(members) if members else 0.0,
+                p95,
+            )
+        )
+        window = self.config.autoscaler.window_s if self.config.autoscaler else 60.0
+        while samples and samples[0].at_s < now_s - window:
+            samples.popleft()
+
+    def _autoscale(self, now_s: float) -> None:
+        config = self.config.autoscaler
+        if config is None:
+            return
+        for pool in self.fleet.pools:
+            if pool.autoscale is None:
+                continue
+            live = [
+                r for r in self._replicas.values() if r.pool.name == pool.name and r.drain_s is None
+            ]
+            raw_log = self._raw[pool.name]
+            while raw_log and raw_log[0][0] < now_s - config.scale_down_stabilization_s:
+                raw_log.popleft()
+            forecast = None
+            if self.config.forecast_period_s:
+                forecast = daily_forecast(
+                    self._history[pool.name],
+                    now_s=now_s,
+                    period_s=self.config.forecast_period_s,
+                    lead_s=self.config.cold_start_s * 2,
+                    spread_s=self.config.autoscale_interval_s * 4,
+                )
+            decision = recommend(
+                list(self._samples[pool.name]),
+                now_s=now_s,
+                current=len(live),
+                bounds=ReplicaBounds(pool.autoscale.minimum, pool.autoscale.maximum),
+                config=config,
+                recent_raw=list(raw_log),
+                forecast=forecast,
+            )
+            raw_log.append((now_s, decision.raw))
+            self._history[pool.name].append((now_s, decision.raw))
+            self._apply(pool, live, decision.desired, decision.reason, now_s)
+
+    def _apply(
+        self, pool: PoolSpec, live: list[SimReplica], desired: int, reason: str, now_s: float
+    ) -> None:
+        if desired == len(live):
+            return
+        self._scaling.append((now_s, pool.name, desired, reason))
+        if desired > len(live):
+            for _ in range(desired - len(live)):
+                self._add_replica(pool, now_s, now_s + self.config.cold_start_s)
+            return
+        # Replicas still starting go first (nothing to drain), then the least busy.
+        victims = sorted(
+            live, key=lambda r: (r.ready_s <= now_s, r.engine.num_running + r.engine.num_waiting)
+        )
+        for replica in victims[: len(live) - desired]:
+            replica.drain_s = now_s
+            if not replica.engine.has_work:
+                replica.stopped_s = now_s
+        self._dirty = True
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def run(self, requests: list[SimRequest]) -> SimResult:
+        started_cpu = time.process_time()
+        for pool in self.fleet.pools:
+            for _ in range(pool.replicas):
+                self._add_replica(pool, 0.0, 0.0)
+        self._republish(0.0)
+        tick = self.config.telemetry_interval_s
+        scale_every = self.config.autoscale_interval_s
+        next_scrape = 0.0
+        next_scale = scale_every
+        index = 0
+        total = len(requests)
+        now = 0.0
+        while True:
+            arrival = requests[index].arrival_s if index < total else math.inf
+            pending = [r.ready_s for r in self._replicas.values() if r.ready_s > now]
+            next_ready = min(pending) if pending else math.inf
+            if index >= total and not self._busy():
+                break
+            now = min(arrival, next_scrape, next_ready)
+            self._advance_all(now)
+            if next_ready <= now or self._dirty:
+                self._republish(now)
+            if now == next_scrape:
+                self._scrape(now)
+                next_scrape += tick
+                if next_scale <= now:
+                    self._autoscale(now)
+                    next_scale += scale_every
+                    if self._dirty:
+                        self._republish(now)
+            if now == arrival:
+                self._route_request(requests[index])
+                index += 1
+        ended = max(
+            [now] + [r.finished_s for r in self._records.values() if r.finished_s is not None]
+        )
+        for replica in self._replicas.values():
+            if replica.stopped_s is None:
+                replica.stopped_s = ended
+        return SimResult(
+            self.fleet,
+            self.config,
+            list(self._records.values()),
+            list(self._replicas.values()),
+            self._timeline,
+            ended,
+            time.process_time() - started_cpu,
+            self._scaling,
+            self._queue_advised,
+        )
+
+    def _busy(self) -> bool:
+        return any(r.engine.has_work for r in self._replicas.values())
+
+
+def simulate(
+    fleet: FleetSpec, requests: list[SimRequest], config: SimConfig | None = None
+) -> SimResult:
+    return ClusterSimulator(fleet, config).run(requests)
