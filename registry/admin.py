@@ -1,1 +1,86 @@
-"""Django admin registrations of the registry app."""
+"""Django admin registrations of the registry app: read-mostly views for staff. Weights and
+rollout states change through the API's actions, so the admin shows them read-only."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, RolloutTransition
+
+
+class VersionInline(admin.TabularInline[ModelVersion, Model]):
+    model = ModelVersion
+    extra = 0
+    fields = ["version", "quantization", "status", "artifact_uri", "approved_by", "approved_at"]
+    readonly_fields = ["status", "approved_by", "approved_at"]
+
+
+@admin.register(Model)
+class ModelAdmin(admin.ModelAdmin[Model]):
+    list_display = ["name", "family", "params_b", "max_context", "visibility"]
+    list_filter = ["visibility", "family"]
+    search_fields = ["name", "family"]
+    filter_horizontal = ["granted_tenants"]
+    inlines = [VersionInline]
+
+
+@admin.register(ModelVersion)
+class ModelVersionAdmin(admin.ModelAdmin[ModelVersion]):
+    list_display = ["model", "version", "quantization", "status", "approved_by", "created_at"]
+    list_filter = ["status", "quantization"]
+    readonly_fields = ["status", "approved_by", "approved_at"]
+
+
+@admin.register(Adapter)
+class AdapterAdmin(admin.ModelAdmin[Adapter]):
+    list_display = ["name", "base_version", "rank", "owner_tenant", "visibility"]
+    list_filter = ["visibility"]
+    filter_horizontal = ["granted_tenants"]
+
+
+@admin.register(Deployment)
+class DeploymentAdmin(admin.ModelAdmin[Deployment]):
+    list_display = [
+        "name",
+        "model_version",
+        "pool",
+        "tensor_parallel",
+        "replicas_desired",
+        "traffic_weight",
+        "status",
+    ]
+    list_filter = ["status", "slo_tier", "pool"]
+    readonly_fields = ["traffic_weight"]
+
+
+class TransitionInline(admin.TabularInline[RolloutTransition, Rollout]):
+    model = RolloutTransition
+    extra = 0
+    can_delete = False
+    fields = [
+        "created_at",
+        "from_state",
+        "to_state",
+        "from_weight",
+        "to_weight",
+        "actor_label",
+        "reason",
+    ]
+    readonly_fields = fields
+
+
+@admin.register(Rollout)
+class RolloutAdmin(admin.ModelAdmin[Rollout]):
+    list_display = ["pk", "model", "baseline", "canary", "state", "step_index", "created_at"]
+    list_filter = ["state"]
+    readonly_fields = [
+        "state",
+        "step_index",
+        "step_started_at",
+        "baseline_mark",
+        "canary_mark",
+        "last_decision",
+        "last_tick_at",
+        "finished_at",
+    ]
+    inlines = [TransitionInline]
