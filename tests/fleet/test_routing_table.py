@@ -32,7 +32,7 @@ def fleet(make_pool, make_deployment, register):
 
 
 def test_only_ready_replicas_enter_the_table(fleet, redis_client) -> None:
-    deployment, ready, _ = fleet
+    _deployment, ready, _ = fleet
     publish_routing_table()
     (entry,) = read_routing_table(redis_client)["models"]["llama-3.1-8b"]["deployments"]
     assert [r["replica_id"] for r in entry["replicas"]] == [ready.replica_id]
@@ -40,7 +40,7 @@ def test_only_ready_replicas_enter_the_table(fleet, redis_client) -> None:
 
 
 def test_a_replica_row_carries_endpoint_pool_and_price(fleet, redis_client) -> None:
-    deployment, ready, _ = fleet
+    deployment, _ready, _ = fleet
     publish_routing_table()
     row = read_routing_table(redis_client)["models"]["llama-3.1-8b"]["deployments"][0]["replicas"][
         0
