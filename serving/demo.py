@@ -65,6 +65,7 @@ def seed(details: dict[str, Any]) -> None:
 
 def _seed_deployments() -> None:
     """Deployments on the demo pools, unless the registry's demo already made some."""
+    from registry.actions import do_create_deployment
     from registry.models import Deployment, Model, ModelVersion
     from serving.engine.specs import load_model_specs
 
@@ -94,15 +95,19 @@ def _seed_deployments() -> None:
                 "status": ModelVersion.Status.APPROVED,
             },
         )
-        Deployment.objects.get_or_create(
-            name=f"{served}-{pool_name}".replace(".", "-"),
-            defaults={
-                "model_version": version,
-                "pool": GpuPool.objects.get(name=pool_name),
-                "tensor_parallel": tp,
-                "engine_args": {"max_model_len": 8192, "max_num_seqs": 64},
-            },
-        )
+        if not Deployment.objects.filter(name=_deployment_name(served, pool_name)).exists():
+            # Through the registry's write path, so its placement check vets the demo too.
+            do_create_deployment(
+                name=_deployment_name(served, pool_name),
+                model_version=version,
+                pool=GpuPool.objects.get(name=pool_name),
+                tensor_parallel=tp,
+                engine_args={"max_model_len": 8192, "max_num_seqs": 64},
+            )
+
+
+def _deployment_name(served: str, pool_name: str) -> str:
+    return f"{served}-{pool_name}".replace(".", "-")
 
 
 def agent_commands(details: dict[str, Any], control_plane: str) -> list[dict[str, Any]]:
