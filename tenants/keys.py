@@ -220,7 +220,7 @@ async def load_principal_from_database(raw_key: str) -> KeyPrincipal | None:
 
     from tenants.actions import principal_for_raw_key
 
-    return await sync_to_async(principal_for_raw_key, thread_sensitive=False)(raw_key)
+    return await sync_to_async(principal_for_raw_key)(raw_key)
 
 
 @dataclass

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.contrib.auth import get_user_model
+from django.db import connections
 
 from tenants.actions import do_create_tenant
 from tenants.keys import EffectiveLimits, KeyPrincipal
@@ -21,7 +23,8 @@ ROLES = {"owner": Role.OWNER, "admin": Role.ADMIN, "dev": Role.DEVELOPER, "viewe
 def make_tenant(slug: str) -> Tenant:
     tenant = do_create_tenant(slug, slug.title())
     for suffix, role in ROLES.items():
-        user = get_user_model().objects.create_user(f"{slug}-{suffix}", password="pw-for-tests")
+        # no password: tests log in with force_login, and hashing one costs a third of a second
+        user = get_user_model().objects.create_user(f"{slug}-{suffix}")
         Membership.objects.create(user=user, tenant=tenant, role=role)
     return tenant
 
@@ -45,6 +48,9 @@ async def aredis(redis_client: Any) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
     yield client
     await client.aclose()
+    # the ORM calls of async tests ran on asgiref's sync thread: close its connection too,
+    # or the test database cannot be dropped at the end
+    await sync_to_async(connections.close_all)()
 
 
 def principal_with(tenant_id: int = 1, key_id: int = 1, **limits: Any) -> KeyPrincipal:

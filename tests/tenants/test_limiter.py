@@ -194,7 +194,9 @@ async def test_it_refuses_once_the_spend_budget_is_spent(aredis: aioredis.Redis)
 async def test_a_soft_budget_alerts_but_admits(aredis: aioredis.Redis) -> None:
     limiter = RateLimiter(aredis)
     principal = principal_with(monthly_token_budget=100, hard_budget=False)
-    admissions = [await admit(limiter, principal, prompt_tokens=50, max_tokens=50) for _ in range(2)]
+    admissions = [
+        await admit(limiter, principal, prompt_tokens=50, max_tokens=50) for _ in range(2)
+    ]
     assert all(a.allowed for a in admissions)
     assert admissions[-1].budget_alert
 
@@ -222,9 +224,7 @@ def test_reset_durations_read_like_openais() -> None:
 
 
 def failures(mode: str) -> float:
-    return REGISTRY.get_sample_value(
-        "platform_limiter_redis_failures_total", {"mode": mode}
-    ) or 0.0
+    return REGISTRY.get_sample_value("platform_limiter_redis_failures_total", {"mode": mode}) or 0.0
 
 
 async def unreachable_redis() -> aioredis.Redis:

@@ -87,9 +87,7 @@ async def _watch_key(
 ) -> None:
     """Authenticate the key every 5 ms, as a busy gateway would; report when it is refused."""
     client = aioredis.Redis.from_url(redis_url, socket_timeout=2)
-    authenticator = KeyAuthenticator(
-        client, cache_ttl_s=30.0, load_from_database=_database_is_down
-    )
+    authenticator = KeyAuthenticator(client, cache_ttl_s=30.0, load_from_database=_database_is_down)
     await authenticator.start()
     if await authenticator.authenticate(raw_key) is None:
         results.put(("never admitted", time.time()))

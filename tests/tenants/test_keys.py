@@ -1,0 +1,148 @@
+"""API keys: the gateway's check, revocation across processes, and secrets kept secret."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.utils import timezone
+
+from tenants.actions import do_create_api_key, do_record_key_use, do_revoke_api_key, do_update_quota
+from tenants.keys import KeyAuthenticator, KeyPrincipal, hash_key, key_record_name
+from tenants.models import ApiKey, KeyQuotaOverride, Quota, Tenant
+from tests.tenants.conftest import user
+from tests.tenants.workers import watch_key
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def create_key(tenant: Tenant, **kw: Any) -> tuple[ApiKey, str]:
+    return do_create_api_key(tenant, "test key", user(f"{tenant.slug}-owner"), ["inference"], **kw)
+
+
+async def database_is_down(raw_key: str) -> KeyPrincipal | None:
+    raise AssertionError("the hot path asked PostgreSQL")
+
+
+async def test_a_new_key_is_admitted_from_redis_without_asking_postgres(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    key, raw = await sync_to_async(create_key)(acme)
+    authenticator = KeyAuthenticator(aredis, load_from_database=database_is_down)
+    principal = await authenticator.authenticate(raw)
+    assert principal is not None
+    assert (principal.key_id, principal.tenant_slug) == (key.pk, "acme")
+
+
+async def test_a_key_missing_from_redis_is_found_in_postgres_and_written_back(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    key, raw = await sync_to_async(create_key)(acme)
+    await aredis.delete(key_record_name(hash_key(raw)))
+    principal = await KeyAuthenticator(aredis).authenticate(raw)
+    assert principal is not None and principal.key_id == key.pk
+    assert await aredis.exists(key_record_name(hash_key(raw)))
+
+
+async def test_it_refuses_an_unknown_key_and_a_malformed_one(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    _, raw = await sync_to_async(create_key)(acme)
+    authenticator = KeyAuthenticator(aredis)
+    assert await authenticator.authenticate(raw[:-1] + ("0" if raw[-1] != "0" else "1")) is None
+    assert await authenticator.authenticate("not-a-key") is None
+
+
+async def test_it_refuses_an_expired_key_even_from_its_cache(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    soon = timezone.now() + timedelta(seconds=1)
+    _, raw = await sync_to_async(create_key)(acme, expires_at=soon)
+    authenticator = KeyAuthenticator(aredis, cache_ttl_s=60)
+    assert await authenticator.authenticate(raw) is not None
+    await asyncio.sleep(1.1)
+    assert await authenticator.authenticate(raw) is None
+
+
+async def test_a_quota_change_reaches_a_running_authenticator(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    _, raw = await sync_to_async(create_key)(acme)
+    authenticator = KeyAuthenticator(aredis, cache_ttl_s=60)
+    await authenticator.start()
+    try:
+        assert (await authenticator.authenticate(raw)).limits.requests_per_minute == 600
+        quota = await Quota.objects.aget(tenant=acme)
+        await sync_to_async(do_update_quota)(quota, requests_per_minute=7)
+        await asyncio.sleep(0.3)
+        assert (await authenticator.authenticate(raw)).limits.requests_per_minute == 7
+    finally:
+        await authenticator.close()
+
+
+def test_a_key_override_only_tightens_the_tenants_quota(acme: Tenant) -> None:
+    from tenants.actions import build_principal
+
+    key, _ = create_key(acme)
+    KeyQuotaOverride.objects.create(api_key=key, requests_per_minute=5, tokens_per_minute=10**9)
+    limits = build_principal(key).limits
+    assert (limits.requests_per_minute, limits.tenant_requests_per_minute) == (5, 600)
+    assert limits.tokens_per_minute == limits.tenant_tokens_per_minute == 200_000
+
+
+async def test_last_use_reaches_postgres_off_the_hot_path(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    key, raw = await sync_to_async(create_key)(acme)
+    authenticator = KeyAuthenticator(aredis)
+    principal = await authenticator.authenticate(raw)
+    authenticator.touch(principal.key_id)
+    assert (await ApiKey.objects.aget(pk=key.pk)).last_used_at is None
+    await authenticator.flush_touches()
+    assert await sync_to_async(do_record_key_use)() == 1
+    assert (await ApiKey.objects.aget(pk=key.pk)).last_used_at is not None
+
+
+def test_a_revoked_key_is_refused_by_every_running_process_within_a_second(
+    acme: Tenant,
+) -> None:
+    key, raw = create_key(acme)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    processes = [
+        context.Process(target=watch_key, args=(settings.REDIS_URL, raw, results, 10.0))
+        for _ in range(4)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        ready = [results.get(timeout=60) for _ in processes]
+        assert [state for state, _ in ready] == ["ready"] * 4
+        time.sleep(0.2)  # every process is in its authenticate loop, key cached
+        revoked_at = time.time()
+        do_revoke_api_key(key, user("acme-owner"))
+        refusals = [results.get(timeout=15) for _ in processes]
+    finally:
+        for process in processes:
+            process.join(timeout=15)
+    delays = [at - revoked_at for _, at in refusals]
+    print(f"revocation seen after {', '.join(f'{d * 1000:.0f} ms' for d in delays)}")
+    assert [state for state, _ in refusals] == ["refused"] * 4
+    assert max(delays) < 1.0
+
+
+def test_the_secret_is_stored_only_as_its_hash(acme: Tenant, redis_client: Any) -> None:
+    key, raw = create_key(acme)
+    secret = raw.split("-", 2)[2]
+    stored = ApiKey.objects.filter(pk=key.pk).values()[0]
+    assert stored["secret_hash"] == hash_key(raw)
+    assert not any(secret in str(value) for value in stored.values())
+    for name in redis_client.scan_iter():
+        assert secret.encode() not in name + (redis_client.get(name) or b"")
