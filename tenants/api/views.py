@@ -100,6 +100,7 @@ class MembershipViewSet(
     mixins.RetrieveModelMixin,
 ):
     serializer_class = MembershipSerializer
+    queryset = Membership.objects.none()  # for the schema; get_queryset scopes to the tenant
 
     def get_queryset(self) -> Any:
         return Membership.objects.filter(tenant=self.tenant).select_related("user")
@@ -141,6 +142,7 @@ class MembershipViewSet(
 
 class ApiKeyViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveModelMixin):
     serializer_class = ApiKeySerializer
+    queryset = ApiKey.objects.none()  # for the schema; get_queryset scopes to the tenant
 
     def get_queryset(self) -> Any:
         return ApiKey.objects.filter(tenant=self.tenant).select_related("created_by")
