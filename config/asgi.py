@@ -16,16 +16,36 @@ django_asgi_app = get_asgi_application()
 # Imported after Django is set up: these modules import models.
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from channels.security.websocket import OriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
 
 from config.routing import websocket_urlpatterns  # noqa: E402
 from serving.gateway.asgi import GatewayApp  # noqa: E402
 
+
+class BrowserOriginValidator(OriginValidator):  # type: ignore[misc]
+    """Refuses a browser page from another site; lets API clients (no Origin) through.
+
+    Cross-site WebSocket hijacking rides on a browser's cookies, so a browser's Origin must
+    be one of ours. A client without an Origin is not a browser and authenticates with an
+    API key on the socket itself.
+    """
+
+    def valid_origin(self, parsed_origin: object) -> bool:
+        if parsed_origin is None:
+            return True
+        return bool(super().valid_origin(parsed_origin))
+
+
+allowed_origins = list(settings.ALLOWED_HOSTS)
+if settings.DEBUG:
+    allowed_origins += ["localhost", "127.0.0.1", "[::1]"]
+
 application = ProtocolTypeRouter(
     {
         "http": GatewayApp(fallback=django_asgi_app),
-        "websocket": AllowedHostsOriginValidator(
-            AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+        "websocket": BrowserOriginValidator(
+            AuthMiddlewareStack(URLRouter(websocket_urlpatterns)), allowed_origins
         ),
     }
 )

@@ -1,5 +1,9 @@
 """WebSocket routes, gathered from the apps (Channels consumers)."""
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
 
-websocket_urlpatterns: list[URLPattern | URLResolver] = []
+from serving.consumers import ChatStreamConsumer
+
+websocket_urlpatterns: list[URLPattern | URLResolver] = [
+    path("v1/chat/completions/ws", ChatStreamConsumer.as_asgi()),
+]

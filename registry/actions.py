@@ -188,6 +188,8 @@ def visibility_entries() -> dict[str, dict[str, Any]]:
             "base_model": model.name,
             "public": model.visibility == Visibility.PUBLIC,
             "tenants": sorted(t.pk for t in model.granted_tenants.all()),
+            "max_context": model.max_context,
+            "created": int(model.created_at.timestamp()),
         }
     adapters = Adapter.objects.select_related("base_version__model").prefetch_related(
         "granted_tenants"

@@ -172,7 +172,7 @@ def do_create_tenant(
     return tenant
 
 
-TENANT_FIELDS = {"name", "status", "allowed_regions", "fail_open"}
+TENANT_FIELDS = {"name", "status", "allowed_regions", "fail_open", "blocked_patterns"}
 
 
 @transaction.atomic
@@ -411,6 +411,7 @@ def build_principal(key: ApiKey) -> KeyPrincipal | None:
         allowed_regions=frozenset(tenant.allowed_regions),
         allowed_tiers=frozenset(quota.allowed_tiers),
         limits=limits,
+        blocked_patterns=tuple(tenant.blocked_patterns),
     )
 
 

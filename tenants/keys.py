@@ -124,6 +124,8 @@ class KeyPrincipal:
     allowed_regions: frozenset[str]
     allowed_tiers: frozenset[str]
     limits: EffectiveLimits = field(compare=False)
+    # The tenant's guardrail patterns (regular expressions), checked by the gateway.
+    blocked_patterns: tuple[str, ...] = ()
 
     def is_expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
@@ -149,6 +151,7 @@ class KeyPrincipal:
             "allowed_regions": sorted(self.allowed_regions),
             "allowed_tiers": sorted(self.allowed_tiers),
             "limits": self.limits.to_dict(),
+            "blocked_patterns": list(self.blocked_patterns),
         }
 
     @classmethod
@@ -166,6 +169,7 @@ class KeyPrincipal:
             allowed_regions=frozenset(data.get("allowed_regions", ())),
             allowed_tiers=frozenset(data.get("allowed_tiers", ())),
             limits=EffectiveLimits.from_dict(data["limits"]),
+            blocked_patterns=tuple(data.get("blocked_patterns", ())),
         )
 
 

@@ -29,6 +29,11 @@ class Tenant(models.Model):
         default=False,
         help_text="Admit requests without rate limits while Redis is unreachable (default: refuse).",
     )
+    blocked_patterns = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Regular expressions; a prompt matching one is refused before any GPU time.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

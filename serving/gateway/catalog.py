@@ -1,13 +1,8 @@
 """Which models and adapters each tenant may call, held in memory from Redis.
 
-The registry publishes one document under `registry:catalog` whenever a model, version,
-adapter or grant changes:
-
-    {"models":   {"<name>": {"public": bool, "tenants": [tenant ids], "max_context": int,
-                             "created": epoch seconds}},
-     "adapters": {"<name>": {"base": "<model name>", "public": bool, "tenants": [ids],
-                             "created": epoch seconds}}}
-
+The registry publishes the Redis hash `registry:visibility` (registry.actions.publish_visibility)
+whenever a model, adapter or grant changes: served name -> JSON
+`{"kind": "model"|"adapter", "base_model", "public", "tenants": [ids], "max_context", "created"}`.
 An adapter is called by its own name as the request's `model`, as with vLLM.
 """
 
@@ -22,7 +17,7 @@ import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
-CATALOG_KEY = "registry:catalog"
+VISIBILITY_HASH = "registry:visibility"
 
 
 @dataclass(slots=True)
@@ -44,10 +39,10 @@ class Catalog:
         adapter = self.adapters.get(name)
         if adapter is None or not self._visible(adapter, tenant_id):
             return None
-        base = self.models.get(adapter["base"])
+        base = self.models.get(adapter["base_model"])
         if base is None or not self._visible(base, tenant_id):
             return None
-        return (str(adapter["base"]), name)
+        return (str(adapter["base_model"]), name)
 
     def listing(self, principal: Any) -> list[dict[str, Any]]:
         """The OpenAI `/v1/models` data the key may use."""
@@ -60,22 +55,24 @@ class Catalog:
                 )  # fmt: skip
         for name, entry in sorted(self.adapters.items()):
             if self.resolve(name, principal) and (
-                principal.may_use_model(name) or principal.may_use_model(entry["base"])
+                principal.may_use_model(name) or principal.may_use_model(entry["base_model"])
             ):
                 items.append(
                     {"id": name, "object": "model", "created": int(entry.get("created", 0)),
-                     "owned_by": "platform", "parent": entry["base"]}
+                     "owned_by": "platform", "parent": entry["base_model"]}
                 )  # fmt: skip
         return items
 
 
 async def load_catalog(redis: aioredis.Redis) -> Catalog:
-    raw = await redis.get(CATALOG_KEY)
-    if not raw:
-        return Catalog(loaded=True)
-    document = orjson.loads(raw)
-    models = document.get("models") or {}
-    adapters = document.get("adapters") or {}
-    for entry in (*models.values(), *adapters.values()):
+    rows = await redis.hgetall(VISIBILITY_HASH)
+    catalog = Catalog(loaded=True)
+    for raw_name, raw in rows.items():
+        name = raw_name.decode() if isinstance(raw_name, bytes) else str(raw_name)
+        entry = orjson.loads(raw)
         entry["tenants"] = frozenset(int(t) for t in entry.get("tenants", ()))
-    return Catalog(models=models, adapters=adapters, loaded=True)
+        if entry.get("kind") == "adapter":
+            catalog.adapters[name] = entry
+        else:
+            catalog.models[name] = entry
+    return catalog

@@ -3,6 +3,7 @@ except `ApiKeyCreatedSerializer`, answered once, to the creation request."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from django.contrib.auth import get_user_model
@@ -12,10 +13,27 @@ from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Sc
 
 
 class TenantSerializer(serializers.ModelSerializer[Tenant]):
+    blocked_patterns = serializers.ListField(
+        child=serializers.CharField(max_length=500), required=False, max_length=100
+    )
+
     class Meta:
         model = Tenant
-        fields = ["id", "slug", "name", "status", "allowed_regions", "fail_open", "created_at"]
+        fields = [
+            "id", "slug", "name", "status", "allowed_regions", "fail_open", "blocked_patterns",
+            "created_at",
+        ]  # fmt: skip
         read_only_fields = ["id", "created_at"]
+
+    def validate_blocked_patterns(self, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise serializers.ValidationError(
+                    f"{pattern!r} is not a valid regular expression: {error}."
+                ) from None
+        return patterns
 
 
 class MembershipSerializer(serializers.ModelSerializer[Membership]):

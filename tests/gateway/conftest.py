@@ -27,9 +27,10 @@ import pytest
 import redis
 import uvicorn
 from django.contrib.auth import get_user_model
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.gateway import service
-from serving.gateway.catalog import CATALOG_KEY
+from serving.gateway.catalog import VISIBILITY_HASH
 from serving.gateway.routing import ROUTING_TABLE_KEY, ROUTING_UPDATES_CHANNEL, TELEMETRY_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,16 +165,10 @@ def fleet(redis_client: redis.Redis) -> Iterator[Fleet]:
 def publish_catalog(
     client: redis.Redis, *, public: bool = True, tenants: tuple[int, ...] = ()
 ) -> None:
-    client.set(
-        CATALOG_KEY,
-        orjson.dumps(
-            {
-                "models": {MODEL: {"public": public, "tenants": list(tenants),
-                                   "max_context": 131072, "created": 1_700_000_000}},
-                "adapters": {},
-            }
-        ),
-    )  # fmt: skip
+    """What registry.actions.publish_visibility writes, for one model."""
+    entry = {"kind": "model", "base_model": MODEL, "public": public, "tenants": list(tenants),
+             "max_context": 131072, "created": 1_700_000_000}  # fmt: skip
+    client.hset(VISIBILITY_HASH, MODEL, orjson.dumps(entry))
 
 
 class GatewayServer:
@@ -250,6 +245,16 @@ def make_key(transactional_db: None) -> Callable[..., TenantKey]:
         return TenantKey(tenant, key, secret)
 
     return make
+
+
+def sample(metrics_text: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` (with these labels) in a Prometheus exposition."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for item in family.samples:
+            if item.name == name and all(item.labels.get(k) == v for k, v in labels.items()):
+                total += item.value
+    return total
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10, step_s: float = 0.05) -> bool:

@@ -1,0 +1,153 @@
+"""Faults on the hot path, against engine simulators with fault injection."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+import redis
+
+from metering.usage import USAGE_STREAM, UsageEvent
+from tests.gateway.conftest import (
+    MODEL,
+    Fleet,
+    GatewayServer,
+    publish_catalog,
+    sample,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def usage_events(client: redis.Redis) -> list[UsageEvent]:
+    return [UsageEvent.from_json(fields[b"e"]) for _, fields in client.xrange(USAGE_STREAM)]
+
+
+def chat(base: str, secret: str, **body) -> httpx.Response:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
+    return httpx.post(f"{base}/v1/chat/completions", json={**payload, **body},
+                      headers={"Authorization": f"Bearer {secret}"}, timeout=30)  # fmt: skip
+
+
+@pytest.fixture
+def setup(gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis):
+    publish_catalog(redis_client)
+    return gateway_server, fleet, make_key("acme"), redis_client
+
+
+def test_a_failure_before_the_first_token_is_retried_on_another_replica(setup) -> None:
+    server, fleet, key, _ = setup
+    broken = fleet.start(extra=("--sim-error-rate", "1.0"))
+    healthy = fleet.start()
+    fleet.publish()
+    for _ in range(6):
+        reply = chat(server.url, key.secret, max_tokens=3)
+        assert reply.status_code == 200, reply.text
+    assert sample(healthy.metrics_text(), "vllm:request_success_total") == 6
+    assert sample(broken.metrics_text(), "vllm:request_success_total") == 0
+
+
+def test_the_circuit_breaker_ejects_a_failing_replica_for_a_growing_time(setup, settings) -> None:
+    server, fleet, key, _ = setup
+    broken = fleet.start(extra=("--sim-error-rate", "1.0"))
+    fleet.start()
+    fleet.publish()
+    for _ in range(8):
+        assert chat(server.url, key.secret, max_tokens=2).status_code == 200
+    breaker = server.gateway().breakers[broken.replica_id]
+    first_trip_until = breaker.blocked_until
+    assert first_trip_until > time.monotonic(), "the failing replica should be ejected"
+    state = server.gateway().routing.snapshot.state
+    assert state.replica(broken.replica_id).breaker_open_until == first_trip_until
+    # Once its ejection ends, the next failure (the half-open probe) ejects it for longer.
+    open_for = first_trip_until - time.monotonic()
+    time.sleep(max(0.0, open_for) + 0.1)
+    attempts = 0
+    while breaker.blocked_until <= time.monotonic() and attempts < 20:
+        chat(server.url, key.secret, max_tokens=2)
+        attempts += 1
+    second_open_for = breaker.blocked_until - time.monotonic()
+    assert second_open_for > open_for
+
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_and_bills_what_was_delivered(
+    setup,
+) -> None:
+    server, fleet, key, client = setup
+    fleet.start(extra=("--sim-crash-after-tokens", "5"), time_scale=5)
+    fleet.publish()
+    openai_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key.secret, max_retries=0)
+    received = 0
+    with pytest.raises(openai.APIError) as raised:
+        for chunk in openai_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "long story"}], max_tokens=50,
+            stream=True,
+        ):  # fmt: skip
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += 1
+    assert "mid-stream" in str(raised.value)
+    assert 1 <= received <= 5
+    assert wait_until(lambda: len(usage_events(client)) == 1)
+    event = usage_events(client)[0]
+    assert event.status == "upstream_failed"
+    assert event.completion_tokens == received
+    assert event.price_charged_usd_micros >= 0
+
+
+def test_a_client_that_disconnects_aborts_the_engine_request_and_frees_its_slot(setup) -> None:
+    server, fleet, key, client = setup
+    sim = fleet.start(time_scale=1)
+    fleet.publish()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + key.secret.encode() + b"\r\n"
+    )
+    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": 2000,
+                         "messages": [{"role": "user", "content": "tell me everything"}]})  # fmt: skip
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    raw.sendall(request + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    received = b""
+    while b"data: " not in received:
+        received += raw.recv(4096)
+    assert sample(sim.metrics_text(), "vllm:num_requests_running") == 1
+    leases = [k for k in client.keys("rl:*streams*")]
+    assert leases and client.zcard(leases[0]) == 1
+    raw.close()
+    assert wait_until(lambda: sample(sim.metrics_text(), "vllm:num_requests_running") == 0)
+    assert sample(sim.metrics_text(), "vllm:request_success_total", finished_reason="abort") == 1
+    assert wait_until(lambda: client.zcard(leases[0]) == 0)
+    assert wait_until(lambda: len(usage_events(client)) == 1)
+    event = usage_events(client)[0]
+    assert event.status == "client_cancelled"
+    assert event.completion_tokens >= 1
+
+
+def test_a_hung_replica_times_out_and_the_request_goes_elsewhere(setup, settings) -> None:
+    settings.GATEWAY_READ_TIMEOUT_S = 1.0
+    server, fleet, key, _ = setup
+    fleet.start(extra=("--sim-hang",))
+    healthy = fleet.start()
+    fleet.publish()
+    started = time.monotonic()
+    replies = [chat(server.url, key.secret, max_tokens=2) for _ in range(3)]
+    assert [r.status_code for r in replies] == [200, 200, 200]
+    assert sample(healthy.metrics_text(), "vllm:request_success_total") == 3
+    assert time.monotonic() - started < 10
+
+
+def test_every_replica_failing_is_a_502_in_openai_shape(setup) -> None:
+    server, fleet, key, client = setup
+    fleet.start(extra=("--sim-error-rate", "1.0"))
+    fleet.start(extra=("--sim-error-rate", "1.0"))
+    fleet.publish()
+    reply = chat(server.url, key.secret, max_tokens=2)
+    assert reply.status_code == 502
+    assert reply.json()["error"]["code"] == "upstream_error"
+    assert reply.headers["x-request-id"]
+    assert wait_until(lambda: len(usage_events(client)) == 1)
+    assert usage_events(client)[0].status == "upstream_failed"

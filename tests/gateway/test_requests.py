@@ -1,0 +1,195 @@
+"""Request handling on /v1: validation, idempotency, guardrails, headers, metrics, no SQL."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import redis
+from django.db import OperationalError
+from django.db.backends.utils import CursorWrapper
+
+from tests.gateway.conftest import (
+    MODEL,
+    Fleet,
+    GatewayServer,
+    publish_catalog,
+    sample,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ready(gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis):
+    fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    http = httpx.Client(
+        base_url=gateway_server.url, headers={"Authorization": f"Bearer {key.secret}"}, timeout=30
+    )
+    yield gateway_server, key, http
+    http.close()
+
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "messages"),
+        ({**BODY, "temperature": 7}, "temperature"),
+        ({**BODY, "max_tokens": 0}, "max_tokens"),
+        ({**BODY, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({**BODY, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ],
+)
+def test_bad_bodies_get_a_400_naming_the_parameter(ready, body, param) -> None:
+    _, _, http = ready
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_invalid_json_is_a_400_not_a_500(ready) -> None:
+    _, _, http = ready
+    reply = http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert reply.status_code == 400
+    assert "not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_a_request_over_the_keys_max_tokens_cap_is_refused(ready) -> None:
+    _, _, http = ready
+    reply = http.post("/v1/chat/completions", json={**BODY, "max_tokens": 100_000})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "max_tokens_exceeded"
+
+
+def test_responses_carry_a_request_id_and_rate_limit_headers(ready) -> None:
+    _, _, http = ready
+    reply = http.post("/v1/chat/completions", json=BODY)
+    assert reply.status_code == 200
+    assert len(reply.headers["x-request-id"]) == 32
+    for name in ("requests", "tokens"):
+        assert int(reply.headers[f"x-ratelimit-limit-{name}"]) > 0
+        assert int(reply.headers[f"x-ratelimit-remaining-{name}"]) >= 0
+        assert reply.headers[f"x-ratelimit-reset-{name}"]
+
+
+def test_an_unknown_priority_tier_is_refused(ready) -> None:
+    _, _, http = ready
+    reply = http.post("/v1/chat/completions", json=BODY, headers={"x-priority": "urgent"})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "x-priority"
+
+
+def test_the_same_idempotency_key_and_body_replays_the_first_response(ready) -> None:
+    _, _, http = ready
+    first = http.post("/v1/chat/completions", json=BODY, headers={"Idempotency-Key": "order-1"})
+    again = http.post("/v1/chat/completions", json=BODY, headers={"Idempotency-Key": "order-1"})
+    assert first.status_code == again.status_code == 200
+    assert again.json() == first.json()
+    assert again.headers["idempotent-replayed"] == "true"
+
+
+def test_the_same_idempotency_key_with_another_body_is_a_422(ready) -> None:
+    _, _, http = ready
+    http.post("/v1/chat/completions", json=BODY, headers={"Idempotency-Key": "order-2"})
+    other = {**BODY, "max_tokens": 5}
+    reply = http.post("/v1/chat/completions", json=other, headers={"Idempotency-Key": "order-2"})
+    assert reply.status_code == 422
+    assert reply.json()["error"]["code"] == "idempotency_key_reused"
+
+
+def test_the_same_idempotency_key_while_the_first_runs_is_a_409(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    fleet.start(time_scale=1)  # real time: the first request runs for seconds
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    headers = {"Authorization": f"Bearer {key.secret}", "Idempotency-Key": "order-3"}
+    slow = {**BODY, "max_tokens": 300}
+    url = f"{gateway_server.url}/v1/chat/completions"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json=slow, headers=headers, timeout=60)
+        assert wait_until(lambda: redis_client.keys("idem:*") != [], timeout_s=10)
+        reply = httpx.post(url, json=slow, headers=headers, timeout=60)
+        assert reply.status_code == 409
+        assert reply.json()["error"]["code"] == "idempotency_key_in_use"
+        assert first.result().status_code == 200
+    replay = httpx.post(url, json=slow, headers=headers, timeout=60)
+    assert replay.status_code == 200
+    assert replay.json() == first.result().json()
+
+
+def test_a_blocked_pattern_is_refused_before_any_gpu_time(ready, fleet: Fleet, settings) -> None:
+    _, key, http = ready
+    from tenants.actions import do_update_tenant
+
+    do_update_tenant(key.tenant, blocked_patterns=[r"project\s+falcon"])
+    body = {**BODY, "messages": [{"role": "user", "content": "Tell me about Project  Falcon"}]}
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "guardrail_refused"
+
+
+def test_a_prompt_over_the_context_cap_is_refused_before_any_gpu_time(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    sim = fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme", max_context_tokens=50)
+    long_prompt = "word " * 400
+    reply = httpx.post(
+        f"{gateway_server.url}/v1/completions",
+        json={"model": MODEL, "prompt": long_prompt, "max_tokens": 2},
+        headers={"Authorization": f"Bearer {key.secret}"},
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"]["code"] == "guardrail_refused"
+    assert sample(sim.metrics_text(), "vllm:prompt_tokens_total") == 0
+
+
+def test_the_gateway_serves_admitted_keys_with_no_database_query(ready) -> None:
+    _, _, http = ready
+    assert http.post("/v1/chat/completions", json=BODY).status_code == 200  # warm caches
+    queries: list[str] = []
+
+    def refuse(self, sql, *args, **kwargs):
+        queries.append(sql)
+        raise OperationalError("PostgreSQL is down")
+
+    # Every SQL statement from any thread now fails as if PostgreSQL were stopped.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CursorWrapper, "execute", refuse)
+        patch.setattr(CursorWrapper, "executemany", refuse)
+        statuses = [
+            http.post("/v1/chat/completions", json={**BODY, "stream": stream}).status_code
+            for stream in (False, True, False)
+        ]
+        statuses.append(http.get("/v1/models").status_code)
+    assert statuses == [200, 200, 200, 200]
+    assert queries == []
+
+
+def test_gateway_metrics_are_exposed_in_prometheus_format(ready) -> None:
+    server, _, http = ready
+    http.post("/v1/chat/completions", json={**BODY, "stream": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "platform_gateway_time_to_first_token_seconds_bucket" in text
+    assert 'platform_router_decisions_total{policy="cost_aware"' in text
+    assert (
+        'platform_gateway_tokens_total{kind="completion",model="llama-3.1-8b",tenant="acme"}'
+        in text
+    )
