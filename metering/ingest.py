@@ -203,6 +203,9 @@ def insert_rows(rows: Sequence[tuple[object, ...]]) -> int:
         return 0
     with connection.cursor() as cursor:
         cursor.execute(_STAGING_DDL)
+        # ON COMMIT empties it, but a batch inside an outer transaction (a savepoint) would
+        # otherwise see the previous batch's rows.
+        cursor.execute("TRUNCATE metering_usage_staging")
         with cursor.cursor.copy(_COPY) as copy:
             for row in rows:
                 copy.write_row(row)

@@ -1,0 +1,37 @@
+"""Small builders shared by the metering tests."""
+
+from __future__ import annotations
+
+import itertools
+
+from metering.usage import UsageEvent
+
+_ids = itertools.count()
+
+
+def event(tenant_id: int, **fields: object) -> UsageEvent:
+    n = next(_ids)
+    base: dict[str, object] = {
+        "request_id": f"req-{n:09d}",
+        "tenant_id": tenant_id,
+        "key_id": 1,
+        "model": "llama-3.1-8b",
+        "version_id": None,
+        "adapter": "",
+        "deployment_id": None,
+        "pool": "h100-east",
+        "replica_id": "r1",
+        "priority": "standard",
+        "prompt_tokens": 100 + n % 50,
+        "cached_prompt_tokens": 0,
+        "completion_tokens": 20 + n % 30,
+        "status": "ok",
+        "finish_reason": "stop",
+        "queue_ms": 1.0,
+        "ttft_ms": 80.0,
+        "total_ms": 900.0,
+        "started_at": 1_767_225_600.0 + n,  # 2026-01-01
+        "ended_at": 1_767_225_601.0 + n,
+    }
+    base.update(fields)
+    return UsageEvent(**base)  # type: ignore[arg-type]
