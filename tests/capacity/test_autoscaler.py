@@ -1,0 +1,97 @@
+"""The autoscaler policy: eager up, lazy down, warm buffer, bounds, forecast."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from serving.autoscaler import (
+    AutoscalerConfig,
+    FleetSample,
+    ReplicaBounds,
+    daily_forecast,
+    recommend,
+)
+
+CONFIG = AutoscalerConfig(target_running_per_replica=50.0, ttft_slo_s=1.0)
+WIDE = ReplicaBounds(1, 100)
+
+
+def window(
+    replicas: int, running_per_replica: float, now: float = 100.0, **kw: float
+) -> list[FleetSample]:
+    return [
+        FleetSample(now - age, replicas, int(replicas * running_per_replica), 0, kw.get("kv", 0.2), kw.get("ttft"))
+        for age in (40, 30, 20, 10, 0)
+    ]  # fmt: skip
+
+
+def test_it_scales_up_at_once_when_replicas_run_over_target() -> None:
+    decision = recommend(window(4, 100), now_s=100, current=4, bounds=WIDE, config=CONFIG)
+    assert decision.desired == 8  # twice the load; the step cap is x2
+    assert decision.reason.startswith("up")
+
+
+def test_the_warm_buffer_is_added_to_what_the_load_needs() -> None:
+    decision = recommend(window(4, 50), now_s=100, current=4, bounds=WIDE, config=CONFIG)
+    assert decision.desired == math.ceil(4 * (1 + CONFIG.warm_buffer))
+
+
+def test_ttft_over_its_objective_scales_up_even_with_little_load() -> None:
+    decision = recommend(window(4, 5, ttft=2.0), now_s=100, current=4, bounds=WIDE, config=CONFIG)
+    assert decision.desired == 8
+
+
+def test_it_does_not_scale_down_within_the_stabilization_window() -> None:
+    recent = [(50.0, 10)]  # a busy recommendation 50 s ago
+    decision = recommend(
+        window(10, 5), now_s=100, current=10, bounds=WIDE, config=CONFIG, recent_raw=recent
+    )
+    assert decision.desired == 10
+
+
+def test_it_scales_down_a_step_at_a_time_once_the_window_is_quiet() -> None:
+    recent = [(100.0 - CONFIG.scale_down_stabilization_s - 1, 10)]
+    decision = recommend(
+        window(10, 5), now_s=100, current=10, bounds=WIDE, config=CONFIG, recent_raw=recent
+    )
+    assert decision.desired == 10 - CONFIG.max_step_down
+
+
+def test_a_small_dip_inside_the_hysteresis_band_holds() -> None:
+    # Load for 9.5 replicas with the buffer -> raw 10 of 11: within 10 %.
+    decision = recommend(window(11, 43), now_s=100, current=11, bounds=WIDE, config=CONFIG)
+    assert decision.desired == 11
+
+
+def test_it_never_leaves_the_pool_capacity() -> None:
+    bounds = ReplicaBounds(1, 100, pool_capacity=5)
+    decision = recommend(window(4, 200), now_s=100, current=4, bounds=bounds, config=CONFIG)
+    assert decision.desired == 5
+
+
+def test_a_forecast_is_a_floor() -> None:
+    decision = recommend(window(2, 5), now_s=100, current=2, bounds=WIDE, config=CONFIG, forecast=6)
+    assert decision.desired == 4  # up to the forecast, capped at x2 per step
+    assert decision.reason == "up on forecast"
+
+
+def test_samples_older_than_the_window_are_ignored() -> None:
+    stale = [FleetSample(0.0, 4, 1000, 500, 0.99, 5.0)]
+    decision = recommend(stale, now_s=100, current=4, bounds=WIDE, config=CONFIG)
+    assert decision.desired == 4
+    assert decision.reason == "no telemetry"
+
+
+def test_the_daily_forecast_reads_the_same_time_a_period_earlier() -> None:
+    history = [(1000.0, 3), (1000.0 + 3600 * 0.5, 9)]
+    forecast = daily_forecast(
+        history, now_s=3600 + 1000 - 300, period_s=3600, lead_s=300, spread_s=60
+    )
+    assert forecast == 3
+
+
+def test_the_window_must_be_thirty_to_sixty_seconds() -> None:
+    with pytest.raises(ValueError, match="window_s"):
+        AutoscalerConfig(window_s=10)

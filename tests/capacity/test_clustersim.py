@@ -1,0 +1,190 @@
+"""The cluster simulator: workloads, the event loop over the engine model and the real router,
+figures, files, and the autoscaler in the loop."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from serving.autoscaler import AutoscalerConfig
+from serving.clustersim import (
+    AutoscaleBounds,
+    FleetSpec,
+    PoolSpec,
+    SimConfig,
+    SimRequest,
+    Tenant,
+    homogeneous,
+    load_azure_conversation,
+    load_mooncake,
+    plot,
+    poisson,
+    simulate,
+    summarize,
+    write_csv,
+)
+from serving.clustersim.__main__ import main as cli_main
+from serving.clustersim.workloads import diurnal_rate, salted_blocks
+from serving.engine.core import Engine, EngineRequest
+
+ONE_TENANT = (Tenant("acme", "interactive"),)
+
+
+def test_equal_prompt_blocks_hash_equal_only_within_a_tenant() -> None:
+    acme = salted_blocks("acme", [1, 2], 1024)
+    assert salted_blocks("acme", [1, 2], 1024) == acme
+    assert not set(salted_blocks("globex", [1, 2], 1024)) & set(acme)
+
+
+def test_a_mooncake_block_becomes_thirty_two_chained_engine_blocks() -> None:
+    shared = salted_blocks("acme", [7, 8], 1024)
+    forked = salted_blocks("acme", [7, 9], 1024)
+    assert len(shared) == 64
+    assert shared[:32] == forked[:32]
+    assert shared[32] != forked[32]
+
+
+def test_mooncake_requests_sharing_a_root_block_share_a_tenant(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [4, 5, 6]},
+        {"timestamp": 500, "input_length": 700, "output_length": 5, "hash_ids": [4, 9]},
+    ]
+    trace.write_text("\n".join(json.dumps(row) for row in rows))
+    first, second = load_mooncake(trace, rate_multiplier=2.0)
+    assert first.tenant == second.tenant
+    assert first.block_hashes[:32] == second.block_hashes[:32]
+    assert len(first.block_hashes) == 1100 // 16
+    assert second.arrival_s == pytest.approx(0.25)
+
+
+def test_the_rate_multiplier_divides_azure_interarrival_times() -> None:
+    slow = load_azure_conversation(window_s=60)
+    fast = load_azure_conversation(rate_multiplier=3.0, window_s=20)
+    assert len(fast) == pytest.approx(len(slow), abs=2)
+    assert fast[10].arrival_s == pytest.approx(slow[10].arrival_s / 3)
+
+
+def test_the_diurnal_rate_peaks_at_half_the_period() -> None:
+    trough = diurnal_rate(10.0, 4.0, 100.0, 0.0)
+    peak = diurnal_rate(10.0, 4.0, 100.0, 50.0)
+    assert peak / trough == pytest.approx(4.0)
+    assert (peak + trough) / 2 == pytest.approx(10.0)
+
+
+def test_every_request_is_served_with_its_output_tokens() -> None:
+    requests = poisson(5.0, 30.0, seed=3)
+    result = simulate(homogeneous("H100-SXM-80GB", 2), requests)
+    assert all(r.finished_s is not None for r in result.records)
+    assert sum(r.output_tokens for r in result.records) == sum(q.output_tokens for q in requests)
+
+
+def test_a_lone_request_sees_exactly_the_engine_models_ttft() -> None:
+    request = SimRequest("one", 1.0, 3000, 20, "acme", "interactive")
+    result = simulate(homogeneous("A100-SXM-80GB", 1), [request])
+    fleet = homogeneous("A100-SXM-80GB", 1)
+    engine = Engine(fleet.perf(fleet.pools[0]), max_model_len=131072)
+    engine.add_request(EngineRequest("one", 3000, 20, 1.0))
+    first = next(e for e in engine.advance(math.inf) if e.kind == "first_token")
+    assert result.records[0].ttft_s == pytest.approx(first.time_s - 1.0)
+
+
+def test_a_static_fleet_costs_its_hourly_price_for_the_simulated_time() -> None:
+    fleet = FleetSpec(pools=(PoolSpec("a100", "A100-SXM-80GB", 3, usd_per_gpu_hour=2.0),))
+    result = simulate(fleet, poisson(2.0, 60.0, seed=1))
+    summary = summarize(result)
+    assert summary.cost_usd == pytest.approx(6.0 * result.ended_s / 3600)
+    assert summary.gpu_hours == pytest.approx(3 * result.ended_s / 3600)
+
+
+def test_cost_aware_routing_sends_batch_work_to_the_cheapest_gpus() -> None:
+    fleet = FleetSpec(
+        pools=(PoolSpec("h100", "H100-SXM-80GB", 2), PoolSpec("l40s", "L40S-48GB", 2))
+    )
+    requests = poisson(2.0, 30.0, tenants=(Tenant("umbrella", "batch"),), seed=2)
+    summary = summarize(simulate(fleet, requests, SimConfig(policy="cost_aware")))
+    assert summary.share_by_gpu == {"L40S-48GB": 1.0}
+
+
+def test_round_robin_spreads_requests_over_every_replica() -> None:
+    requests = poisson(4.0, 30.0, tenants=ONE_TENANT, seed=4)
+    result = simulate(homogeneous("H100-SXM-80GB", 4), requests, SimConfig(policy="round_robin"))
+    used = {r.replica_id for r in result.records}
+    assert len(used) == 4
+
+
+def test_the_autoscaler_adds_replicas_when_load_outgrows_the_fleet() -> None:
+    fleet = FleetSpec(
+        pools=(PoolSpec("h100", "H100-SXM-80GB", 1, autoscale=AutoscaleBounds(1, 6)),)
+    )
+    config = SimConfig(
+        policy="least_load",
+        autoscaler=AutoscalerConfig(target_running_per_replica=16.0),
+        cold_start_s=30.0,
+    )
+    result = simulate(fleet, poisson(12.0, 240.0, tenants=ONE_TENANT, seed=5), config)
+    assert max(point.ready["h100"] for point in result.timeline) > 1
+    assert result.scaling_events[0][3].startswith("up")
+
+
+def test_replicas_added_by_the_autoscaler_are_paid_for_from_their_cold_start() -> None:
+    fleet = FleetSpec(
+        pools=(PoolSpec("h100", "H100-SXM-80GB", 1, autoscale=AutoscaleBounds(1, 6)),)
+    )
+    config = SimConfig(autoscaler=AutoscalerConfig(target_running_per_replica=16.0))
+    result = simulate(fleet, poisson(12.0, 240.0, tenants=ONE_TENANT, seed=5), config)
+    late = [r for r in result.replicas if r.started_s > 0]
+    assert late
+    assert all(r.ready_s - r.started_s == pytest.approx(config.cold_start_s) for r in late)
+    summary = summarize(result)
+    expected = sum((r.stopped_s or result.ended_s) - r.started_s for r in result.replicas) / 3600
+    assert summary.gpu_hours == pytest.approx(expected)
+
+
+def test_the_report_writes_csv_and_png(tmp_path: Path) -> None:
+    result = simulate(homogeneous("L40S-48GB", 2), poisson(2.0, 20.0, seed=6))
+    summary = summarize(result)
+    paths = write_csv(result, summary, tmp_path) + plot(result, summary, tmp_path)
+    assert {p.name for p in paths} == {
+        "requests.csv", "summary.csv", "timeline.csv", "ttft_cdf.png", "timeline.png"
+    }  # fmt: skip
+    assert (tmp_path / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
+    assert len((tmp_path / "requests.csv").read_text().splitlines()) == len(result.records) + 1
+
+
+def test_slo_attainment_counts_requests_over_the_objective_as_misses() -> None:
+    requests = [SimRequest(f"r{i}", 0.0, 6000, 10, "acme", "interactive") for i in range(40)]
+    summary = summarize(simulate(homogeneous("L4-24GB", 1), requests))
+    tier = summary.tiers["interactive"]
+    met = sum(1 for r in simulate(homogeneous("L4-24GB", 1), requests).records if r.ttft_s <= 1.0)
+    assert tier.ttft_attainment == pytest.approx(met / 40)
+    assert tier.ttft_attainment < 1.0
+
+
+def test_the_cli_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cli_main(
+        ["--workload", "poisson", "--rate", "2", "--duration", "20",
+         "--fleet", "H100-SXM-80GB:1,L40S-48GB:1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "cost_aware on 1x H100-SXM-80GB + 1x L40S-48GB" in out
+    assert (tmp_path / "summary.csv").exists()
+
+
+def test_a_static_comparison_sizes_for_the_autoscaled_peak(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cli_main(
+        ["--workload", "poisson", "--rate", "12", "--duration", "200", "--fleet",
+         "H100-SXM-80GB:1", "--autoscale", "1:4", "--cold-start", "20", "--compare-static"]
+    )  # fmt: skip
+    assert "static provisioning for the peak" in capsys.readouterr().out
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy"):
+        replace(SimConfig(), policy="random")
