@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +57,8 @@ class UsageEvent:
     price_charged_usd_micros: int = 0
 
     def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        # orjson serializes a dataclass natively, several times faster than asdict().
+        return orjson.dumps(self)
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> UsageEvent:
