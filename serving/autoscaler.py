@@ -15,7 +15,8 @@ Up is eager: a higher desired count applies at once (capped at `max_step_up_fact
 current count per decision, so one bad window cannot order the whole pool). Down is lazy: the
 count applied is the highest recommendation of the last `scale_down_stabilization_s` (the
 Kubernetes HPA's stabilization window), and only when it is below the current count by more
-than the hysteresis band, one `max_step_down` at a time. An optional forecast (the replicas
+than the hysteresis band, one `max_step_down` at a time, and never before recommendations
+cover the stabilization window. An optional forecast (the replicas
 the same time of day needed before, see `daily_forecast`) is a floor, so capacity is warm
 before a known peak. The result is clamped to the deployment's min and max and to what the
 pool has room for.
@@ -133,7 +134,10 @@ def recommend(
 
     horizon = now_s - config.scale_down_stabilization_s
     stabilized = max([raw, *(r for at, r in recent_raw if at >= horizon)])
-    if stabilized < current * (1.0 - config.hysteresis) and stabilized < current:
+    # Lazy: only once recommendations cover (nearly) the whole stabilization window, so a
+    # restarted loop with no memory does not shrink the fleet on its first quiet sample.
+    covered = any(at <= horizon + config.window_s for at, _ in recent_raw)
+    if covered and stabilized < current * (1.0 - config.hysteresis) and stabilized < current:
         target = max(stabilized, current - config.max_step_down)
         return Recommendation(bounds.clamp(target), raw, f"down on {reason}")
     return Recommendation(bounds.clamp(current), raw, "hold")

@@ -61,8 +61,16 @@ def test_it_scales_down_a_step_at_a_time_once_the_window_is_quiet() -> None:
 
 def test_a_small_dip_inside_the_hysteresis_band_holds() -> None:
     # Load for 9.5 replicas with the buffer -> raw 10 of 11: within 10 %.
-    decision = recommend(window(11, 43), now_s=100, current=11, bounds=WIDE, config=CONFIG)
+    recent = [(100.0 - CONFIG.scale_down_stabilization_s - 1, 10)]
+    decision = recommend(
+        window(11, 43), now_s=100, current=11, bounds=WIDE, config=CONFIG, recent_raw=recent
+    )
     assert decision.desired == 11
+
+
+def test_without_a_history_of_recommendations_it_does_not_scale_down() -> None:
+    decision = recommend(window(10, 1), now_s=100, current=10, bounds=WIDE, config=CONFIG)
+    assert decision.desired == 10
 
 
 def test_it_never_leaves_the_pool_capacity() -> None:
