@@ -53,7 +53,7 @@ def make_events(n: int, run: str) -> list[UsageEvent]:
             1200.0,
             start + i * 1e-4,
             start + i * 1e-4 + 1.2,
-        )  # fmt: skip
+        )
         for i in range(n)
     ]
 

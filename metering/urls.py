@@ -1,5 +1,10 @@
-"""Console and portal pages of the metering app."""
+"""Console pages of the metering app (mounted under /console/)."""
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
 
-urlpatterns: list[URLPattern | URLResolver] = []
+from metering import views
+
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("billing/", views.billing, name="console-billing"),
+    path("router/", views.router, name="console-router"),
+]

@@ -107,8 +107,12 @@ class UsageSpool:
         line = event.to_json() + b"\n"
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    # A torn line from a crash: end it, or this event would be glued to it.
+                    line = b"\n" + line
                 os.write(fd, line)
                 os.fsync(fd)
             finally:
@@ -160,8 +164,7 @@ class UsageSpool:
             return []
         # A crash mid-append can leave a torn last line without its newline: drop it, it was
         # never acknowledged to the caller (append returns only after fsync of a full line).
-        # A torn line followed by a later append reads as one corrupt line; skip what does not
-        # parse rather than block the rest of the spool behind it.
+        # A torn line that a later append ended reads as one corrupt line: skip it.
         return [line for line in raw.split(b"\n")[:-1] if _parses(line)]
 
 
