@@ -203,6 +203,7 @@ def visibility_entries() -> dict[str, dict[str, Any]]:
             "base_model": adapter.base_version.model.name,
             "public": adapter.visibility == Visibility.PUBLIC,
             "tenants": sorted(tenants),
+            "created": int(adapter.created_at.timestamp()),
         }
     return entries
 

@@ -315,7 +315,7 @@ def _store_telemetry(
 ) -> None:
     gpus = list(payload.get("gpus") or [])
     scraped = [
-        (rid, reports[rid].get("telemetry") or {})
+        (rid, {**reports[rid]["telemetry"], "loaded_lora_adapters": reports[rid].get("adapters")})
         for rid, replica in replicas.items()
         if reports[rid].get("telemetry") and replica.state != Replica.State.STOPPED
     ]

@@ -135,6 +135,10 @@ def _replica_row(replica: Replica, launch: Any) -> dict[str, Any]:
         "quantization": launch.quantization,
         "max_model_len": launch.max_model_len,
         "max_num_seqs": launch.max_num_seqs,
+        "kv_cache_dtype": launch.kv_cache_dtype,
+        "gpu_memory_utilization": launch.gpu_memory_utilization,
+        # LoRA slots: the router sends adapter requests only where adapters can be served.
+        "max_loras": launch.max_loras if launch.enable_lora else 0,
         "adapters": [name for name, _ in launch.adapters],
     }
 

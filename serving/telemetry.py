@@ -47,7 +47,11 @@ def compact(telemetry: dict[str, Any]) -> dict[str, Any]:
         "running": int(telemetry.get("num_requests_running") or 0),
         "waiting": int(telemetry.get("num_requests_waiting") or 0),
         "kv": float(telemetry.get("kv_cache_usage_perc") or 0.0),
-        "loras": list(telemetry.get("running_lora_adapters") or []),
+        # Adapters resident on the replica (the agent's list), not just those running now:
+        # the router prefers replicas where an adapter needs no load.
+        "loras": list(
+            telemetry.get("loaded_lora_adapters") or telemetry.get("running_lora_adapters") or []
+        ),
         "scraped_at": telemetry.get("scraped_at"),
     }
 

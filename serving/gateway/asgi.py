@@ -149,7 +149,8 @@ class GatewayApp:
         if "inference" not in principal.scopes:
             raise ApiError(403, "This API key has no 'inference' scope.", code="missing_scope")
         if kind == "models":
-            data = {"object": "list", "data": gateway.catalog.listing(principal)}
+            servable = set(gateway.routing.snapshot.served_models)
+            data = {"object": "list", "data": gateway.catalog.listing(principal, servable)}
             await send_json(send, 200, orjson.dumps(data), {})
             return
         raw = await read_body(receive, gateway.config.max_body_bytes)

@@ -44,16 +44,21 @@ class Catalog:
             return None
         return (str(adapter["base_model"]), name)
 
-    def listing(self, principal: Any) -> list[dict[str, Any]]:
-        """The OpenAI `/v1/models` data the key may use."""
+    def listing(self, principal: Any, servable: set[str]) -> list[dict[str, Any]]:
+        """The OpenAI `/v1/models` data the key may use: visible, allowed, and deployed
+        (`servable` names the models the routing table has a route for)."""
         items: list[dict[str, Any]] = []
         for name, entry in sorted(self.models.items()):
+            if name not in servable:
+                continue
             if self.resolve(name, principal) and principal.may_use_model(name):
                 items.append(
                     {"id": name, "object": "model", "created": int(entry.get("created", 0)),
                      "owned_by": "platform", "max_model_len": entry.get("max_context")}
                 )  # fmt: skip
         for name, entry in sorted(self.adapters.items()):
+            if entry["base_model"] not in servable:
+                continue
             if self.resolve(name, principal) and (
                 principal.may_use_model(name) or principal.may_use_model(entry["base_model"])
             ):

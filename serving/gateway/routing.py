@@ -70,6 +70,7 @@ class RoutingSnapshot:
     state: RouterState
     endpoints: dict[str, ReplicaEndpoint]
     deployment_tiers: dict[str, str] = field(default_factory=dict)
+    served_models: frozenset[str] = frozenset()
 
 
 @lru_cache(maxsize=512)
@@ -171,7 +172,10 @@ def build_snapshot(
     state = RouterState(
         routes, replicas, version=int(table.get("version", 0)), prefix_index=prefix_index
     )
-    return RoutingSnapshot(int(table.get("version", 0)), state, endpoints, tiers)
+    served = frozenset(
+        route.model for route in routes if any(d.weight > 0 for d in route.deployments)
+    )
+    return RoutingSnapshot(int(table.get("version", 0)), state, endpoints, tiers, served)
 
 
 class RoutingCache:

@@ -26,7 +26,9 @@ import orjson
 import pytest
 import redis
 import uvicorn
+from asgiref.sync import sync_to_async
 from django.contrib.auth import get_user_model
+from django.db import connections
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.gateway import service
@@ -68,10 +70,18 @@ class EngineSim:
     pool: str
     region: str
     price_per_hour: float
+    max_loras: int = 0
+    adapters: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def load_adapter(self, name: str) -> None:
+        reply = httpx.post(f"{self.url}/v1/load_lora_adapter",
+                           json={"lora_name": name, "lora_path": f"/adapters/{name}"})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        self.adapters.append(name)
 
     def metrics_text(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=5).text
@@ -107,8 +117,9 @@ class Fleet:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        max_loras = int(extra[extra.index("--max-loras") + 1]) if "--max-loras" in extra else 0
         sim = EngineSim(port, process, gpu_class, f"r-{len(self.sims) + 1}-{port}", pool,
-                        region, price_per_hour)  # fmt: skip
+                        region, price_per_hour, max_loras)  # fmt: skip
         wait_http(f"{sim.url}/health", process=process)
         self.sims.append(sim)
         return sim
@@ -129,6 +140,7 @@ class Fleet:
                                     "gpu_class": sim.gpu_class, "model_spec": MODEL,
                                     "price_per_hour": sim.price_per_hour,
                                     "tensor_parallel": 1, "max_num_seqs": 256,
+                                    "max_loras": sim.max_loras, "adapters": sim.adapters,
                                 }
                                 for sim in self.sims
                             ],
@@ -163,12 +175,18 @@ def fleet(redis_client: redis.Redis) -> Iterator[Fleet]:
 
 
 def publish_catalog(
-    client: redis.Redis, *, public: bool = True, tenants: tuple[int, ...] = ()
-) -> None:
-    """What registry.actions.publish_visibility writes, for one model."""
+    client: redis.Redis, *, public: bool = True, tenants: tuple[int, ...] = (),
+    adapters: dict[str, tuple[int, ...]] | None = None,
+) -> None:  # fmt: skip
+    """What registry.actions.publish_visibility writes: MODEL and, optionally, adapters of it
+    (name -> tenants granted; an empty tuple makes the adapter public)."""
     entry = {"kind": "model", "base_model": MODEL, "public": public, "tenants": list(tenants),
              "max_context": 131072, "created": 1_700_000_000}  # fmt: skip
     client.hset(VISIBILITY_HASH, MODEL, orjson.dumps(entry))
+    for name, granted in (adapters or {}).items():
+        adapter = {"kind": "adapter", "base_model": MODEL, "public": not granted,
+                   "tenants": list(granted), "created": 1_700_000_000}  # fmt: skip
+        client.hset(VISIBILITY_HASH, name, orjson.dumps(adapter))
 
 
 class GatewayServer:
@@ -193,6 +211,8 @@ class GatewayServer:
             if service._gateway is not None:
                 with contextlib.suppress(Exception):
                     await service._gateway.close()
+            # The key loader's database connection lives on sync_to_async's thread.
+            await sync_to_async(connections.close_all)()
             service._gateway = None
             service._gateway_lock = None
 

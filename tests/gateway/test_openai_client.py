@@ -6,7 +6,7 @@ import openai
 import pytest
 import redis
 
-from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog
+from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog, sample
 
 pytestmark = pytest.mark.slow
 
@@ -118,3 +118,43 @@ def test_exhausted_rate_limit_raises_rate_limit_error(
     assert int(headers["retry-after"]) >= 1
     assert headers["x-ratelimit-limit-requests"] == "1"
     assert headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_lora_adapter_is_called_by_its_name_and_routed_where_it_is_loaded(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    plain = fleet.start(price_per_hour=0.5)
+    with_lora = fleet.start(extra=("--enable-lora", "--max-loras", "2"))
+    with_lora.load_adapter("acme-support")
+    fleet.publish()
+    key = make_key("acme")
+    publish_catalog(redis_client, adapters={"acme-support": (key.tenant.pk,)})
+    client = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key=key.secret, max_retries=0)
+    listed = {model.id: model for model in client.models.list()}
+    assert set(listed) == {MODEL, "acme-support"}
+    for _ in range(3):
+        reply = client.chat.completions.create(
+            model="acme-support", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert reply.model == "acme-support"
+    assert sample(with_lora.metrics_text(), "vllm:request_success_total") == 3
+    assert sample(plain.metrics_text(), "vllm:request_success_total") == 0
+
+
+def test_another_tenant_cannot_call_an_adapter_it_was_not_granted(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    sim = fleet.start(extra=("--enable-lora", "--max-loras", "2"))
+    sim.load_adapter("acme-support")
+    fleet.publish()
+    acme = make_key("acme")
+    globex = make_key("globex")
+    publish_catalog(redis_client, adapters={"acme-support": (acme.tenant.pk,)})
+    client = openai.OpenAI(
+        base_url=f"{gateway_server.url}/v1", api_key=globex.secret, max_retries=0
+    )
+    assert [model.id for model in client.models.list()] == [MODEL]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="acme-support", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
