@@ -27,4 +27,5 @@ urlpatterns = [
     path("console/", include("registry.urls")),
     path("console/", include("tenants.urls")),
     path("console/", include("metering.urls")),
+    path("portal/", include("tenants.portal_urls")),
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.contrib.auth.decorators import login_required
+from django.db.models import ExpressionWrapper, F, FloatField
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
@@ -63,7 +64,13 @@ def router(request: HttpRequest) -> HttpResponse:
 @login_required
 def portal_usage(request: HttpRequest, slug: str) -> HttpResponse:
     tenant = portal_tenant(request, slug)
-    recent = actions.access_usage(request.user).filter(tenant_id=tenant.pk)
+    recent = (
+        actions.access_usage(request.user)
+        .filter(tenant_id=tenant.pk)
+        .annotate(
+            price_usd=ExpressionWrapper(F("price_charged_usd_micros") / 1e6, FloatField())
+        )
+    )
     context = portal_context(
         request,
         tenant,

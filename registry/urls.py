@@ -1,5 +1,23 @@
-"""Console and portal pages of the registry app."""
+"""Console pages of the registry app (mounted under /console/)."""
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
 
-urlpatterns: list[URLPattern | URLResolver] = []
+from registry import views
+
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("models/", views.models_page, name="console-models"),
+    path(
+        "models/versions/<int:version_id>/approve/",
+        views.approve_version,
+        name="console-approve-version",
+    ),
+    path("deployments/check/", views.placement_check, name="console-placement-check"),
+    path("deployments/create/", views.create_deployment, name="console-create-deployment"),
+    path("rollouts/", views.rollouts_page, name="console-rollouts"),
+    path("rollouts/<int:rollout_id>/", views.rollout_detail, name="console-rollout"),
+    path(
+        "rollouts/<int:rollout_id>/<str:action>/",
+        views.rollout_action,
+        name="console-rollout-action",
+    ),
+]

@@ -1,5 +1,10 @@
-"""Console and portal pages of the tenants app."""
+"""Console pages of the tenants app (mounted under /console/)."""
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, path
 
-urlpatterns: list[URLPattern | URLResolver] = []
+from tenants import views
+
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("tenants/", views.tenants_page, name="console-tenants"),
+    path("tenants/<slug:slug>/", views.tenant_detail, name="console-tenant"),
+]

@@ -1,0 +1,156 @@
+"""Console pages of the registry: models, versions, adapters, deployments and rollouts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.contrib import messages
+from django.core.exceptions import ValidationError
+from django.http import Http404, HttpRequest, HttpResponse, QueryDict
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from config.views import staff_required
+from registry import actions
+from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, SloTier
+from registry.placement import check_deployment_placement
+from serving.models import GpuPool
+
+ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
+    "pause": actions.do_pause_rollout,
+    "resume": actions.do_resume_rollout,
+    "abort": actions.do_abort_rollout,
+    "promote": actions.do_promote_rollout,
+}
+
+
+def _errors_text(error: ValidationError) -> list[str]:
+    if hasattr(error, "message_dict"):
+        return [f"{field}: {msg}" for field, msgs in error.message_dict.items() for msg in msgs]
+    return list(error.messages)
+
+
+def _int(data: QueryDict, name: str, default: int) -> int:
+    try:
+        return int(data.get(name) or default)
+    except ValueError:
+        return default
+
+
+def _deployment_from(data: QueryDict) -> Deployment:
+    """An unsaved deployment from the form, for the placement check and for saving."""
+    version = ModelVersion.objects.select_related("model").filter(pk=data.get("model_version"))
+    pool = GpuPool.objects.select_related("gpu_class").filter(pk=data.get("pool"))
+    if not version.exists() or not pool.exists():
+        raise ValidationError("Choose a model version and a pool.")
+    engine_args: dict[str, Any] = {"max_model_len": _int(data, "max_model_len", 8192)}
+    if data.get("gpu_memory_utilization"):
+        engine_args["gpu_memory_utilization"] = float(data["gpu_memory_utilization"])
+    return Deployment(
+        name=data.get("name", "").strip(),
+        model_version=version.get(),
+        pool=pool.get(),
+        tensor_parallel=_int(data, "tensor_parallel", 1),
+        replicas_min=_int(data, "replicas_min", 1),
+        replicas_max=_int(data, "replicas_max", 1),
+        replicas_desired=_int(data, "replicas_desired", 1),
+        engine_args=engine_args,
+        slo_tier=data.get("slo_tier") or SloTier.STANDARD,
+    )
+
+
+@staff_required
+def models_page(request: HttpRequest) -> HttpResponse:
+    context = {
+        "models": Model.objects.prefetch_related("versions", "granted_tenants"),
+        "adapters": Adapter.objects.select_related("base_version__model", "owner_tenant"),
+        "deployments": Deployment.objects.select_related("model_version__model", "pool"),
+        "approved_versions": ModelVersion.objects.filter(
+            status=ModelVersion.Status.APPROVED
+        ).select_related("model"),
+        "pools": GpuPool.objects.select_related("gpu_class"),
+        "slo_tiers": SloTier.choices,
+    }
+    return render(request, "console/models.html", context)
+
+
+@staff_required
+@require_POST
+def approve_version(request: HttpRequest, version_id: int) -> HttpResponse:
+    version = actions.access_version(request.user, version_id)
+    try:
+        actions.do_approve_version(version, actor=request.user)
+        messages.info(request, f"{version.model.name} {version.version} approved.")
+    except ValidationError as error:
+        messages.error(request, "; ".join(_errors_text(error)))
+    return redirect("console-models")
+
+
+@staff_required
+@require_POST
+def placement_check(request: HttpRequest) -> HttpResponse:
+    """The form's live answer: does this deployment fit, before anything is saved."""
+    try:
+        deployment = _deployment_from(request.POST)
+        problems = actions.check_engine_args(deployment.engine_args)
+        result = None if problems else check_deployment_placement(deployment)
+    except (ValidationError, ValueError) as error:
+        problems, result = [str(getattr(error, "message", error))], None
+    return render(
+        request, "console/placement_result.html", {"problems": problems, "result": result}
+    )
+
+
+@staff_required
+@require_POST
+def create_deployment(request: HttpRequest) -> HttpResponse:
+    try:
+        deployment = _deployment_from(request.POST)
+        fields = {
+            name: getattr(deployment, name)
+            for name in ("model_version", "pool", "tensor_parallel", "replicas_min",
+                         "replicas_max", "replicas_desired", "engine_args", "slo_tier")
+        }  # fmt: skip
+        if deployment.name:
+            fields["name"] = deployment.name
+        created = actions.do_create_deployment(**fields)
+        messages.info(request, f"Deployment {created.name} created.")
+    except ValidationError as error:
+        messages.error(request, "Not created: " + "; ".join(_errors_text(error)))
+    return redirect("console-models")
+
+
+@staff_required
+def rollouts_page(request: HttpRequest) -> HttpResponse:
+    rollouts = actions.rollouts_for_user(request.user).select_related("model", "baseline", "canary")
+    return render(request, "console/rollouts.html", {"rollouts": rollouts})
+
+
+@staff_required
+def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
+    rollout = actions.access_rollout(request.user, rollout_id)
+    transitions = rollout.transitions.order_by("-created_at")
+    gate = (rollout.last_decision or {}).get("gate") or {}
+    return render(
+        request,
+        "console/rollout.html",
+        {"rollout": rollout, "transitions": transitions, "decision": rollout.last_decision,
+         "gate": gate},
+    )  # fmt: skip
+
+
+@staff_required
+@require_POST
+def rollout_action(request: HttpRequest, rollout_id: int, action: str) -> HttpResponse:
+    rollout = actions.access_rollout(request.user, rollout_id)
+    act = ROLLOUT_ACTIONS.get(action)
+    if act is None:
+        raise Http404("No such action.")
+    reason = request.POST.get("reason", "").strip()
+    try:
+        act(rollout, actor=request.user, reason=reason)
+        messages.info(request, f"Rollout {rollout.pk}: {action} done.")
+    except ValidationError as error:
+        messages.error(request, "; ".join(_errors_text(error)))
+    return redirect("console-rollout", rollout_id=rollout.pk)

@@ -1,0 +1,165 @@
+"""Read-only figures for the admin console: the live fleet snapshot and its parts.
+
+The snapshot is what the `fleet-live` WebSocket group receives every two seconds and what the
+overview page renders first, so both show the same numbers.
+
+- GPUs by class and state: every inventoried GPU of every node, in the state of the replica
+  holding it (ready, starting, draining, failed), else `idle`, or `unavailable` when its node
+  is NotReady.
+- Utilization: mean GPU utilization the agents last reported (NVML), over GPUs that report it.
+- KV use: mean KV-cache use over ready replicas with fresh telemetry.
+- Queue depth: requests waiting in the engines (sum over replicas).
+- Tokens per second: generated tokens, from the change of the engines' counters between two
+  snapshots (the previous totals are kept in Redis).
+- TTFT p50/p99: over requests that ended in the last five minutes (metering's usage rows).
+- Cost per hour: every GPU of a Ready node at its pool's price (idle GPUs cost money too);
+  cost per million tokens is that divided by the current token rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from datetime import timedelta
+from typing import Any
+
+import orjson
+import redis
+from django.db import connection
+from django.utils import timezone
+
+from serving import telemetry
+from serving.models import Gpu, Node, Replica
+
+PREVIOUS_TOTALS_KEY = "console:fleet:previous_totals"
+TTFT_WINDOW = timedelta(minutes=5)
+GPU_STATES = ("ready", "starting", "draining", "failed", "idle", "unavailable")
+
+
+def _live_replicas() -> list[Replica]:
+    return list(
+        Replica.objects.exclude(state=Replica.State.STOPPED)
+        .select_related("node__pool__gpu_class", "deployment__model_version__model")
+        .order_by("pk")
+    )
+
+
+def _replica_telemetry(client: redis.Redis, replica_ids: list[str]) -> dict[str, dict[str, Any]]:
+    if not replica_ids:
+        return {}
+    raw = client.mget([telemetry.replica_key(rid) for rid in replica_ids])
+    return {rid: orjson.loads(row) for rid, row in zip(replica_ids, raw, strict=True) if row}
+
+
+def _node_utilizations(client: redis.Redis, node_ids: list[int]) -> list[float]:
+    if not node_ids:
+        return []
+    values: list[float] = []
+    for row in client.mget([telemetry.node_key(nid) for nid in node_ids]):
+        if not row:
+            continue
+        for gpu in orjson.loads(row).get("gpus") or []:
+            if gpu.get("utilization_pct") is not None:
+                values.append(float(gpu["utilization_pct"]))
+    return values
+
+
+def _gpu_states(replicas: list[Replica]) -> dict[str, dict[str, int]]:
+    holder: dict[tuple[int, int], str] = {}
+    for replica in replicas:
+        for index in replica.gpu_indices or []:
+            holder[(replica.node_id, int(index))] = replica.state
+    by_class: dict[str, Counter[str]] = defaultdict(Counter)
+    for gpu in Gpu.objects.select_related("node__pool__gpu_class"):
+        state = holder.get((gpu.node_id, gpu.index), "idle")
+        if gpu.node.health == Node.Health.NOT_READY:
+            state = "unavailable"
+        by_class[gpu.node.pool.gpu_class.name][state] += 1
+    return {name: {s: counts[s] for s in GPU_STATES} for name, counts in sorted(by_class.items())}
+
+
+def _cost_per_hour() -> float:
+    total = 0.0
+    for node in Node.objects.filter(health=Node.Health.READY).select_related("pool__gpu_class"):
+        total += float(node.pool.price_per_gpu_hour) * node.gpus.count()
+    return total
+
+
+def ttft_percentiles_ms(window: timedelta = TTFT_WINDOW) -> tuple[float | None, float | None]:
+    """TTFT p50 and p99 of requests that ended within `window` (None when there were none)."""
+    since = timezone.now() - window
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_ms),"
+            " percentile_cont(0.99) WITHIN GROUP (ORDER BY ttft_ms)"
+            " FROM metering_usageevent WHERE ended_at >= %s AND ttft_ms IS NOT NULL",
+            [since],
+        )
+        p50, p99 = cursor.fetchone()
+    return (None if p50 is None else float(p50), None if p99 is None else float(p99))
+
+
+def _token_rate(client: redis.Redis, generated_total: int, now: float) -> float | None:
+    """Tokens per second since the previous snapshot; None on the first one or after a reset."""
+    previous = client.get(PREVIOUS_TOTALS_KEY)
+    client.set(PREVIOUS_TOTALS_KEY, orjson.dumps({"at": now, "generated": generated_total}), ex=60)
+    if previous is None:
+        return None
+    before = orjson.loads(previous)
+    elapsed = now - float(before["at"])
+    delta = generated_total - int(before["generated"])
+    # A replica that stopped takes its counter with it: the sum drops, which is not a rate.
+    if elapsed <= 0 or delta < 0:
+        return None
+    return delta / elapsed
+
+
+def _replica_row(replica: Replica, seen: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "id": replica.pk,
+        "deployment": replica.deployment.name,
+        "model": replica.deployment.model_version.model.name,
+        "node": replica.node.hostname,
+        "pool": replica.node.pool.name,
+        "gpu_class": replica.node.pool.gpu_class.name,
+        "state": replica.state,
+        "running": int((seen or {}).get("num_requests_running") or 0),
+        "waiting": int((seen or {}).get("num_requests_waiting") or 0),
+        "kv": float((seen or {}).get("kv_cache_usage_perc") or 0.0),
+    }
+
+
+def fleet_snapshot(client: redis.Redis | None = None, *, rate: bool = True) -> dict[str, Any]:
+    """The overview's numbers, as plain JSON. `rate=False` leaves the token-rate memory alone
+    (a page render must not steal the broadcaster's previous totals)."""
+    client = client or telemetry.redis_client()
+    now = time.time()
+    replicas = _live_replicas()
+    seen = _replica_telemetry(client, [r.replica_id for r in replicas])
+    rows = [_replica_row(r, seen.get(r.replica_id)) for r in replicas]
+    ready = [row for row in rows if row["state"] == Replica.State.READY]
+    kv_values = [row["kv"] for row in ready if str(row["id"]) in seen]
+    utilizations = _node_utilizations(client, sorted({r.node_id for r in replicas}))
+    generated = sum(int(t.get("generation_tokens_total") or 0) for t in seen.values())
+    tokens_per_s = _token_rate(client, generated, now) if rate else None
+    cost_per_hour = _cost_per_hour()
+    p50, p99 = ttft_percentiles_ms()
+    per_mtok = None
+    if tokens_per_s:
+        per_mtok = cost_per_hour / (tokens_per_s * 3600 / 1_000_000)
+    return {
+        "at": now,
+        "gpus": _gpu_states(replicas),
+        "replicas_by_state": dict(Counter(row["state"] for row in rows)),
+        "replicas_ready": len(ready),
+        "replicas": rows,
+        "utilization_pct": sum(utilizations) / len(utilizations) if utilizations else None,
+        "kv_use": sum(kv_values) / len(kv_values) if kv_values else None,
+        "queue_depth": sum(row["waiting"] for row in rows),
+        "running": sum(row["running"] for row in rows),
+        "tokens_per_s": tokens_per_s,
+        "ttft_p50_ms": p50,
+        "ttft_p99_ms": p99,
+        "cost_per_hour": cost_per_hour,
+        "cost_per_mtok": per_mtok,
+    }

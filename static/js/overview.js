@@ -1,0 +1,118 @@
+// The live overview: one WebSocket to the `fleet-live` group; each message is a snapshot.
+"use strict";
+(function () {
+  const fmt = window.platformConsole.formatNumber;
+  const GPU_STATES = ["ready", "starting", "draining", "failed", "idle", "unavailable"];
+  const history = { at: [], tokens: [], queue: [] };
+  const HISTORY_POINTS = 300;
+  let chart = null;
+
+  function setStatus(state, text) {
+    const badge = document.getElementById("live-status");
+    badge.dataset.state = state;
+    badge.textContent = text;
+    badge.className = "badge " + (state === "live" ? "ok" : state === "closed" ? "bad" : "warn");
+  }
+
+  function renderFigures(snapshot) {
+    document.querySelectorAll("[data-live]").forEach((el) => {
+      let value = snapshot[el.dataset.live];
+      if (value !== null && value !== undefined && el.dataset.scale) value *= Number(el.dataset.scale);
+      const digits = el.dataset.digits !== undefined ? Number(el.dataset.digits) : 1;
+      const shown = fmt(value, digits);
+      el.textContent = shown === "–" ? shown : (el.dataset.prefix || "") + shown + (el.dataset.unit || "");
+    });
+  }
+
+  function cell(text) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    return td;
+  }
+
+  function renderGpus(gpus) {
+    const body = document.querySelector("#gpu-table tbody");
+    body.replaceChildren();
+    for (const [name, counts] of Object.entries(gpus)) {
+      const tr = document.createElement("tr");
+      tr.append(cell(name), ...GPU_STATES.map((s) => cell(counts[s] || 0)));
+      body.append(tr);
+    }
+  }
+
+  function renderReplicas(rows) {
+    const body = document.querySelector("#replica-table tbody");
+    body.replaceChildren();
+    for (const r of rows) {
+      const tr = document.createElement("tr");
+      tr.dataset.replica = r.id;
+      const link = document.createElement("a");
+      link.href = `/console/fleet/replicas/${r.id}/`;
+      link.textContent = r.id;
+      const idCell = document.createElement("td");
+      idCell.append(link);
+      const badge = document.createElement("span");
+      badge.className = `badge state-${r.state}`;
+      badge.textContent = r.state;
+      const stateCell = document.createElement("td");
+      stateCell.append(badge);
+      tr.append(idCell, cell(r.model), cell(r.pool), cell(r.node), stateCell,
+        cell(r.running), cell(r.waiting), cell(fmt(r.kv * 100, 0) + " %"));
+      body.append(tr);
+    }
+    if (!rows.length) {
+      const tr = document.createElement("tr");
+      const td = cell("No replicas.");
+      td.colSpan = 8;
+      td.className = "muted";
+      tr.append(td);
+      body.append(tr);
+    }
+  }
+
+  function renderChart(snapshot) {
+    history.at.push(snapshot.at);
+    history.tokens.push(snapshot.tokens_per_s);
+    history.queue.push(snapshot.queue_depth);
+    for (const series of Object.values(history)) {
+      if (series.length > HISTORY_POINTS) series.shift();
+    }
+    const target = document.getElementById("fleet-chart");
+    if (!window.uPlot || !target) return;
+    const data = [history.at, history.tokens, history.queue];
+    if (!chart) {
+      chart = new uPlot({
+        width: target.clientWidth || 600, height: 220,
+        series: [{}, { label: "tokens/s", stroke: "#2357d9" }, { label: "waiting", stroke: "#b7791f", scale: "q" }],
+        axes: [{}, { label: "tokens/s" }, { side: 1, scale: "q", label: "waiting", grid: { show: false } }],
+      }, data, target);
+      window.addEventListener("resize", () => chart.setSize({ width: target.clientWidth, height: 220 }));
+    } else {
+      chart.setData(data);
+    }
+  }
+
+  function render(snapshot) {
+    renderFigures(snapshot);
+    renderGpus(snapshot.gpus);
+    renderReplicas(snapshot.replicas);
+    renderChart(snapshot);
+    document.body.dataset.fleetAt = snapshot.at;
+  }
+
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    const socket = new WebSocket(`${scheme}://${location.host}/console/ws/fleet`);
+    socket.onopen = () => setStatus("live", "live");
+    socket.onmessage = (message) => render(JSON.parse(message.data));
+    socket.onclose = () => {
+      setStatus("closed", "reconnecting…");
+      setTimeout(connect, 3000);
+    };
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    render(JSON.parse(document.getElementById("fleet-initial").textContent));
+    connect();
+  });
+})();

@@ -1,0 +1,27 @@
+// The portal's usage charts: cumulative spend this month against the budget, tokens per day.
+"use strict";
+document.addEventListener("DOMContentLoaded", () => {
+  const series = JSON.parse(document.getElementById("usage-series").textContent);
+  const budget = JSON.parse(document.getElementById("usage-budget").textContent);
+  if (!window.uPlot || !series.at.length) {
+    document.querySelectorAll(".chart").forEach((el) => { el.textContent = "No usage yet."; el.classList.add("muted"); });
+    return;
+  }
+  const width = (el) => el.clientWidth || 600;
+  const spendEl = document.getElementById("spend-chart");
+  const spendSeries = [{}, { label: "spend this month ($)", stroke: "#2357d9", fill: "rgba(35,87,217,.08)" }];
+  const spendData = [series.at, series.cumulative];
+  if (budget !== null) {
+    spendSeries.push({ label: "budget ($)", stroke: "#c53030", dash: [6, 4] });
+    spendData.push(series.at.map(() => budget));
+  }
+  const charts = [
+    [new uPlot({ width: width(spendEl), height: 220, series: spendSeries }, spendData, spendEl), spendEl],
+  ];
+  const tokensEl = document.getElementById("tokens-chart");
+  charts.push([new uPlot({
+    width: width(tokensEl), height: 200,
+    series: [{}, { label: "tokens", stroke: "#1a7f4b", fill: "rgba(26,127,75,.1)", paths: uPlot.paths.bars({ size: [0.6] }) }],
+  }, [series.at, series.tokens], tokensEl), tokensEl]);
+  window.addEventListener("resize", () => charts.forEach(([c, el]) => c.setSize({ width: width(el), height: c.height })));
+});
