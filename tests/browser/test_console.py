@@ -50,8 +50,13 @@ def serving_fleet(gpu_classes: None, redis_client: redis.Redis) -> dict[str, Any
                            memory_mb=81559)  # fmt: skip
     deployment = deployment_on(pool)
     replicas = [
-        Replica.objects.create(deployment=deployment, node=node, gpu_indices=[index],
-                               port=18000 + index, state=Replica.State.READY)  # fmt: skip
+        Replica.objects.create(
+            deployment=deployment,
+            node=node,
+            gpu_indices=[index],
+            port=18000 + index,
+            state=Replica.State.READY,
+        )
         for index in range(2)
     ]
     scraped = [
