@@ -80,8 +80,13 @@ def peak_static(result: SimResult) -> FleetSpec:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m serving.clustersim", description=__doc__.split("\n")[0]
+        prog="python -m serving.clustersim", description=(__doc__ or "").split("\n")[0]
     )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", choices=["azure", "mooncake", "poisson", "diurnal", "bursty"], default="azure"
     )
@@ -101,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-static", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write CSV and PNG here")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
 
     requests = build_workload(args)
     fleet = parse_fleet(args.fleet, args.autoscale, args.model)

@@ -7,15 +7,15 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from serving.clustersim.__main__ import main
+from serving.clustersim.__main__ import add_arguments, run
 
 
 class Command(BaseCommand):
     help = "Run the cluster simulator (see python -m serving.clustersim --help)."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("args", nargs=argparse.REMAINDER)
+        add_arguments(parser)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if main(list(args)) != 0:
+        if run(argparse.Namespace(**options)) != 0:
             raise CommandError("the simulation failed")
