@@ -83,7 +83,7 @@ def test_an_admin_sees_the_live_fleet_change_when_a_replica_stops(
     node, (kept, stopped) = serving_fleet["node"], serving_fleet["replicas"]
     serving_actions.do_record_heartbeat(
         node,
-        {"gpus": [], "events": [], "replicas": [
+        {"gpus": [{"index": 0, "utilization_pct": 80.0}], "events": [], "replicas": [
             {"replica_id": kept.replica_id, "state": "Ready"},
             {"replica_id": stopped.replica_id, "state": "Stopped"},
         ]},
