@@ -71,13 +71,18 @@ def daily_series(tenant_id: int, days: int = 30) -> dict[str, list[Any]]:
         )
         .order_by("day")
     )
+    by_day = {row["day"].date(): row for row in rows}
     series: dict[str, list[Any]] = {"at": [], "tokens": [], "spend": [], "cumulative": []}
     running, this_month = 0.0, month_start()
-    for row in rows:
-        spend = float(micros_to_usd(row["spend"] or 0))
-        running = running + spend if row["day"] >= this_month else 0.0
-        series["at"].append(row["day"].timestamp())
-        series["tokens"].append(row["tokens"] or 0)
+    # Every day of the window, empty ones too: a chart of one point has no time axis.
+    first = since.replace(hour=0, minute=0, second=0, microsecond=0)
+    for offset in range(days + 1):
+        day = first + timedelta(days=offset)
+        row = by_day.get(day.date(), {})
+        spend = float(micros_to_usd(row.get("spend") or 0))
+        running = running + spend if day >= this_month else 0.0
+        series["at"].append(day.timestamp())
+        series["tokens"].append(row.get("tokens") or 0)
         series["spend"].append(spend)
         series["cumulative"].append(running)
     return series

@@ -1,0 +1,177 @@
+"""Console and portal pages through Django's test client: roles, tenant isolation, CSRF,
+the placement check before saving, and the fleet snapshot's figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from django.test import Client
+from django.utils import timezone
+
+from registry.models import Deployment
+from serving import telemetry
+from serving.console_queries import fleet_snapshot
+from serving.gpu_classes import sync_gpu_classes
+from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
+from tenants.actions import do_create_api_key, do_create_tenant
+from tenants.models import ApiKey, Membership, Role, Tenant
+from tests.registry.conftest import approved_version, make_model
+
+PASSWORD = "pw-for-tests-only"
+
+
+def user(username: str, **fields: Any) -> Any:
+    from django.contrib.auth import get_user_model
+
+    return get_user_model().objects.create_user(username, password=PASSWORD, **fields)
+
+
+def client_for(account: Any, *, csrf: bool = False) -> Client:
+    client = Client(enforce_csrf_checks=csrf)
+    client.force_login(account)
+    return client
+
+
+def member(tenant: Tenant, username: str, role: str) -> Any:
+    account = user(username)
+    Membership.objects.create(user=account, tenant=tenant, role=role)
+    return account
+
+
+@pytest.fixture
+def acme(db: None) -> Tenant:
+    return do_create_tenant("acme", "Acme")
+
+
+@pytest.fixture
+def globex(db: None) -> Tenant:
+    return do_create_tenant("globex", "Globex")
+
+
+@pytest.fixture
+def pool(db: None) -> GpuPool:
+    sync_gpu_classes(GpuClass)
+    return GpuPool.objects.create(
+        name="h100-us-east", gpu_class=GpuClass.objects.get(name="H100-SXM-80GB"), region="us-east"
+    )
+
+
+CONSOLE_PAGES = ["/console/", "/console/fleet/", "/console/models/", "/console/rollouts/",
+                 "/console/tenants/", "/console/billing/", "/console/router/"]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", CONSOLE_PAGES)
+def test_a_console_page_is_refused_to_a_tenant_member(acme: Tenant, path: str) -> None:
+    reply = client_for(member(acme, "dev", Role.DEVELOPER)).get(path)
+    assert reply.status_code == 403
+
+
+@pytest.mark.parametrize("path", CONSOLE_PAGES)
+def test_a_console_page_renders_for_staff(
+    acme: Tenant, redis_client: redis.Redis, path: str
+) -> None:
+    reply = client_for(user("ops", is_staff=True)).get(path)
+    assert reply.status_code == 200
+    assert b"<h1>" in reply.content
+
+
+def test_an_anonymous_visitor_is_sent_to_the_login_page(db: None) -> None:
+    reply = Client().get("/console/")
+    assert reply.status_code == 302 and reply["Location"].startswith("/login/")
+
+
+@pytest.mark.parametrize("page", ["", "models/", "usage/", "invoices/", "playground/"])
+def test_a_member_of_another_tenant_gets_a_404(acme: Tenant, globex: Tenant, page: str) -> None:
+    outsider = client_for(member(globex, "spy", Role.OWNER))
+    assert outsider.get(f"/portal/acme/{page}").status_code == 404
+
+
+def test_revoking_another_tenants_key_is_a_404_and_leaves_it_alive(
+    acme: Tenant, globex: Tenant
+) -> None:
+    key, _ = do_create_api_key(acme, "acme key", None, ["inference"])
+    outsider = client_for(member(globex, "spy", Role.OWNER))
+    assert outsider.post(f"/portal/globex/keys/{key.pk}/revoke/").status_code == 404
+    assert outsider.post(f"/portal/acme/keys/{key.pk}/revoke/").status_code == 404
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is None
+
+
+def test_a_developer_sees_the_secret_once_and_only_its_hash_is_kept(acme: Tenant) -> None:
+    dev = client_for(member(acme, "dev", Role.DEVELOPER))
+    reply = dev.post("/portal/acme/keys/create/", {"name": "ci", "scopes": ["inference"]})
+    key = ApiKey.objects.get(tenant=acme, name="ci")
+    secret = reply.context["secret"]
+    assert secret.encode() in reply.content and reply["Cache-Control"] == "no-store"
+    assert secret not in key.secret_hash
+    assert secret.encode() not in dev.get("/portal/acme/").content
+
+
+def test_a_viewer_cannot_revoke_a_key(acme: Tenant) -> None:
+    key, _ = do_create_api_key(acme, "prod", None, ["inference"])
+    viewer = client_for(member(acme, "watcher", Role.VIEWER))
+    assert viewer.post(f"/portal/acme/keys/{key.pk}/revoke/").status_code == 403
+    assert ApiKey.objects.get(pk=key.pk).revoked_at is None
+
+
+def test_a_viewer_cannot_mint_a_playground_key(acme: Tenant) -> None:
+    viewer = client_for(member(acme, "watcher", Role.VIEWER))
+    assert viewer.post("/portal/acme/playground/key/").status_code == 403
+    assert not ApiKey.objects.filter(tenant=acme).exists()
+
+
+def test_the_playground_key_is_inference_only_and_expires_within_the_hour(acme: Tenant) -> None:
+    dev = client_for(member(acme, "dev", Role.DEVELOPER))
+    reply = dev.post("/portal/acme/playground/key/")
+    key = ApiKey.objects.get(tenant=acme)
+    assert reply.json()["key"].startswith("sk-") and key.name == "playground (dev)"
+    assert key.scopes == ["inference"]
+    lifetime = (key.expires_at - timezone.now()).total_seconds()
+    assert 3500 < lifetime <= 3600
+
+
+def test_a_post_without_a_csrf_token_is_refused(acme: Tenant) -> None:
+    dev = client_for(member(acme, "dev", Role.DEVELOPER), csrf=True)
+    reply = dev.post("/portal/acme/keys/create/", {"name": "forged", "scopes": ["inference"]})
+    assert reply.status_code == 403
+    assert not ApiKey.objects.filter(tenant=acme).exists()
+
+
+def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: GpuPool) -> None:
+    version = approved_version(make_model("llama-3.1-70b"), "v1", "bf16")
+    staff = client_for(user("ops", is_staff=True))
+    form = {"model_version": version.pk, "pool": pool.pk, "tensor_parallel": 1,
+            "max_model_len": 8192, "replicas_min": 1, "replicas_desired": 1,
+            "replicas_max": 1, "slo_tier": "standard"}  # fmt: skip
+    reply = staff.post("/console/deployments/check/", form)
+    assert b"Does not fit" in reply.content
+    assert not Deployment.objects.exists()
+    fits = staff.post("/console/deployments/check/", {**form, "tensor_parallel": 4})
+    assert b"Fits" in fits.content
+
+
+def test_the_fleet_snapshot_counts_gpus_by_state_and_prices_every_ready_gpu(
+    pool: GpuPool, redis_client: redis.Redis
+) -> None:
+    node = Node.objects.create(pool=pool, hostname="n1", agent_url="http://n1:9100")
+    for index in range(4):
+        Gpu.objects.create(node=node, index=index, uuid=f"G{index}", name="H100", memory_mb=81559)
+    version = approved_version(make_model("llama-3.1-8b"), "v1", "bf16")
+    deployment = Deployment.objects.create(name="d", model_version=version, pool=pool)
+    ready = Replica.objects.create(
+        deployment=deployment, node=node, gpu_indices=[0], state=Replica.State.READY
+    )
+    Replica.objects.create(
+        deployment=deployment, node=node, gpu_indices=[1], state=Replica.State.STARTING
+    )
+    telemetry.store_latest(
+        redis_client, node.pk, [{"index": 0, "utilization_pct": 60.0}],
+        [(ready.replica_id, {"num_requests_waiting": 3, "kv_cache_usage_perc": 0.5})],
+        timezone.now(),
+    )  # fmt: skip
+    snapshot = fleet_snapshot(redis_client)
+    counts = snapshot["gpus"]["H100-SXM-80GB"]
+    assert (counts["ready"], counts["starting"], counts["idle"]) == (1, 1, 2)
+    assert snapshot["queue_depth"] == 3 and snapshot["kv_use"] == 0.5
+    assert snapshot["cost_per_hour"] == pytest.approx(4 * float(pool.price_per_gpu_hour))
