@@ -214,7 +214,8 @@ class PriceSheetSerializer(serializers.ModelSerializer[PriceSheet]):
         validators: list[Any] = []
 
     def validate_tier_multipliers(self, value: dict[str, Decimal]) -> dict[str, str]:
-        return {tier: str(multiplier) for tier, multiplier in value.items()}
+        # "0.5", not the field's "0.5000": the sheet stores what staff wrote.
+        return {tier: f"{multiplier.normalize():f}" for tier, multiplier in value.items()}
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         def current(name: str, default: Any = None) -> Any:

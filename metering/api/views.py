@@ -18,6 +18,7 @@ from django.http import Http404, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, permissions, status, viewsets
+from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -144,7 +145,10 @@ class RollupViewSet(StaffViewSet, mixins.ListModelMixin):
         params = filters.parse_query(filters.StaffRollupQuery, self.request)
         rollups = actions.access_rollups(self.request.user)
         if "tenant" in params:
-            tenant = access_tenant_for_user(self.request.user, params["tenant"])
+            try:
+                tenant = access_tenant_for_user(self.request.user, params["tenant"])
+            except Http404:
+                raise ValidationError({"tenant": "No such tenant."}) from None
             rollups = rollups.filter(tenant_id=tenant.pk)
         return filter_rollups(rollups, params)
 
