@@ -69,6 +69,8 @@ class RequestRecord:
     finished_s: float | None = None
     output_tokens: int = 0
     preemptions: int = 0
+    # The prefill the router's in-flight accounting was told about (prompt less expected cache).
+    prefill_tokens: int = 0
     # Why it never ran: "no_candidates", "too_long"; None when it was served.
     failed: str | None = None
 
@@ -130,7 +132,11 @@ class ClusterSimulator:
         self.config = config or SimConfig()
         self._perf = {pool.name: fleet.perf(pool) for pool in fleet.pools}
         self._coefficients = {
-            name: coefficients_from_perf(perf, max_num_seqs=fleet.max_num_seqs)
+            name: coefficients_from_perf(
+                perf,
+                max_num_seqs=fleet.max_num_seqs,
+                max_num_batched_tokens=fleet.max_num_batched_tokens,
+            )
             for name, perf in self._perf.items()
         }
         self._route = ModelRoute(fleet.model, (DeploymentRoute(DEPLOYMENT, "v1", 100),))
@@ -210,13 +216,14 @@ class ClusterSimulator:
                 kind = event.kind
                 if kind == FIRST_TOKEN:
                     record.first_token_s = event.time_s
+                    self._state.request_first_token(replica.replica_id, record.prefill_tokens)
                     self._recent_ttft[replica.pool.name].append(
                         event.time_s - record.request.arrival_s
                     )
                 elif kind == FINISHED:
                     record.finished_s = event.time_s
                     record.output_tokens = event.output_tokens
-                    self._state.request_finished(replica.replica_id)
+                    self._state.request_finished(replica.replica_id, record.prefill_tokens)
                     last = event.time_s
                 elif kind == PREEMPTED:
                     record.preemptions += 1
@@ -255,7 +262,8 @@ class ClusterSimulator:
             return
         record.replica_id = replica.replica_id
         record.gpu_class = replica.pool.gpu_class
-        self._state.request_started(replica.replica_id)
+        record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
+        self._state.request_started(replica.replica_id, record.prefill_tokens, request.arrival_s)
         engine.add_request(
             EngineRequest(
                 request.request_id,

@@ -18,6 +18,7 @@ def coefficients_from_perf(
     perf: PerfModel,
     *,
     max_num_seqs: int = 256,
+    max_num_batched_tokens: int = 8192,
     typical_context_tokens: int = 1024,
     typical_prompt_tokens: int = 512,
     long_prompt_tokens: int = 4096,
@@ -49,4 +50,5 @@ def coefficients_from_perf(
         decode_s_per_seq=decode_s_per_seq,
         kv_capacity_tokens=perf.kv_capacity_tokens,
         max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
     )

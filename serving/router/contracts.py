@@ -16,6 +16,10 @@ Tier = Literal["interactive", "standard", "batch"]
 # Lower rank is served first by the admission queue; also the order tiers are listed in.
 TIER_RANK: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
 
+# Time constant of each replica's prompt-token rate: about one request's decode lifetime,
+# the span over which other requests' prefills interrupt its decode steps.
+PROMPT_RATE_WINDOW_S = 20.0
+
 
 @dataclass(slots=True, frozen=True)
 class RouteRequest:
@@ -46,6 +50,8 @@ class ReplicaPerf:
     decode_s_per_seq: float
     kv_capacity_tokens: int
     max_num_seqs: int
+    # Prompt tokens (prefill chunks plus decodes) the engine schedules per step.
+    max_num_batched_tokens: int = 8192
 
 
 @dataclass(slots=True)
@@ -71,6 +77,14 @@ class ReplicaState:
     kv_usage: float = 0.0
     # This gateway's own requests in flight on the replica; fresher than telemetry.
     inflight: int = 0
+    # Prompt tokens of those requests, and of the ones among them still waiting for their
+    # first token (prefill work queued ahead of the next request, exact for this gateway).
+    inflight_prompt_tokens: int = 0
+    prefill_pending_tokens: int = 0
+    # Prompt tokens sent here per second, an exponentially decayed average as of
+    # `prompt_rate_at`: the prefill work that will keep interrupting the replica's decodes.
+    prompt_rate: float = 0.0
+    prompt_rate_at: float = 0.0
     adapters_loaded: frozenset[str] = frozenset()
     max_loras: int = 0
     healthy: bool = True
@@ -111,8 +125,15 @@ class RouterConfig:
     # Above this KV use, preemptions start; TPOT grows linearly to x(1 + kv_inflation) at 100%.
     kv_high_watermark: float = 0.9
     kv_inflation: float = 1.0
-    # Prompt tokens assumed for each request queued ahead of ours (their sizes are unknown).
+    # Prompt tokens assumed for each request the telemetry shows queued beyond this
+    # gateway's own pending prefills (another gateway's requests; their sizes are unknown).
     assumed_queued_prompt_tokens: int = 512
+    # A replica is accepted only when its predicted TTFT and TPOT are within this fraction
+    # of the objective: the prediction is a linear fit and future arrivals are estimated.
+    slo_margin: float = 0.8
+    # Prefill work above this fraction of a replica's time is treated as this fraction, so
+    # the TPOT estimate decode_step / (1 - prefill share) stays finite.
+    max_prefill_share: float = 0.95
     # Tokens per prefix-hash block (vLLM's default KV block size).
     prefix_block_tokens: int = 16
     # Loading a LoRA adapter that is not resident delays the first token by about this.
@@ -121,6 +142,8 @@ class RouterConfig:
     # holds the whole prefix ranks as if it were 25% cheaper, one with the adapter loaded
     # 15% cheaper. Enough to beat a small price difference (an A100 pool priced a few
     # percent under an H100 pool), never a large one (an L4 at a quarter of the price).
+    # The prefix bonus shrinks as the holder's predicted TTFT nears the objective, so a hot
+    # prefix does not pile traffic onto its holder.
     prefix_bonus: float = 0.25
     adapter_bonus: float = 0.15
     # Candidates within this fraction of the cheapest ranked price are a near tie; two of
@@ -162,6 +185,9 @@ class Decision:
     predicted_tpot_s: float | None = None
     # Replica price times the request's fair share of the replica's time (see predict.py).
     predicted_cost_usd: float | None = None
+    # Prompt tokens the router expects the replica's prefix cache to hold: the caller passes
+    # prompt_tokens minus this to RouterState.request_started as the prefill to do.
+    cached_tokens: int = 0
     meets_slo: bool = True
     # True when nothing meets the SLO by a wide margin: the gateway should hold the request
     # in the admission queue, or refuse it with Retry-After, rather than send it now.

@@ -13,7 +13,13 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from serving.router.contracts import ModelRoute, ReplicaPerf, ReplicaState
+from serving.router.contracts import (
+    PROMPT_RATE_WINDOW_S,
+    ModelRoute,
+    ReplicaPerf,
+    ReplicaState,
+)
+from serving.router.predict import decayed_rate
 from serving.router.prefix import PrefixIndex
 
 
@@ -167,15 +173,40 @@ class RouterState:
         if replica is not None:
             replica.breaker_open_until = open_until
 
-    def request_started(self, replica_id: str) -> None:
+    def request_started(
+        self, replica_id: str, prompt_tokens: int = 0, now: float | None = None
+    ) -> None:
+        """This gateway sent a request: `prompt_tokens` is the prefill it needs (prompt less
+        what the router expects cached, `Decision.cached_tokens`); `now` (monotonic
+        seconds) feeds the replica's prompt-token rate, left alone without it."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        replica.inflight += 1
+        replica.inflight_prompt_tokens += prompt_tokens
+        replica.prefill_pending_tokens += prompt_tokens
+        if now is not None and prompt_tokens:
+            replica.prompt_rate = decayed_rate(replica, now) + prompt_tokens / PROMPT_RATE_WINDOW_S
+            replica.prompt_rate_at = now
+
+    def request_first_token(self, replica_id: str, prompt_tokens: int) -> None:
+        """Its first token came back: the prompt is no longer prefill work queued there."""
         replica = self._replicas.get(replica_id)
         if replica is not None:
-            replica.inflight += 1
+            replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
 
-    def request_finished(self, replica_id: str) -> None:
+    def request_finished(
+        self, replica_id: str, prompt_tokens: int = 0, *, first_token_seen: bool = True
+    ) -> None:
+        """Pass the same `prompt_tokens` as to `request_started`; `first_token_seen=False`
+        for a request that ended (error, abort) before `request_first_token`."""
         replica = self._replicas.get(replica_id)
-        if replica is not None and replica.inflight > 0:
-            replica.inflight -= 1
+        if replica is None or replica.inflight <= 0:
+            return
+        replica.inflight -= 1
+        replica.inflight_prompt_tokens = max(0, replica.inflight_prompt_tokens - prompt_tokens)
+        if not first_token_seen:
+            replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
 
     def _join(self, replica: ReplicaState) -> None:
         self._group_of[replica.replica_id].live.add(replica)

@@ -74,6 +74,7 @@ def _decide(
         predicted_ttft_s=prediction.ttft_s,
         predicted_tpot_s=prediction.tpot_s,
         predicted_cost_usd=prediction.cost_usd,
+        cached_tokens=cached_blocks * config.prefix_block_tokens,
         meets_slo=_meets(prediction, config.tier(request.tier)),
     )
 
@@ -262,10 +263,11 @@ class _Option(NamedTuple):
 
 
 class CostAware:
-    """The cheapest replica whose predicted TTFT and TPOT meet the request's SLO tier.
+    """The cheapest replica whose predicted TTFT and TPOT are within `slo_margin` of the
+    request's SLO tier.
 
-    Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held
-    - adapter_bonus if the adapter is loaded). Candidates: every replica holding the
+    Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x
+    TTFT headroom left on the holder - adapter_bonus if the adapter is loaded). Candidates: every replica holding the
     prefix, a few holding the adapter, and per group (cheapest first, stopping once a
     group cannot beat the best price found, and skipping groups too slow to meet the SLO
     even when idle) all members of a small group or `samples_per_group` random ones of a
@@ -314,8 +316,10 @@ class CostAware:
         best_meeting = math.inf
         total_blocks = len(request.prefix_hashes)
         adapter = request.adapter
-        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s
-        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s
+        # Accept only predictions inside the safety margin of the objective.
+        margin = config.slo_margin
+        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * margin
+        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
 
         def consider(replica: ReplicaState) -> bool:
             nonlocal best_meeting
@@ -332,7 +336,10 @@ class CostAware:
                 discount -= config.adapter_bonus
                 reason = Reason.ADAPTER_AFFINITY
             if blocks:
-                discount -= config.prefix_bonus * blocks / total_blocks
+                # Worth less the closer the holder already is to the objective.
+                headroom = 1.0 - prediction.ttft_s / ttft_limit
+                if headroom > 0.0:
+                    discount -= config.prefix_bonus * headroom * blocks / total_blocks
                 reason = Reason.PREFIX_AFFINITY
             rank_price = replica.price_per_hour * discount
             meets = prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit
@@ -428,6 +435,7 @@ class CostAware:
             predicted_ttft_s=option.prediction.ttft_s,
             predicted_tpot_s=option.prediction.tpot_s,
             predicted_cost_usd=option.prediction.cost_usd,
+            cached_tokens=option.cached_blocks * self.config.prefix_block_tokens,
             meets_slo=option.meets,
             queue_advised=queue_advised,
         )

@@ -188,3 +188,18 @@ def test_a_static_comparison_sizes_for_the_autoscaled_peak(
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         replace(SimConfig(), policy="random")
+
+
+def test_the_routers_in_flight_prompt_accounting_returns_to_zero_after_a_run() -> None:
+    fleet = FleetSpec(
+        pools=(PoolSpec("h100", "H100-SXM-80GB", 1), PoolSpec("l40s", "L40S-48GB", 2))
+    )
+    result = simulate(fleet, poisson(4.0, 30.0, seed=5), SimConfig(policy="cost_aware"))
+    assert all(r.finished_s is not None for r in result.records)
+    for replica in result.replicas:
+        state = replica.state
+        assert (state.inflight, state.inflight_prompt_tokens, state.prefill_pending_tokens) == (
+            0,
+            0,
+            0,
+        )

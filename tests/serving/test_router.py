@@ -42,6 +42,8 @@ H100 = "H100-SXM-80GB"
 A100 = "A100-SXM-80GB"
 L40S = "L40S-48GB"
 L4 = "L4-24GB"
+# The idle L4 meets the standard tier's 100 ms per token only without the safety margin.
+NO_MARGIN = RouterConfig(slo_margin=1.0)
 
 
 def replica(replica_id: str, gpu_class: str = L40S, **fields: object) -> ReplicaState:
@@ -135,7 +137,7 @@ def mixed_fleet() -> RouterState:
 
 
 def test_cost_aware_sends_a_small_standard_request_to_the_cheap_l4() -> None:
-    decision = CostAware(mixed_fleet()).choose(request(tier="standard"), NOW)
+    decision = CostAware(mixed_fleet(), NO_MARGIN).choose(request(tier="standard"), NOW)
     assert decision.replica is not None and decision.replica.gpu_class == L4
     assert decision.reason is Reason.CHEAPEST_MEETING_SLO and decision.meets_slo
 
@@ -230,7 +232,7 @@ def test_a_replica_that_recovers_rejoins_the_candidates() -> None:
     state = fleet(replica("l4", L4), replica("h100", H100))
     state.update_telemetry("l4", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, healthy=False)
     state.update_telemetry("l4", running=0, waiting=0, kv_usage=0, telemetry_at=NOW, healthy=True)
-    assert chosen_id(CostAware(state), request()) == "l4"
+    assert chosen_id(CostAware(state, NO_MARGIN), request()) == "l4"
 
 
 def test_an_unknown_model_gets_no_replica() -> None:
@@ -248,7 +250,7 @@ def test_cost_aware_finds_cheap_capacity_in_a_large_fleet_by_sampling() -> None:
     replicas = [replica(f"h{n}", H100) for n in range(500)]
     replicas += [replica(f"l{n}", L4, running=n % 50) for n in range(500)]
     state = fleet(*replicas)
-    decision = CostAware(state).choose(request(tier="standard"), NOW)
+    decision = CostAware(state, NO_MARGIN).choose(request(tier="standard"), NOW)
     assert decision.replica is not None and decision.replica.gpu_class == L4
     assert decision.meets_slo
 
@@ -258,7 +260,7 @@ def test_cost_aware_finds_cheap_capacity_in_a_large_fleet_by_sampling() -> None:
 
 def test_a_tenants_prefix_pulls_its_next_request_to_the_same_replica() -> None:
     state = fleet(replica("a", L4), replica("b", L4))
-    policy = CostAware(state)
+    policy = CostAware(state, NO_MARGIN)
     hashes = (101, 102, 103, 104)
     first = policy.choose(request(prefix_hashes=hashes, request_id="r1"), NOW)
     assert first.replica is not None
@@ -286,7 +288,7 @@ def test_prefix_affinity_does_not_beat_a_large_price_difference() -> None:
     state = fleet(replica("h100", H100), replica("l4", L4))
     hashes = (1, 2, 3)
     state.prefix_index.record("acme", hashes, "h100")
-    decision = CostAware(state).choose(request(prefix_hashes=hashes), NOW)
+    decision = CostAware(state, NO_MARGIN).choose(request(prefix_hashes=hashes), NOW)
     assert decision.replica is not None and decision.replica.replica_id == "l4"
 
 

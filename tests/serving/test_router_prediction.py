@@ -1,0 +1,108 @@
+"""What the gateway tells the router about its own in-flight prompts, and how the cost-aware
+policy's predictions use it: queued prefill delays TTFT, prompts sent interrupt decodes."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.router import CostAware, Reason, RouterConfig, RouterState, predict
+from serving.router.contracts import PROMPT_RATE_WINDOW_S
+from tests.serving.test_router import A100, H100, L40S, NOW, fleet, replica, request
+
+CONFIG = RouterConfig()
+
+
+def test_a_started_request_counts_its_prompt_as_pending_prefill_until_its_first_token() -> None:
+    state = fleet(replica("a"))
+    state.request_started("a", 1200, NOW)
+    started = state.replica("a")
+    assert started is not None
+    assert (started.inflight, started.inflight_prompt_tokens) == (1, 1200)
+    assert started.prefill_pending_tokens == 1200
+    state.request_first_token("a", 1200)
+    assert (started.prefill_pending_tokens, started.inflight_prompt_tokens) == (0, 1200)
+    state.request_finished("a", 1200)
+    assert (started.inflight, started.inflight_prompt_tokens) == (0, 0)
+
+
+def test_the_one_argument_calls_still_count_requests_in_flight() -> None:
+    state = fleet(replica("a"))
+    state.request_started("a")
+    state.request_started("a")
+    state.request_finished("a")
+    counted = state.replica("a")
+    assert counted is not None and counted.inflight == 1
+    assert counted.prefill_pending_tokens == 0 and counted.prompt_rate == 0.0
+
+
+def test_a_request_ended_before_its_first_token_leaves_no_pending_prefill() -> None:
+    state = fleet(replica("a"))
+    state.request_started("a", 800, NOW)
+    state.request_finished("a", 800, first_token_seen=False)
+    ended = state.replica("a")
+    assert ended is not None and ended.prefill_pending_tokens == 0
+
+
+def test_prompts_queued_for_prefill_delay_the_predicted_first_token() -> None:
+    idle, queued = replica("idle", A100), replica("queued", A100)
+    state = fleet(idle, queued)
+    state.request_started("queued", 10_000, NOW)
+    ask = request(prompt_tokens=500)
+    delay = predict(queued, ask, NOW, CONFIG).ttft_s - predict(idle, ask, NOW, CONFIG).ttft_s
+    # At least the queued tokens' compute, on the replica's own prefill slope.
+    assert delay >= 10_000 * queued.perf.prefill_s_per_token
+
+
+def test_prompts_sent_to_a_replica_stretch_its_predicted_time_per_token() -> None:
+    quiet, busy = replica("quiet", L40S), replica("busy", L40S)
+    state = fleet(quiet, busy)
+    for n in range(10):
+        state.request_started("busy", 2_000, NOW - n)
+    ask = request()
+    quiet_tpot = predict(quiet, ask, NOW, CONFIG).tpot_s
+    busy_tpot = predict(busy, ask, NOW, CONFIG).tpot_s
+    share = busy.perf.prefill_s_per_token * 20_000 / PROMPT_RATE_WINDOW_S
+    assert busy_tpot > quiet_tpot / (1 - share) * 0.9
+
+
+def test_the_prompt_rate_decays_while_nothing_is_sent() -> None:
+    target = replica("a", L40S)
+    state = fleet(target)
+    for _ in range(10):
+        state.request_started("a", 2_000, NOW)
+    soon = predict(target, request(), NOW + 1, CONFIG).tpot_s
+    much_later = NOW + 10 * PROMPT_RATE_WINDOW_S
+    # Fresh telemetry then, so only the rate differs from an idle replica's.
+    state.update_telemetry("a", running=0, waiting=0, kv_usage=0.0, telemetry_at=much_later)
+    later = predict(target, request(), much_later, CONFIG).tpot_s
+    assert later < soon
+    same_batch = replica("b", L40S, inflight=10)
+    assert later == pytest.approx(predict(same_batch, request(), NOW, CONFIG).tpot_s, 0.01)
+
+
+def test_cost_aware_leaves_a_cheap_replica_whose_prediction_is_inside_the_slo_but_not_the_margin() -> (
+    None
+):
+    cheap, dear = replica("cheap", L40S), replica("dear", H100)
+    state = fleet(cheap, dear)
+    ask = request(tier="interactive", prompt_tokens=1_000)
+    # Queue prefill on the cheap one until its TTFT sits between 80 % and 100 % of 1 s.
+    while predict(cheap, ask, NOW, CONFIG).ttft_s < 0.85:
+        state.request_started("cheap", 500, None)
+    assert predict(cheap, ask, NOW, CONFIG).ttft_s < 1.0
+    assert CostAware(state, RouterConfig(slo_margin=1.0)).choose(ask, NOW).replica is cheap
+    assert CostAware(state, CONFIG).choose(ask, NOW).replica is dear
+
+
+def test_prefix_affinity_fades_on_a_holder_close_to_its_ttft_objective() -> None:
+    cheaper = replica("cheaper", L40S)
+    holder = replica("holder", L40S, price_per_hour=cheaper.price_per_hour * 1.1)
+    state: RouterState = fleet(cheaper, holder)
+    hashes = (1, 2, 3)
+    ask = request(tier="interactive", prefix_hashes=hashes, prompt_tokens=48)
+    state.prefix_index.record("acme", hashes, "holder")
+    assert CostAware(state).choose(ask, NOW).reason is Reason.PREFIX_AFFINITY
+    while predict(holder, ask, NOW, CONFIG, 3).ttft_s < 0.7:
+        state.request_started("holder", 500, None)
+    decision = CostAware(state).choose(ask, NOW)
+    assert decision.replica is cheaper
