@@ -17,7 +17,8 @@ PLATFORM_APPS = ("tenants", "registry", "serving", "metering")
 
 app = Celery("config")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.conf.imports = ("config.tasks",)
+# Task modules outside each app's tasks.py, which autodiscovery does not look into.
+app.conf.imports = ("config.tasks", "serving.console_tasks", "serving.autoscale_tasks")
 app.autodiscover_tasks()
 
 

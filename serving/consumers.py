@@ -18,7 +18,7 @@ import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 
 from serving.gateway.errors import ApiError, invalid_api_key
-from serving.gateway.pipeline import PRIORITY_HEADER, TIERS, Exchange
+from serving.gateway.pipeline import END_OF_STREAM, PRIORITY_HEADER, TIERS, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, parse_body
 from serving.gateway.service import Gateway, get_gateway
 
@@ -91,6 +91,8 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
             )
             await exchange.prepare()
             async for chunk in exchange.events():
+                if chunk is END_OF_STREAM:
+                    continue
                 chunk.pop("usage", None)
                 await self.send(text_data=orjson.dumps({"type": "chunk", "data": chunk}).decode())
             done = {"type": "done", "request_id": exchange.request_id,

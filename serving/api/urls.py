@@ -4,6 +4,7 @@ from django.urls import URLPattern, URLResolver, include, path
 from rest_framework.routers import DefaultRouter
 
 from serving.api import views
+from serving.api.planner import CapacityPlanView
 
 router = DefaultRouter(trailing_slash=True)
 router.include_root_view = False
@@ -12,4 +13,7 @@ router.register("nodes", views.NodeViewSet, basename="node")
 router.register("gpus", views.GpuViewSet, basename="gpu")
 router.register("replicas", views.ReplicaViewSet, basename="replica")
 
-urlpatterns: list[URLPattern | URLResolver] = [path("", include(router.urls))]
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("", include(router.urls)),
+    path("capacity-plan/", CapacityPlanView.as_view(), name="capacity-plan"),
+]

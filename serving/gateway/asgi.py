@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from serving.gateway import idempotency
 from serving.gateway.errors import ApiError, invalid_api_key
-from serving.gateway.pipeline import PRIORITY_HEADER, TIERS, Exchange
+from serving.gateway.pipeline import END_OF_STREAM, PRIORITY_HEADER, TIERS, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from serving.gateway.service import Gateway, get_gateway
 
@@ -202,6 +202,8 @@ class GatewayApp:
         async def assemble() -> None:
             nonlocal first, finish
             async for chunk in exchange.events():
+                if chunk is END_OF_STREAM:
+                    continue
                 first = first or chunk
                 choice = chunk["choices"][0]
                 if exchange.kind == "chat":
@@ -233,8 +235,16 @@ class GatewayApp:
         }  # fmt: skip
         return 200, orjson.dumps(payload)
 
-    async def until_disconnect(self, work: Awaitable[None], receive: Receive) -> None:
-        """Run `work`; if the client goes away first, cancel it (closing the upstream)."""
+    async def until_disconnect(
+        self,
+        work: Awaitable[None],
+        receive: Receive,
+        responded: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """Run `work`; if the client goes away first, cancel it (closing the upstream).
+
+        Once the whole response is sent (`responded()`), the server reports a disconnect at
+        once; the work left then (the settle) is awaited, not cancelled."""
         task = asyncio.ensure_future(work)
 
         async def watch() -> None:
@@ -246,7 +256,9 @@ class GatewayApp:
         watcher = asyncio.ensure_future(watch())
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:
+            if task not in done and responded():
+                await task
+            elif task not in done:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -257,13 +269,28 @@ class GatewayApp:
 
     async def stream(self, exchange: Exchange, send: Send, receive: Receive) -> None:
         started = False
+        finished = False
 
         async def pump() -> None:
             nonlocal started
             headers = {"x-request-id": exchange.request_id, **exchange.headers}
             events = exchange.events()
+
+            async def finish() -> None:
+                nonlocal started, finished
+                tail = sse(self.usage_chunk(exchange)) if exchange.body.include_usage else b""
+                if not started:
+                    await send({"type": "http.response.start", "status": 200,
+                                "headers": [*SSE_HEADERS, *encode_headers(headers)]})  # fmt: skip
+                    started = True
+                await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+                finished = True
+
             try:
                 async for chunk in events:
+                    if chunk is END_OF_STREAM:
+                        await finish()
+                        continue
                     exchange.response_id = exchange.response_id or chunk.get("id")
                     if not started:
                         await send({"type": "http.response.start", "status": 200,
@@ -276,14 +303,6 @@ class GatewayApp:
                     await send(
                         {"type": "http.response.body", "body": sse(chunk), "more_body": True}
                     )
-                tail = b""
-                if exchange.body.include_usage:
-                    tail = sse(self.usage_chunk(exchange))
-                if not started:
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": [*SSE_HEADERS, *encode_headers(headers)]})  # fmt: skip
-                    started = True
-                await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
             except ApiError as error:
                 if not started:
                     raise
@@ -303,7 +322,7 @@ class GatewayApp:
             finally:
                 await events.aclose()
 
-        await self.until_disconnect(pump(), receive)
+        await self.until_disconnect(pump(), receive, lambda: finished)
 
     @staticmethod
     async def stream_error(send: Send, payload: dict[str, Any]) -> None:

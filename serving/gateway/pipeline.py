@@ -32,6 +32,8 @@ from serving.router import Decision, RouteRequest
 log = logging.getLogger(__name__)
 
 PRIORITY_HEADER = "x-priority"
+# Yielded by `Exchange.events()` once the upstream finished cleanly, before the settle.
+END_OF_STREAM: dict[str, Any] = {}
 TIERS = ("interactive", "standard", "batch")
 # Prefix blocks considered for affinity: enough to recognise a shared system prompt.
 MAX_PREFIX_BLOCKS = 64
@@ -75,6 +77,7 @@ class Exchange:
     response_id: str | None = None
     _upstream: UpstreamStream | None = None
     _settled: bool = False
+    _complete: bool = False
 
     @property
     def path(self) -> str:
@@ -276,8 +279,13 @@ class Exchange:
                 raise
             if self.outcome.replica is not None:
                 gateway.record_success(self.outcome.replica)
+            # Everything is delivered: the transport may finish the response now, and the
+            # settle below (a Redis round trip) no longer delays the client's end of stream.
+            self._complete = True
+            yield END_OF_STREAM
         except (asyncio.CancelledError, GeneratorExit):
-            self.outcome.status = "client_cancelled"
+            if not self._complete:
+                self.outcome.status = "client_cancelled"
             raise
         except ApiError:
             raise

@@ -51,6 +51,7 @@ ROLLOUT_STATS_TTL_S = 3 * 24 * 3600
 class GatewayConfig:
     redis_url: str
     redis_timeout_s: float = 0.5
+    redis_max_connections: int = 512
     policy: str = "cost_aware"
     default_max_tokens: int = 1024
     queue_max: int = 256
@@ -89,12 +90,17 @@ class GatewayConfig:
 class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.redis = aioredis.Redis.from_url(
+        # A bounded pool that makes a burst wait briefly for a connection rather than fail:
+        # every in-flight request holds one during admission and settle.
+        pool = aioredis.BlockingConnectionPool.from_url(
             config.redis_url,
+            max_connections=config.redis_max_connections,
+            timeout=config.redis_timeout_s * 4,
             socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s,
             health_check_interval=10,
         )
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.authenticator = KeyAuthenticator(self.redis, timeout_s=config.redis_timeout_s)
         self.limiter = RateLimiter(self.redis)
         self.routing = RoutingCache(self.redis, telemetry_interval_s=config.refresh_s)
