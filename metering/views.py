@@ -67,9 +67,7 @@ def portal_usage(request: HttpRequest, slug: str) -> HttpResponse:
     recent = (
         actions.access_usage(request.user)
         .filter(tenant_id=tenant.pk)
-        .annotate(
-            price_usd=ExpressionWrapper(F("price_charged_usd_micros") / 1e6, FloatField())
-        )
+        .annotate(price_usd=ExpressionWrapper(F("price_charged_usd_micros") / 1e6, FloatField()))
     )
     context = portal_context(
         request,

@@ -190,6 +190,12 @@ class Exchange:
 
     # --- the stream --------------------------------------------------------------------------
 
+    def prefill_tokens(self) -> int:
+        """The prefill this request puts on its replica: the prompt less what the router
+        expects that replica to hold in its prefix cache."""
+        cached = self.decision.cached_tokens if self.decision is not None else 0
+        return max(0, self.prompt_estimate - cached)
+
     def upstream_payload(self, served_name: str) -> dict[str, Any]:
         payload = self.body.model_dump(exclude_none=True, exclude={"stream_options", "n"})
         payload["model"] = self.adapter or served_name
@@ -213,7 +219,7 @@ class Exchange:
             if endpoint is None:
                 raise ApiError(503, "The chosen replica left the routing table; retry.",
                                code="no_capacity", headers={"Retry-After": "1"})  # fmt: skip
-            gateway.request_started(replica.replica_id)
+            gateway.request_started(replica.replica_id, self.prefill_tokens())
             try:
                 stream = await open_stream(
                     gateway.session, endpoint.endpoint, self.path,
@@ -221,7 +227,9 @@ class Exchange:
                 )  # fmt: skip
                 return stream
             except UpstreamError as error:
-                gateway.request_finished(replica.replica_id)
+                gateway.request_finished(
+                    replica.replica_id, self.prefill_tokens(), first_token_seen=False
+                )
                 if error.status is not None and 400 <= error.status < 500:
                     # The engine refused the request itself (e.g. longer than its context).
                     raise ApiError(400, str(error).split(": ", 1)[-1][:400],
@@ -261,6 +269,10 @@ class Exchange:
                         now = time.monotonic()
                         if self.outcome.first_token_at is None:
                             self.outcome.first_token_at = now
+                            if self.decision is not None and self.decision.replica is not None:
+                                gateway.request_first_token(
+                                    self.decision.replica.replica_id, self.prefill_tokens()
+                                )
                             metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(
                                 now - self.started_mono
                             )
@@ -300,7 +312,11 @@ class Exchange:
             if self._upstream is not None:
                 self._upstream.close()
                 if self.decision is not None and self.decision.replica is not None:
-                    gateway.request_finished(self.decision.replica.replica_id)
+                    gateway.request_finished(
+                        self.decision.replica.replica_id,
+                        self.prefill_tokens(),
+                        first_token_seen=self.outcome.first_token_at is not None,
+                    )
             await asyncio.shield(self.settle())
 
     def _take_usage(self, usage: dict[str, Any]) -> None:

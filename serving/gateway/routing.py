@@ -48,6 +48,17 @@ FALLBACK_PERF = ReplicaPerf(
 )
 
 
+# This gateway's own view of each replica, which a new routing-table version must keep.
+CARRIED_ACROSS_VERSIONS = (
+    "inflight",
+    "inflight_prompt_tokens",
+    "prefill_pending_tokens",
+    "prompt_rate",
+    "prompt_rate_at",
+    "breaker_open_until",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaEndpoint:
     """What the gateway needs to send a request to a replica and to meter it."""
@@ -215,8 +226,8 @@ class RoutingCache:
                 old = previous.state.replica(replica_id)
                 new = self.snapshot.state.replica(replica_id)
                 if old is not None and new is not None:
-                    new.inflight = old.inflight
-                    new.breaker_open_until = old.breaker_open_until
+                    for name in CARRIED_ACROSS_VERSIONS:
+                        setattr(new, name, getattr(old, name))
         await self.refresh_telemetry()
         self.loaded.set()
 

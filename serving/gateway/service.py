@@ -242,16 +242,23 @@ class Gateway:
                 headers={"Retry-After": str(max(1, round(self.queue.retry_after_s())))},
             ) from None
 
-    def request_started(self, replica_id: str) -> None:
+    def request_started(self, replica_id: str, prefill_tokens: int) -> None:
         state = self.routing.snapshot.state
-        state.request_started(replica_id)
+        state.request_started(replica_id, prefill_tokens, time.monotonic())
         breaker = self.breakers.get(replica_id)
         if breaker is not None and breaker.allow_request():
             # Half-open: this request is the probe; nothing else goes until it reports.
             state.set_breaker(replica_id, breaker.blocked_until)
 
-    def request_finished(self, replica_id: str) -> None:
-        self.routing.snapshot.state.request_finished(replica_id)
+    def request_first_token(self, replica_id: str, prefill_tokens: int) -> None:
+        self.routing.snapshot.state.request_first_token(replica_id, prefill_tokens)
+
+    def request_finished(
+        self, replica_id: str, prefill_tokens: int, *, first_token_seen: bool
+    ) -> None:
+        self.routing.snapshot.state.request_finished(
+            replica_id, prefill_tokens, first_token_seen=first_token_seen
+        )
         if len(self.queue):
             self.queue.release()
 

@@ -156,3 +156,19 @@ def test_every_replica_failing_is_a_502_in_openai_shape(setup) -> None:
     assert reply.headers["x-request-id"]
     assert wait_until(lambda: len(usage_events(client)) == 1)
     assert usage_events(client)[0].status == "upstream_failed"
+
+
+def test_in_flight_accounting_returns_to_zero_after_successes_failures_and_aborts(setup) -> None:
+    server, fleet, key, _ = setup
+    fleet.start(extra=("--sim-error-rate", "0.5"))
+    fleet.start()
+    fleet.publish()
+    for stream in (False, True) * 5:
+        assert chat(server.url, key.secret, max_tokens=3, stream=stream).status_code == 200
+    state = server.gateway().routing.snapshot.state
+    for sim in fleet.sims:
+        replica = state.replica(sim.replica_id)
+        assert replica is not None
+        assert replica.inflight == 0
+        assert replica.inflight_prompt_tokens == 0
+        assert replica.prefill_pending_tokens == 0
