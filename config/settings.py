@@ -178,6 +178,17 @@ CACHES = {
 # never a hung request.
 REDIS_SOCKET_TIMEOUT_S = env_float("REDIS_SOCKET_TIMEOUT_S", 0.5)
 
+# The /v1 gateway (serving/gateway): routing policy and upstream timeouts.
+GATEWAY_ROUTER_POLICY = env_str("GATEWAY_ROUTER_POLICY", "cost_aware")
+if GATEWAY_ROUTER_POLICY not in {"round_robin", "least_load", "weighted_scorer", "cost_aware"}:
+    raise ImproperEnvironment(
+        "GATEWAY_ROUTER_POLICY",
+        GATEWAY_ROUTER_POLICY,
+        "one of round_robin, least_load, weighted_scorer, cost_aware",
+    )
+GATEWAY_CONNECT_TIMEOUT_S = env_float("GATEWAY_CONNECT_TIMEOUT_S", 2.0)
+GATEWAY_READ_TIMEOUT_S = env_float("GATEWAY_READ_TIMEOUT_S", 30.0)
+
 CELERY_BROKER_URL = REDIS_URL
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
