@@ -49,7 +49,18 @@ def check_redis() -> str | None:
 @require_GET
 @never_cache
 def readyz(request: HttpRequest) -> JsonResponse:
-    failures = {"postgres": check_postgres(), "redis": check_redis()}
+    return readiness({"postgres": check_postgres(), "redis": check_redis()})
+
+
+@require_GET
+@never_cache
+def readyz_gateway(request: HttpRequest) -> JsonResponse:
+    """Readiness of a gateway process: the data plane needs Redis only. With PostgreSQL down,
+    admitted keys keep streaming, so a load balancer must not take every gateway out."""
+    return readiness({"redis": check_redis()})
+
+
+def readiness(failures: dict[str, str | None]) -> JsonResponse:
     checks = {name: ("ok" if error is None else "fail") for name, error in failures.items()}
     errors = {name: error for name, error in failures.items() if error is not None}
     body: dict[str, object] = {"status": "ok" if not errors else "fail", "checks": checks}

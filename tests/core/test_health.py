@@ -26,3 +26,14 @@ def test_readyz_is_503_naming_redis_when_redis_is_unreachable(client: Client, se
     assert body["checks"] == {"postgres": "ok", "redis": "fail"}
     assert "redis" in body["errors"]
     assert "postgres" not in body["errors"]
+
+
+@pytest.mark.django_db
+def test_gateway_readiness_needs_redis_only(client: Client, monkeypatch) -> None:
+    from config import health
+
+    monkeypatch.setattr(health, "check_postgres", lambda: "OperationalError: connection refused")
+    assert client.get("/readyz").status_code == 503
+    response = client.get("/readyz/gateway")
+    assert response.status_code == 200
+    assert response.json()["checks"] == {"redis": "ok"}

@@ -185,7 +185,7 @@ def test_the_gateway_probes_readiness_and_liveness_on_the_health_endpoints() -> 
         container["readinessProbe"]["httpGet"]["path"],
         container["livenessProbe"]["httpGet"]["path"],
     )
-    assert probed == ("/readyz", "/healthz")
+    assert probed == ("/readyz/gateway", "/healthz")
 
 
 def test_the_node_agent_takes_its_join_token_from_a_secret() -> None:
