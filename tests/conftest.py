@@ -17,3 +17,9 @@ def redis_client() -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Browser tests run last: Playwright's sync API leaves an event loop marked running on
+    the main thread for the rest of the session, which asyncio-based tests cannot share."""
+    items.sort(key=lambda item: item.get_closest_marker("browser") is not None)
