@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from serving.router.canary import deployments_in_order
 from serving.router.contracts import (
+    PROMPT_RATE_WINDOW_S,
     Decision,
     Reason,
     ReplicaPerf,
@@ -38,13 +39,13 @@ def _meets(prediction: Prediction, tier: SloTier) -> bool:
     )
 
 
-def _slo_violation(prediction: Prediction, tier: SloTier) -> float:
-    """How many times over its objective the prediction is (<= 1 means it meets it)."""
+def _slo_violation(ttft_s: float, tpot_s: float, tier: SloTier) -> float:
+    """How many times over its objective a prediction is (<= 1 means it meets it)."""
     ratio = 0.0
     if tier.ttft_s is not None:
-        ratio = prediction.ttft_s / tier.ttft_s
+        ratio = ttft_s / tier.ttft_s
     if tier.tpot_s is not None:
-        ratio = max(ratio, prediction.tpot_s / tier.tpot_s)
+        ratio = max(ratio, tpot_s / tier.tpot_s)
     return ratio
 
 
@@ -253,13 +254,12 @@ def _can_meet_when_idle(
     return perf.prefill_base_s + perf.prefill_s_per_token * request.prompt_tokens <= ttft_limit
 
 
-class _Option(NamedTuple):
-    rank_price: float
-    prediction: Prediction
-    replica: ReplicaState
-    reason: Reason
-    cached_blocks: int
-    meets: bool
+# An option as a plain tuple, since a NamedTuple pays a Python-level __new__ per candidate:
+# (rank_price, ttft_s, tpot_s, replica, reason, cached_blocks, meets). ttft_s and tpot_s are
+# None where the prediction was deferred: the replica provably misses the TPOT objective,
+# so its prediction matters only if nothing meets the SLO (see CostAware._pick).
+_Option = tuple[float, float | None, float | None, ReplicaState, Reason, int, bool]
+_RANK, _TTFT, _TPOT, _REPLICA, _REASON, _BLOCKS, _MEETS = range(7)
 
 
 class CostAware:
@@ -275,6 +275,12 @@ class CostAware:
     `near_tie_fraction` of the cheapest, two are drawn and the lower predicted TTFT wins.
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`.
+
+    The hot loop computes `predict`'s TTFT and TPOT inline (same expressions in the same
+    order, so the same floats) and skips the prediction of a candidate that cannot change
+    the decision: one ranked above the near-tie limit of a price that already meets, or
+    one whose decode step alone misses the TPOT objective once something meets. The
+    decision itself carries `predict`'s own figures for the chosen replica.
     """
 
     name = "cost_aware"
@@ -284,11 +290,12 @@ class CostAware:
         self.config = config or RouterConfig()
 
     def choose(self, request: RouteRequest, now: float) -> Decision:
-        route = self.state.route(request.model)
+        state = self.state
+        route = state.route(request.model)
         if route is None:
-            return _no_route(request, self.state, self.name)
+            return _no_route(request, state, self.name)
         matches = (
-            self.state.prefix_index.longest_matches(request.tenant, request.prefix_hashes)
+            state.prefix_index.longest_matches(request.tenant, request.prefix_hashes)
             if request.prefix_hashes
             else {}
         )
@@ -298,8 +305,8 @@ class CostAware:
                 deployment.deployment_id, request, now, tier, matches
             )
             if options:
-                return self._pick(options, best_meeting, request, tier)
-        return _no_route(request, self.state, self.name)
+                return self._pick(options, best_meeting, request, now, tier)
+        return _no_route(request, state, self.name)
 
     def _options(
         self,
@@ -312,40 +319,142 @@ class CostAware:
         """Candidate options and the lowest ranking price among those meeting the SLO."""
         state, config = self.state, self.config
         options: list[_Option] = []
+        append = options.append
         seen: set[str] = set()
         best_meeting = math.inf
         total_blocks = len(request.prefix_hashes)
         adapter = request.adapter
+        allowed = request.allowed_regions
+        prompt_tokens = request.prompt_tokens
         # Accept only predictions inside the safety margin of the objective.
         margin = config.slo_margin
         ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * margin
         tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
+        # Config and request constants of is_candidate and predict, looked up once.
+        dead_after_s = config.dead_after_s
+        stale_after_s = config.stale_after_s
+        stale_penalty = config.stale_penalty
+        block_tokens = config.prefix_block_tokens
+        queued_tokens = config.assumed_queued_prompt_tokens
+        adapter_load_s = config.adapter_load_s
+        max_share = config.max_prefill_share
+        watermark = config.kv_high_watermark
+        kv_inflation = config.kv_inflation
+        prefix_bonus = config.prefix_bonus
+        adapter_bonus = config.adapter_bonus
+        near_tie = 1.0 + config.near_tie_fraction
+        uncached_tokens = prompt_tokens if prompt_tokens >= 1 else 1
+        uncached_rate = uncached_tokens / PROMPT_RATE_WINDOW_S
+        # The decode step bounds TPOT from below only while the prefill share is in [0, 1)
+        # and the KV and staleness factors are at least 1.
+        step_bounds_tpot = (
+            tpot_limit != math.inf
+            and max_share < 1.0
+            and kv_inflation >= 0.0
+            and stale_penalty >= 1.0
+        )
+        exp = math.exp
 
         def consider(replica: ReplicaState) -> bool:
             nonlocal best_meeting
-            if replica.replica_id in seen:
+            replica_id = replica.replica_id
+            if replica_id in seen:
                 return False
-            seen.add(replica.replica_id)
-            if not is_candidate(replica, request, now, config):
+            seen.add(replica_id)
+            # is_candidate, inline.
+            if not replica.healthy or replica.breaker_open_until > now:
                 return False
-            blocks = matches.get(replica.replica_id, 0)
-            prediction = predict(replica, request, now, config, blocks)
+            telemetry_age = now - replica.telemetry_at
+            if telemetry_age > dead_after_s:
+                return False
+            if allowed is not None and replica.region not in allowed:
+                return False
+            perf = replica.perf
+            if prompt_tokens > perf.kv_capacity_tokens:
+                return False
+            adapters_loaded = replica.adapters_loaded
+            if adapter is not None and replica.max_loras <= 0 and adapter not in adapters_loaded:
+                return False
+
+            blocks = matches.get(replica_id, 0)
             discount = 1.0
             reason = Reason.CHEAPEST_MEETING_SLO
-            if adapter is not None and adapter in replica.adapters_loaded:
-                discount -= config.adapter_bonus
+            if adapter is not None and adapter in adapters_loaded:
+                discount -= adapter_bonus
                 reason = Reason.ADAPTER_AFFINITY
+            if (
+                not blocks
+                and near_tie >= 1.0
+                and best_meeting * near_tie < replica.price_per_hour * discount
+            ):
+                return True  # ranks above the near-tie limit whatever it predicts
+
+            # predict, inline: keep it in step with predict.py (tests compare the two).
+            inflight = replica.inflight
+            waiting = replica.waiting
+            load = replica.running + waiting
+            if inflight > load:
+                load = inflight
+            batch = load if load < perf.max_num_seqs else perf.max_num_seqs
+            decode_step = perf.decode_base_s + perf.decode_s_per_seq * (batch + 1)
+            if (
+                decode_step > tpot_limit
+                and step_bounds_tpot
+                and perf.prefill_s_per_token >= 0.0
+                and replica.prompt_rate >= 0.0
+            ):
+                # Misses TPOT whatever else it predicts: needed only if nothing meets.
+                if best_meeting == math.inf:
+                    append((math.inf, None, None, replica, reason, blocks, False))
+                return True
+            if blocks:
+                new_tokens = prompt_tokens - blocks * block_tokens
+                if new_tokens < 1:
+                    new_tokens = 1
+                new_rate = new_tokens / PROMPT_RATE_WINDOW_S
+            else:
+                new_tokens, new_rate = uncached_tokens, uncached_rate
+            per_token = perf.prefill_s_per_token
+            ahead = replica.prefill_pending_tokens
+            if waiting > inflight:
+                ahead += (waiting - inflight) * queued_tokens
+            to_prefill = ahead + new_tokens
+            steps = 1 + to_prefill // perf.max_num_batched_tokens
+            ttft = steps * perf.prefill_base_s + per_token * to_prefill
+            if batch:
+                ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
+            if adapter is not None and adapter not in adapters_loaded:
+                ttft += adapter_load_s
+            rate = replica.prompt_rate
+            if rate:
+                elapsed = now - replica.prompt_rate_at
+                if not elapsed <= 0.0:
+                    rate = rate * exp(-elapsed / PROMPT_RATE_WINDOW_S)
+            share = per_token * (rate + new_rate)
+            if share > max_share:
+                share = max_share
+            tpot = decode_step / (1.0 - share)
+            factor = 1.0
+            kv_usage = replica.kv_usage
+            if kv_usage > watermark:
+                over = (kv_usage - watermark) / (1.0 - watermark)
+                factor += kv_inflation * min(over, 1.0)
+            if telemetry_age > stale_after_s:
+                factor *= stale_penalty
+            ttft *= factor
+            tpot *= factor
+
             if blocks:
                 # Worth less the closer the holder already is to the objective.
-                headroom = 1.0 - prediction.ttft_s / ttft_limit
+                headroom = 1.0 - ttft / ttft_limit
                 if headroom > 0.0:
-                    discount -= config.prefix_bonus * headroom * blocks / total_blocks
+                    discount -= prefix_bonus * headroom * blocks / total_blocks
                 reason = Reason.PREFIX_AFFINITY
             rank_price = replica.price_per_hour * discount
-            meets = prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit
+            meets = ttft <= ttft_limit and tpot <= tpot_limit
             if meets and rank_price < best_meeting:
                 best_meeting = rank_price
-            options.append(_Option(rank_price, prediction, replica, reason, blocks, meets))
+            append((rank_price, ttft, tpot, replica, reason, blocks, meets))
             return True
 
         for replica_id in matches:
@@ -358,11 +467,10 @@ class CostAware:
                 self._draw(holders.items, consider)
 
         # A group member without the prefix ranks at least this fraction of its price.
-        floor = 1.0 - (config.adapter_bonus if adapter is not None else 0.0)
-        allowed = request.allowed_regions
+        floor = 1.0 - (adapter_bonus if adapter is not None else 0.0)
         hopeless: list[ReplicaGroup] = []
         for group in state.groups(deployment_id):
-            if best_meeting * (1.0 + config.near_tie_fraction) < group.price_per_hour * floor:
+            if best_meeting * near_tie < group.price_per_hour * floor:
                 break  # groups are sorted by price: no later one can win or tie
             if allowed is not None and group.region not in allowed:
                 continue
@@ -394,11 +502,16 @@ class CostAware:
                     return
 
     def _pick(
-        self, options: list[_Option], best_meeting: float, request: RouteRequest, tier: SloTier
+        self,
+        options: list[_Option],
+        best_meeting: float,
+        request: RouteRequest,
+        now: float,
+        tier: SloTier,
     ) -> Decision:
         if best_meeting != math.inf:
             limit = best_meeting * (1.0 + self.config.near_tie_fraction)
-            ties = [option for option in options if option.meets and option.rank_price <= limit]
+            ties = [option for option in options if option[_MEETS] and option[_RANK] <= limit]
             chosen = ties[0]
             if len(ties) > 1:
                 # Power of two choices; randrange twice is a fraction of rng.sample's cost.
@@ -406,37 +519,55 @@ class CostAware:
                 first = randrange(len(ties))
                 second = (first + 1 + randrange(len(ties) - 1)) % len(ties)
                 a, b = ties[first], ties[second]
-                chosen = a if a.prediction.ttft_s <= b.prediction.ttft_s else b
-            return self._decision(chosen, chosen.reason, request, queue_advised=False)
+                chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
+            return self._decision(chosen, chosen[_REASON], request, now, queue_advised=False)
         violation, chosen = min(
-            ((_slo_violation(option.prediction, tier), option) for option in options),
+            ((self._violation(option, request, now, tier), option) for option in options),
             key=lambda pair: pair[0],
         )
         return self._decision(
             chosen,
             Reason.LEAST_BAD,
             request,
+            now,
             queue_advised=violation > self.config.queue_over_slo_factor,
         )
 
+    def _violation(
+        self, option: _Option, request: RouteRequest, now: float, tier: SloTier
+    ) -> float:
+        ttft, tpot = option[_TTFT], option[_TPOT]
+        if ttft is None or tpot is None:  # deferred: it misses, but by how much?
+            prediction = predict(option[_REPLICA], request, now, self.config, option[_BLOCKS])
+            ttft, tpot = prediction.ttft_s, prediction.tpot_s
+        return _slo_violation(ttft, tpot, tier)
+
     def _decision(
-        self, option: _Option, reason: Reason, request: RouteRequest, *, queue_advised: bool
+        self,
+        option: _Option,
+        reason: Reason,
+        request: RouteRequest,
+        now: float,
+        *,
+        queue_advised: bool,
     ) -> Decision:
-        replica = option.replica
+        replica, blocks = option[_REPLICA], option[_BLOCKS]
         if request.prefix_hashes:
             self.state.prefix_index.record(
                 request.tenant, request.prefix_hashes, replica.replica_id
             )
+        # The hot loop's inline figures equal predict's; the cost it never computed.
+        prediction = predict(replica, request, now, self.config, blocks)
         return Decision(
             replica,
             reason,
             self.name,
             deployment_id=replica.deployment_id,
-            predicted_ttft_s=option.prediction.ttft_s,
-            predicted_tpot_s=option.prediction.tpot_s,
-            predicted_cost_usd=option.prediction.cost_usd,
-            cached_tokens=option.cached_blocks * self.config.prefix_block_tokens,
-            meets_slo=option.meets,
+            predicted_ttft_s=prediction.ttft_s,
+            predicted_tpot_s=prediction.tpot_s,
+            predicted_cost_usd=prediction.cost_usd,
+            cached_tokens=blocks * self.config.prefix_block_tokens,
+            meets_slo=option[_MEETS],
             queue_advised=queue_advised,
         )
 

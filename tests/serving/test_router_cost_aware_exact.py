@@ -1,0 +1,185 @@
+"""The cost-aware policy's fast path (predictions inline, predictions of candidates that
+cannot change the outcome skipped or deferred) decides exactly as an exhaustive search
+over `predict` does, on small fleets scanned in full with near ties switched off."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs, load_model_specs
+from serving.router import (
+    CostAware,
+    DeploymentRoute,
+    ModelRoute,
+    ReplicaPerf,
+    ReplicaState,
+    RouterConfig,
+    RouteRequest,
+    RouterState,
+    is_candidate,
+    predict,
+)
+from serving.router.coefficients import coefficients_from_perf
+
+MODEL = "llama-3.1-8b"
+NOW = 1_000.0
+HASHES = (101, 102, 103, 104)
+# Every group scanned in full and no near-tie draw: the answer is unique, no sampling.
+EXHAUSTIVE = RouterConfig(near_tie_fraction=0.0, full_scan_max=1_000)
+
+
+def shapes() -> list[ReplicaPerf]:
+    model = load_model_specs()[MODEL]
+    return [
+        coefficients_from_perf(PerfModel(spec, model))
+        for name, spec in sorted(load_gpu_specs().items())
+        if name in {"H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB", "L4-24GB"}
+    ]
+
+
+PERFS = shapes()
+
+replica_fields = st.fixed_dictionaries(
+    {
+        "shape": st.integers(0, len(PERFS) - 1),
+        "price": st.floats(0.5, 5.0),
+        "region": st.sampled_from(("eu-west", "us-east")),
+        "running": st.integers(0, 300),
+        "waiting": st.integers(0, 20),
+        "inflight": st.integers(0, 12),
+        "prefill_pending_tokens": st.integers(0, 20_000),
+        "prompt_rate": st.floats(0.0, 5_000.0),
+        "rate_age": st.floats(0.0, 60.0),
+        "kv_usage": st.floats(0.0, 1.0),
+        "telemetry_age": st.floats(0.0, 40.0),
+        "adapter": st.booleans(),
+        "max_loras": st.integers(0, 2),
+        "healthy": st.booleans() | st.just(True),
+        "prefix_blocks": st.integers(0, len(HASHES)),
+    }
+)
+
+request_fields = st.fixed_dictionaries(
+    {
+        "tier": st.sampled_from(("interactive", "standard", "batch")),
+        "prompt_tokens": st.integers(1, 30_000),
+        "max_tokens": st.integers(1, 2_048),
+        "adapter": st.sampled_from((None, "support-bot")),
+        "prefix": st.booleans(),
+        "eu_only": st.booleans(),
+    }
+)
+
+
+def build(fields: list[dict], seed: int) -> RouterState:
+    replicas = [
+        ReplicaState(
+            replica_id=f"r{index}",
+            deployment_id="stable",
+            model=MODEL,
+            version="v1",
+            pool="pool",
+            gpu_class=f"shape-{f['shape']}",
+            region=f["region"],
+            # Distinct prices: one cheapest answer, never a tie to draw between.
+            price_per_hour=f["price"] + index * 1e-6,
+            perf=PERFS[f["shape"]],
+            running=f["running"],
+            waiting=f["waiting"],
+            kv_usage=f["kv_usage"],
+            inflight=f["inflight"],
+            prefill_pending_tokens=f["prefill_pending_tokens"],
+            prompt_rate=f["prompt_rate"],
+            prompt_rate_at=NOW - f["rate_age"],
+            adapters_loaded=frozenset({"support-bot"}) if f["adapter"] else frozenset(),
+            max_loras=f["max_loras"],
+            healthy=f["healthy"],
+            telemetry_at=NOW - f["telemetry_age"],
+        )
+        for index, f in enumerate(fields)
+    ]
+    route = ModelRoute(MODEL, (DeploymentRoute("stable", "v1", 100),))
+    state = RouterState([route], replicas, seed=seed)
+    for index, f in enumerate(fields):
+        if f["prefix_blocks"]:
+            state.prefix_index.record("acme", HASHES[: f["prefix_blocks"]], f"r{index}")
+    return state
+
+
+def exhaustive_choice(
+    state: RouterState, request: RouteRequest, config: RouterConfig
+) -> tuple[str | None, bool]:
+    """Every candidate predicted with `predict`; the cheapest meeting one, else least bad."""
+    tier = config.tier(request.tier)
+    ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
+    tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
+    matches = (
+        state.prefix_index.longest_matches(request.tenant, request.prefix_hashes)
+        if request.prefix_hashes
+        else {}
+    )
+    meeting: list[tuple[float, str]] = []
+    missing: list[tuple[float, str]] = []
+    for group in state.groups("stable"):
+        for replica in group.live:
+            if not is_candidate(replica, request, NOW, config):
+                continue
+            blocks = matches.get(replica.replica_id, 0)
+            prediction = predict(replica, request, NOW, config, blocks)
+            discount = 1.0
+            if request.adapter is not None and request.adapter in replica.adapters_loaded:
+                discount -= config.adapter_bonus
+            if blocks:
+                headroom = 1.0 - prediction.ttft_s / ttft_limit
+                if headroom > 0.0:
+                    discount -= config.prefix_bonus * headroom * blocks / len(HASHES)
+            if prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit:
+                meeting.append((replica.price_per_hour * discount, replica.replica_id))
+            else:
+                violation = max(
+                    0.0 if tier.ttft_s is None else prediction.ttft_s / tier.ttft_s,
+                    0.0 if tier.tpot_s is None else prediction.tpot_s / tier.tpot_s,
+                )
+                missing.append((violation, replica.replica_id))
+    if meeting:
+        return min(meeting)[1], True
+    if missing:
+        return min(missing)[1], False
+    return None, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    fleet=st.lists(replica_fields, min_size=1, max_size=8),
+    ask=request_fields,
+    seed=st.integers(0, 1_000),
+)
+def test_cost_aware_decides_as_an_exhaustive_search_over_predict(
+    fleet: list[dict], ask: dict, seed: int
+) -> None:
+    state = build(fleet, seed)
+    request = RouteRequest(
+        model=MODEL,
+        tenant="acme",
+        tier=ask["tier"],
+        prompt_tokens=ask["prompt_tokens"],
+        max_tokens=ask["max_tokens"],
+        request_id="req-1",
+        adapter=ask["adapter"],
+        prefix_hashes=HASHES if ask["prefix"] else (),
+        allowed_regions=frozenset({"eu-west"}) if ask["eu_only"] else None,
+    )
+    expected_id, expected_meets = exhaustive_choice(state, request, EXHAUSTIVE)
+
+    decision = CostAware(state, EXHAUSTIVE).choose(request, NOW)
+
+    chosen = decision.replica
+    assert (None if chosen is None else chosen.replica_id) == expected_id
+    if chosen is not None:
+        assert decision.meets_slo == expected_meets
+        blocks = decision.cached_tokens // EXHAUSTIVE.prefix_block_tokens
+        assert decision.predicted_ttft_s == predict(chosen, request, NOW, EXHAUSTIVE, blocks).ttft_s
