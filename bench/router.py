@@ -1,6 +1,7 @@
 """Decision time of each routing policy at 10 to 10,000 candidate replicas of one model.
 
     .venv/bin/python bench/router.py [--sizes 10,100,1000,10000] [--decisions 5000]
+    .venv/bin/python bench/router.py --policies cost_aware --baseline 770b8e3 --rounds 7
 
 Prints a table of p50 and p99 microseconds per decision (each cell runs `--rounds` times
 with different seeds and shows the round with the median p99, because a shared machine's
@@ -11,15 +12,23 @@ regions, in a 90/10 canary split, with random load, a few stale, unhealthy and
 breaker-open replicas; requests mix tiers, tenants with shared prefixes, LoRA adapters
 and region restrictions. In-flight counts move as requests start and finish, outside
 the timed section, as they would in the gateway.
+
+`--baseline REV` loads serving/router/policies.py as of git revision REV beside the current
+one and runs the two interleaved (alternating which goes first), each cell `--rounds`
+times, showing the median p50 and median p99 of each: before/after under the same noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -108,7 +117,13 @@ def build_requests(count: int, rng: random.Random) -> list[RouteRequest]:
     return requests
 
 
-def measure(policy_name: str, size: int, decisions: int, seed: int) -> tuple[int, float, float]:
+def measure(
+    policy_name: str,
+    size: int,
+    decisions: int,
+    seed: int,
+    policies: dict[str, type] | None = None,
+) -> tuple[int, float, float]:
     rng = random.Random(seed)
     now = 1_000.0
     routes = [
@@ -118,7 +133,7 @@ def measure(policy_name: str, size: int, decisions: int, seed: int) -> tuple[int
         )
     ]
     state = RouterState(routes, build_fleet(size, rng, now), seed=seed)
-    policy = POLICIES[policy_name](state)
+    policy = (policies or POLICIES)[policy_name](state)
     requests = build_requests(decisions, rng)
     in_flight: list[str] = []
     timings: list[int] = []
@@ -161,6 +176,49 @@ def state_replicas(state: RouterState, size: int) -> list[ReplicaState]:
     return [replica for replica in replicas if replica is not None]
 
 
+def baseline_policies(revision: str) -> dict[str, type]:
+    """POLICIES of serving/router/policies.py as of `revision`, over today's other modules."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(
+        ["git", "show", f"{revision}:serving/router/policies.py"],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    name = "serving.router._baseline_policies"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    assert spec is not None
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while being built
+    exec(compile(source, f"{revision}:serving/router/policies.py", "exec"), module.__dict__)
+    return module.POLICIES
+
+
+def compare(args: argparse.Namespace, sizes: list[int]) -> int:
+    variants = {f"@{args.baseline}": baseline_policies(args.baseline), "current": POLICIES}
+    print(
+        f"{'policy':<16} {'replicas':>8} {'variant':<12} {'p50 us':>9} {'p99 us':>9}"
+        f"  per-round p99 (median of {args.rounds} interleaved rounds)"
+    )
+    for policy_name in args.policies.split(","):
+        for size in sizes:
+            results: dict[str, list[tuple[int, float, float]]] = {name: [] for name in variants}
+            for n in range(args.rounds):
+                # Alternate which variant goes first so drift in the noise favours neither.
+                order = list(variants) if n % 2 == 0 else list(reversed(variants))
+                for name in order:
+                    results[name].append(
+                        measure(policy_name, size, args.decisions, args.seed + n, variants[name])
+                    )
+            for name, rounds in results.items():
+                p50 = statistics.median(r[1] for r in rounds)
+                p99 = statistics.median(r[2] for r in rounds)
+                each = " ".join(f"{r[2]:.0f}" for r in rounds)
+                print(f"{policy_name:<16} {size:>8} {name:<12} {p50:>9.1f} {p99:>9.1f}  {each}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10,100,1000,10000")
@@ -173,8 +231,14 @@ def main() -> int:
         default=3,
         help="rounds per cell; the table shows the round with the median p99 (shared machines are noisy)",
     )
+    parser.add_argument(
+        "--baseline",
+        help="git revision whose serving/router/policies.py runs interleaved beside the current one",
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
+    if args.baseline:
+        return compare(args, sizes)
 
     print(f"{'policy':<16} {'replicas':>8} {'decisions':>9} {'p50 us':>9} {'p99 us':>9}  target")
     for policy_name in args.policies.split(","):
