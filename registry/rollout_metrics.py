@@ -161,60 +161,26 @@ def stats_key(deployment_id: int | str) -> str:
     return STATS_KEY.format(deployment_id=deployment_id)
 
 
-def record_request(
-    redis: Any,
-    deployment_id: int | str,
-    *,
-    ok: bool,
-    ttft_s: float | None = None,
-    tpot_s: float | None = None,
-    output_tokens: int = 0,
-    finish_reason: str | None = None,
-    refused: bool = False,
-) -> None:
-    """Record one settled request (sync redis-py client). One round trip."""
+def add_request(pipe: Any, deployment_id: int | str, **outcome: Any) -> None:
+    """Queue the counters of one settled request on a redis-py pipeline (sync or asyncio):
+    the gateway folds them into its settle round trip. `outcome` as `request_fields` takes."""
     key = stats_key(deployment_id)
-    fields = request_fields(
-        ok=ok,
-        ttft_s=ttft_s,
-        tpot_s=tpot_s,
-        output_tokens=output_tokens,
-        finish_reason=finish_reason,
-        refused=refused,
-    )
-    pipe = redis.pipeline(transaction=False)
-    for name, amount in fields.items():
+    for name, amount in request_fields(**outcome).items():
         pipe.hincrby(key, name, amount)
     pipe.expire(key, STATS_TTL_S)
+
+
+def record_request(redis: Any, deployment_id: int | str, **outcome: Any) -> None:
+    """Record one settled request (sync redis-py client). One round trip."""
+    pipe = redis.pipeline(transaction=False)
+    add_request(pipe, deployment_id, **outcome)
     pipe.execute()
 
 
-async def arecord_request(
-    redis: Any,
-    deployment_id: int | str,
-    *,
-    ok: bool,
-    ttft_s: float | None = None,
-    tpot_s: float | None = None,
-    output_tokens: int = 0,
-    finish_reason: str | None = None,
-    refused: bool = False,
-) -> None:
-    """`record_request` for redis.asyncio clients; the gateway may also fold the same
-    `request_fields` into its settle pipeline instead."""
-    key = stats_key(deployment_id)
-    fields = request_fields(
-        ok=ok,
-        ttft_s=ttft_s,
-        tpot_s=tpot_s,
-        output_tokens=output_tokens,
-        finish_reason=finish_reason,
-        refused=refused,
-    )
+async def arecord_request(redis: Any, deployment_id: int | str, **outcome: Any) -> None:
+    """`record_request` for redis.asyncio clients."""
     pipe = redis.pipeline(transaction=False)
-    for name, amount in fields.items():
-        pipe.hincrby(key, name, amount)
-    pipe.expire(key, STATS_TTL_S)
+    add_request(pipe, deployment_id, **outcome)
     await pipe.execute()
 
 

@@ -23,7 +23,7 @@ from redis.exceptions import RedisError
 
 from metering.pricing import PRICE_BOOK_KEY, PriceBook, PriceNotFound, charge_usd_micros
 from metering.usage import UsageEvent, UsageSpool, add_usage_event
-from registry.rollout_metrics import request_fields, stats_key
+from registry.rollout_metrics import add_request
 from serving.gateway import metrics
 from serving.gateway.catalog import Catalog, load_catalog
 from serving.gateway.errors import ApiError
@@ -43,8 +43,6 @@ from tenants.keys import KeyAuthenticator
 from tenants.limiter import LimiterUnavailable, RateLimiter
 
 log = logging.getLogger(__name__)
-
-ROLLOUT_STATS_TTL_S = 3 * 24 * 3600
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,16 +345,15 @@ class Gateway:
             tpot_s = None
             if ttft_ms is not None and outcome.completion_tokens > 1:
                 tpot_s = (total_ms - ttft_ms) / 1000 / (outcome.completion_tokens - 1)
-            key = stats_key(replica.deployment_id)
-            for name, amount in request_fields(
+            add_request(
+                pipeline,
+                replica.deployment_id,
                 ok=outcome.status in ("ok", "client_cancelled"),
                 ttft_s=None if ttft_ms is None else ttft_ms / 1000,
                 tpot_s=tpot_s,
                 output_tokens=outcome.completion_tokens,
                 finish_reason=outcome.finish_reason,
-            ).items():
-                pipeline.hincrby(key, name, amount)
-            pipeline.expire(key, ROLLOUT_STATS_TTL_S)
+            )
         try:
             await pipeline.execute()
         except (RedisError, OSError, TimeoutError) as error:
