@@ -13,8 +13,8 @@ breaker-open replicas; requests mix tiers, tenants with shared prefixes, LoRA ad
 and region restrictions. In-flight counts move as requests start and finish, outside
 the timed section, as they would in the gateway.
 
-`--baseline REV` loads serving/router/policies.py as of git revision REV beside the current
-one and runs the two interleaved (alternating which goes first), each cell `--rounds`
+`--baseline REV` loads serving/router/policies.py and serving/router/prefix.py as of git
+revision REV beside the current ones and runs the two interleaved (alternating which goes first), each cell `--rounds`
 times, showing the median p50 and median p99 of each: before/after under the same noise.
 """
 
@@ -38,6 +38,7 @@ from serving.router import (
     POLICIES,
     DeploymentRoute,
     ModelRoute,
+    PrefixIndex,
     ReplicaPerf,
     ReplicaState,
     RouteRequest,
@@ -123,6 +124,7 @@ def measure(
     decisions: int,
     seed: int,
     policies: dict[str, type] | None = None,
+    prefix_index: type[PrefixIndex] = PrefixIndex,
 ) -> tuple[int, float, float]:
     rng = random.Random(seed)
     now = 1_000.0
@@ -132,7 +134,7 @@ def measure(
             (DeploymentRoute("stable", "v1", 90), DeploymentRoute("canary", "v2", 10)),
         )
     ]
-    state = RouterState(routes, build_fleet(size, rng, now), seed=seed)
+    state = RouterState(routes, build_fleet(size, rng, now), seed=seed, prefix_index=prefix_index())
     policy = (policies or POLICIES)[policy_name](state)
     requests = build_requests(decisions, rng)
     in_flight: list[str] = []
@@ -176,27 +178,36 @@ def state_replicas(state: RouterState, size: int) -> list[ReplicaState]:
     return [replica for replica in replicas if replica is not None]
 
 
-def baseline_policies(revision: str) -> dict[str, type]:
-    """POLICIES of serving/router/policies.py as of `revision`, over today's other modules."""
+def baseline_module(revision: str, module: str) -> ModuleType:
+    """serving/router/`module`.py as of `revision`, importing today's other modules."""
     root = Path(__file__).resolve().parent.parent
+    path = f"serving/router/{module}.py"
     source = subprocess.run(
-        ["git", "show", f"{revision}:serving/router/policies.py"],
+        ["git", "show", f"{revision}:{path}"],
         cwd=root,
         check=True,
         capture_output=True,
         text=True,
     ).stdout
-    name = "serving.router._baseline_policies"
+    name = f"serving.router._baseline_{module}"
     spec = importlib.util.spec_from_loader(name, loader=None)
     assert spec is not None
-    module: ModuleType = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while being built
-    exec(compile(source, f"{revision}:serving/router/policies.py", "exec"), module.__dict__)
-    return module.POLICIES
+    loaded = importlib.util.module_from_spec(spec)
+    sys.modules[name] = loaded  # dataclasses look their module up while being built
+    exec(compile(source, f"{revision}:{path}", "exec"), loaded.__dict__)
+    return loaded
 
 
 def compare(args: argparse.Namespace, sizes: list[int]) -> int:
-    variants = {f"@{args.baseline}": baseline_policies(args.baseline), "current": POLICIES}
+    # Variant -> (policies, prefix index class): the baseline's policies always use the
+    # baseline's prefix index, as the gateway at that revision would have.
+    variants: dict[str, tuple[dict[str, type], type[PrefixIndex]]] = {
+        f"@{args.baseline}": (
+            baseline_module(args.baseline, "policies").POLICIES,
+            baseline_module(args.baseline, "prefix").PrefixIndex,
+        ),
+        "current": (POLICIES, PrefixIndex),
+    }
     print(
         f"{'policy':<16} {'replicas':>8} {'variant':<12} {'p50 us':>9} {'p99 us':>9}"
         f"  per-round p99 (median of {args.rounds} interleaved rounds)"
@@ -208,8 +219,16 @@ def compare(args: argparse.Namespace, sizes: list[int]) -> int:
                 # Alternate which variant goes first so drift in the noise favours neither.
                 order = list(variants) if n % 2 == 0 else list(reversed(variants))
                 for name in order:
+                    policies, prefix_index = variants[name]
                     results[name].append(
-                        measure(policy_name, size, args.decisions, args.seed + n, variants[name])
+                        measure(
+                            policy_name,
+                            size,
+                            args.decisions,
+                            args.seed + n,
+                            policies,
+                            prefix_index,
+                        )
                     )
             for name, rounds in results.items():
                 p50 = statistics.median(r[1] for r in rounds)
@@ -233,7 +252,8 @@ def main() -> int:
     )
     parser.add_argument(
         "--baseline",
-        help="git revision whose serving/router/policies.py runs interleaved beside the current one",
+        help="git revision whose serving/router/policies.py and prefix.py run interleaved"
+        " beside the current ones",
     )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]

@@ -1,0 +1,158 @@
+"""The prefix index: int keys and holder slots behave exactly like a plain LRU of
+(tenant, block hash) -> holders, keep tenants apart, and allocate nothing the garbage
+collector tracks on the routing path."""
+
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from serving.router import PrefixIndex
+
+
+class ReferenceIndex:
+    """The contract spelt out naively: tuple keys, an ordered dict of holders per block."""
+
+    def __init__(self, capacity_blocks: int, replicas_per_block: int) -> None:
+        self.capacity = capacity_blocks
+        self.replicas_per_block = replicas_per_block
+        self.blocks: OrderedDict[tuple[str, int], dict[str, None]] = OrderedDict()
+
+    def longest_matches(self, tenant: str, hashes: Sequence[int]) -> dict[str, int]:
+        # The same binary search as the index: for prompts that do not chain their hashes
+        # (as these random ones do not), "held" is not monotone and the probe order matters.
+        held, unknown = 0, len(hashes)
+        while held < unknown:
+            middle = (held + unknown + 1) // 2
+            if (tenant, hashes[middle - 1]) in self.blocks:
+                held = middle
+            else:
+                unknown = middle - 1
+        if held == 0:
+            return {}
+        return dict.fromkeys(self.blocks[(tenant, hashes[held - 1])], held)
+
+    def record(self, tenant: str, hashes: Sequence[int], replica_id: str) -> None:
+        for block_hash in reversed(hashes):
+            key = (tenant, block_hash)
+            holders = self.blocks.setdefault(key, {})
+            self.blocks.move_to_end(key)
+            if replica_id not in holders:
+                holders[replica_id] = None
+            if len(holders) > self.replicas_per_block:
+                del holders[next(iter(holders))]
+            if len(self.blocks) > self.capacity:
+                self.blocks.popitem(last=False)
+
+
+TENANTS = ("acme", "globex", "0", "1", "")
+REPLICAS = ("a", "b", "c", "d", "e", "")
+# Negative, 64-bit and wider hashes: the int key must stay injective for all of them.
+HASHES = st.sampled_from((0, 1, 2, 3, -1, -(2**63), 2**63 - 1, 2**64 + 1, 1 << 32, 7 << 32))
+PROMPTS = st.lists(HASHES, min_size=0, max_size=6, unique=True).map(tuple)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    capacity=st.integers(1, 12),
+    replicas_per_block=st.integers(1, 4),
+    steps=st.lists(
+        st.tuples(st.booleans(), st.sampled_from(TENANTS), PROMPTS, st.sampled_from(REPLICAS)),
+        max_size=40,
+    ),
+)
+def test_the_index_answers_exactly_as_a_plain_lru_of_tenant_and_block(
+    capacity: int,
+    replicas_per_block: int,
+    steps: list[tuple[bool, str, tuple[int, ...], str]],
+) -> None:
+    index = PrefixIndex(capacity_blocks=capacity, replicas_per_block=replicas_per_block)
+    reference = ReferenceIndex(capacity, replicas_per_block)
+    for is_record, tenant, hashes, replica_id in steps:
+        if is_record:
+            index.record(tenant, hashes, replica_id)
+            reference.record(tenant, hashes, replica_id)
+            assert len(index) == len(reference.blocks)
+        else:
+            matches = index.longest_matches(tenant, hashes)
+            expected = reference.longest_matches(tenant, hashes)
+            assert list(matches.items()) == list(expected.items())
+
+
+def test_a_block_hash_shifted_into_the_tenant_bits_is_not_another_tenants_hit() -> None:
+    # "acme" is tenant 0 and "globex" tenant 1: a key scheme that added the tenant number
+    # to an unshifted hash would make acme's block 1 globex's block 0.
+    index = PrefixIndex()
+    index.record("acme", (1,), "a")
+    index.record("globex", (5,), "b")
+    assert index.longest_matches("globex", (0,)) == {}
+    assert index.longest_matches("acme", (1 << 32 | 1,)) == {}
+    assert index.longest_matches("acme", (1,)) == {"a": 1}
+
+
+def test_the_same_hash_under_two_tenants_is_two_blocks() -> None:
+    index = PrefixIndex()
+    index.record("acme", (-(2**63), 2**64 + 1), "a")
+    index.record("globex", (-(2**63), 2**64 + 1), "b")
+    assert len(index) == 4
+    assert index.longest_matches("acme", (-(2**63), 2**64 + 1)) == {"a": 2}
+    assert index.longest_matches("globex", (-(2**63), 2**64 + 1)) == {"b": 2}
+
+
+def test_looking_up_an_unknown_tenant_finds_nothing_and_numbers_no_tenant() -> None:
+    index = PrefixIndex()
+    assert index.longest_matches("stranger", (1, 2)) == {}
+    index.record("acme", (1, 2), "a")
+    assert index.longest_matches("acme", (1, 2)) == {"a": 2}
+    assert index._tenant_numbers == {"acme": 0}
+
+
+def test_eviction_takes_the_least_recently_recorded_block_across_tenants() -> None:
+    index = PrefixIndex(capacity_blocks=3)
+    index.record("acme", (1,), "a")
+    index.record("globex", (1,), "b")
+    index.record("acme", (2,), "a")
+    index.record("acme", (1,), "a")  # refresh: globex's block is now the oldest
+    index.record("initech", (9,), "c")
+    assert index.longest_matches("globex", (1,)) == {}
+    assert index.longest_matches("acme", (1,)) == {"a": 1}
+    assert index.longest_matches("acme", (2,)) == {"a": 1}
+    assert index.longest_matches("initech", (9,)) == {"c": 1}
+
+
+def test_a_block_keeps_its_last_distinct_holders_oldest_first() -> None:
+    index = PrefixIndex(replicas_per_block=3)
+    for replica_id in ("a", "b", "a", "c", "d"):
+        index.record("acme", (1,), replica_id)
+    assert list(index.longest_matches("acme", (1,))) == ["b", "c", "d"]
+
+
+def test_an_evicted_block_comes_back_with_only_its_new_holder() -> None:
+    index = PrefixIndex(capacity_blocks=1, replicas_per_block=3)
+    index.record("acme", (1,), "a")
+    index.record("acme", (1,), "b")
+    index.record("acme", (2,), "c")  # evicts block 1 and both its holders
+    index.record("acme", (1,), "d")
+    assert index.longest_matches("acme", (1,)) == {"d": 1}
+
+
+def test_recording_new_blocks_allocates_nothing_the_garbage_collector_tracks() -> None:
+    index = PrefixIndex(capacity_blocks=500)
+    index.record("acme", (0,), "warm")  # numbers the tenant
+    prompts = [tuple(range(start, start + 8)) for start in range(1, 4_000, 8)]
+    gc.collect()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        for n, hashes in enumerate(prompts):
+            index.record("acme", hashes, f"r{n % 3}" if n % 2 else "r0")
+            index.longest_matches("acme", hashes)
+        grown = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    # 4,000 new blocks; the old index allocated two tracked objects for each.
+    assert grown < 50
