@@ -521,9 +521,13 @@ class CostAware:
                 a, b = ties[first], ties[second]
                 chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
             return self._decision(chosen, chosen[_REASON], request, now, queue_advised=False)
-        violation, chosen = min(
-            ((self._violation(option, request, now, tier), option) for option in options),
-            key=lambda pair: pair[0],
+        # The smallest miss; between equal misses, the cheaper replica.
+        violation, _, chosen = min(
+            (
+                (self._violation(option, request, now, tier), option[_RANK], option)
+                for option in options
+            ),
+            key=lambda triple: (triple[0], triple[1]),
         )
         return self._decision(
             chosen,

@@ -112,8 +112,9 @@ def build(fields: list[dict], seed: int) -> RouterState:
 
 def exhaustive_choice(
     state: RouterState, request: RouteRequest, config: RouterConfig
-) -> tuple[str | None, bool]:
-    """Every candidate predicted with `predict`; the cheapest meeting one, else least bad."""
+) -> tuple[set[str], bool]:
+    """Every candidate predicted with `predict`: the cheapest meeting one, else the least bad
+    (the smallest miss, the cheaper between equal misses). Returns every replica tied for it."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
     tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
@@ -123,7 +124,7 @@ def exhaustive_choice(
         else {}
     )
     meeting: list[tuple[float, str]] = []
-    missing: list[tuple[float, str]] = []
+    missing: list[tuple[tuple[float, float], str]] = []
     for group in state.groups("stable"):
         for replica in group.live:
             if not is_candidate(replica, request, NOW, config):
@@ -144,12 +145,13 @@ def exhaustive_choice(
                     0.0 if tier.ttft_s is None else prediction.ttft_s / tier.ttft_s,
                     0.0 if tier.tpot_s is None else prediction.tpot_s / tier.tpot_s,
                 )
-                missing.append((violation, replica.replica_id))
+                missing.append(((violation, replica.price_per_hour * discount), replica.replica_id))
     if meeting:
-        return min(meeting)[1], True
+        return {min(meeting)[1]}, True
     if missing:
-        return min(missing)[1], False
-    return None, False
+        best = min(key for key, _ in missing)
+        return {replica_id for key, replica_id in missing if key == best}, False
+    return set(), False
 
 
 @settings(max_examples=300, deadline=None)
@@ -173,12 +175,14 @@ def test_cost_aware_decides_as_an_exhaustive_search_over_predict(
         prefix_hashes=HASHES if ask["prefix"] else (),
         allowed_regions=frozenset({"eu-west"}) if ask["eu_only"] else None,
     )
-    expected_id, expected_meets = exhaustive_choice(state, request, EXHAUSTIVE)
+    expected_ids, expected_meets = exhaustive_choice(state, request, EXHAUSTIVE)
 
     decision = CostAware(state, EXHAUSTIVE).choose(request, NOW)
 
     chosen = decision.replica
-    assert (None if chosen is None else chosen.replica_id) == expected_id
+    assert (chosen is None) == (not expected_ids)
+    if chosen is not None:
+        assert chosen.replica_id in expected_ids
     if chosen is not None:
         assert decision.meets_slo == expected_meets
         blocks = decision.cached_tokens // EXHAUSTIVE.prefix_block_tokens
