@@ -10,6 +10,7 @@ groups, sorted by price, are few.
 from __future__ import annotations
 
 import random
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -57,6 +58,71 @@ class ReplicaSet:
             self._position[last.replica_id] = position
 
 
+def queue_load(replica: ReplicaState) -> int:
+    """Requests queued, running and in flight from here: what `LeastLoad` minimises."""
+    return replica.waiting + replica.running + replica.inflight
+
+
+class LoadBuckets:
+    """Live replicas of one deployment bucketed by `queue_load`, loads kept sorted.
+
+    Kept exact by `RouterState`'s writes, so the least-loaded replica is in the first
+    bucket and a query visits buckets only until it finds one holding a candidate. The
+    distinct loads are few (tens to hundreds), so the sorted list's insert and remove are
+    short memmoves.
+    """
+
+    __slots__ = ("_load_of", "buckets", "loads")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, ReplicaSet] = {}
+        # Ascending; exactly the keys of `buckets`, none of them empty.
+        self.loads: list[int] = []
+        self._load_of: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._load_of)
+
+    def load_of(self, replica_id: str) -> int | None:
+        return self._load_of.get(replica_id)
+
+    def add(self, replica: ReplicaState) -> None:
+        if replica.replica_id in self._load_of:
+            self.update(replica)
+            return
+        self._put(replica, queue_load(replica))
+
+    def discard(self, replica_id: str) -> None:
+        load = self._load_of.pop(replica_id, None)
+        if load is not None:
+            self._take(replica_id, load)
+
+    def update(self, replica: ReplicaState) -> None:
+        """Re-bucket a member whose load may have changed; others are left out."""
+        before = self._load_of.get(replica.replica_id)
+        if before is None:
+            return
+        after = queue_load(replica)
+        if after != before:
+            self._take(replica.replica_id, before)
+            self._put(replica, after)
+
+    def _put(self, replica: ReplicaState, load: int) -> None:
+        self._load_of[replica.replica_id] = load
+        bucket = self.buckets.get(load)
+        if bucket is None:
+            bucket = self.buckets[load] = ReplicaSet()
+            insort(self.loads, load)
+        bucket.add(replica)
+
+    def _take(self, replica_id: str, load: int) -> None:
+        bucket = self.buckets[load]
+        bucket.discard(replica_id)
+        if not bucket:
+            del self.buckets[load]
+            del self.loads[bisect_left(self.loads, load)]
+
+
 GroupKey = tuple[str, str, str, float, ReplicaPerf]
 
 
@@ -90,6 +156,7 @@ class RouterState:
         self._group_of: dict[str, ReplicaGroup] = {}
         self._groups: dict[str, list[ReplicaGroup]] = {}
         self._live: dict[str, ReplicaSet] = {}
+        self._by_load: dict[str, LoadBuckets] = {}
         self._with_adapter: dict[tuple[str, str], ReplicaSet] = {}
         groups: dict[GroupKey, ReplicaGroup] = {}
         for replica in replicas:
@@ -108,6 +175,7 @@ class RouterState:
             self._replicas[replica.replica_id] = replica
             self._group_of[replica.replica_id] = group
             self._live.setdefault(replica.deployment_id, ReplicaSet())
+            self._by_load.setdefault(replica.deployment_id, LoadBuckets())
             if replica.healthy:
                 self._join(replica)
         for deployment_groups in self._groups.values():
@@ -127,6 +195,10 @@ class RouterState:
 
     def live(self, deployment_id: str) -> ReplicaSet:
         return self._live.get(deployment_id) or ReplicaSet()
+
+    def by_load(self, deployment_id: str) -> LoadBuckets:
+        """The deployment's live replicas bucketed by `queue_load`."""
+        return self._by_load.get(deployment_id) or LoadBuckets()
 
     def with_adapter(self, deployment_id: str, adapter: str) -> ReplicaSet | None:
         return self._with_adapter.get((deployment_id, adapter))
@@ -167,6 +239,8 @@ class RouterState:
                 self._join(replica)
             else:
                 self._leave(replica)
+        elif replica.healthy:
+            self._by_load[replica.deployment_id].update(replica)
 
     def set_breaker(self, replica_id: str, open_until: float) -> None:
         replica = self._replicas.get(replica_id)
@@ -183,6 +257,8 @@ class RouterState:
         if replica is None:
             return
         replica.inflight += 1
+        if replica.healthy:
+            self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens += prompt_tokens
         replica.prefill_pending_tokens += prompt_tokens
         if now is not None and prompt_tokens:
@@ -204,6 +280,8 @@ class RouterState:
         if replica is None or replica.inflight <= 0:
             return
         replica.inflight -= 1
+        if replica.healthy:
+            self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens = max(0, replica.inflight_prompt_tokens - prompt_tokens)
         if not first_token_seen:
             replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
@@ -211,11 +289,13 @@ class RouterState:
     def _join(self, replica: ReplicaState) -> None:
         self._group_of[replica.replica_id].live.add(replica)
         self._live[replica.deployment_id].add(replica)
+        self._by_load[replica.deployment_id].add(replica)
         self._index_adapters(replica, frozenset(), replica.adapters_loaded)
 
     def _leave(self, replica: ReplicaState) -> None:
         self._group_of[replica.replica_id].live.discard(replica.replica_id)
         self._live[replica.deployment_id].discard(replica.replica_id)
+        self._by_load[replica.deployment_id].discard(replica.replica_id)
         self._index_adapters(replica, replica.adapters_loaded, frozenset())
 
     def _index_adapters(

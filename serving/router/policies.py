@@ -23,7 +23,7 @@ from serving.router.contracts import (
     RouteRequest,
     SloTier,
 )
-from serving.router.index import ReplicaGroup, ReplicaSet, RouterState
+from serving.router.index import LoadBuckets, ReplicaGroup, ReplicaSet, RouterState
 from serving.router.predict import Prediction, is_candidate, predict
 
 
@@ -112,7 +112,17 @@ class RoundRobin:
 
 
 class LeastLoad:
-    """Fewest requests queued, running and in flight from here; a full scan."""
+    """Fewest requests queued, running and in flight from here (`queue_load`).
+
+    Exact without a scan: `RouterState.by_load` keeps each deployment's live replicas in
+    buckets by load, so the search walks buckets from the lightest and stops at the first
+    one holding a candidate. The time-dependent filters (breaker, telemetry age) and the
+    request's own (regions, adapter, prompt size) are checked per replica as it is
+    visited, so a replica they exclude is skipped and the walk goes on: the answer is
+    the scan's, and only a request that excludes most light replicas pays for a long walk.
+    Ties: a random member of the lightest bucket holding a candidate (the bucket's
+    candidates in cyclic order from a random start, the first taken).
+    """
 
     name = "least_load"
 
@@ -125,23 +135,29 @@ class LeastLoad:
         if route is None:
             return _no_route(request, self.state, self.name)
         for deployment in deployments_in_order(route, request):
-            best: ReplicaState | None = None
-            best_load = 0
-            live = self.state.live(deployment.deployment_id).items
-            # A random starting point so equal loads do not all land on the first replica.
-            start = self.state.rng.randrange(len(live)) if live else 0
-            for step in range(len(live)):
-                replica = live[(start + step) % len(live)]
-                load = replica.waiting + replica.running + replica.inflight
-                if (best is None or load < best_load) and is_candidate(
-                    replica, request, now, self.config
-                ):
-                    best, best_load = replica, load
+            best = self._lightest(self.state.by_load(deployment.deployment_id), request, now)
             if best is not None:
                 return _decide(
                     self.state, self.config, request, now, best, Reason.LEAST_LOAD, self.name
                 )
         return _no_route(request, self.state, self.name)
+
+    def _lightest(
+        self, by_load: LoadBuckets, request: RouteRequest, now: float
+    ) -> ReplicaState | None:
+        config = self.config
+        random = self.state.rng.random
+        buckets = by_load.buckets
+        for load in by_load.loads:
+            members = buckets[load].items
+            size = len(members)
+            # A random starting point so equal loads do not all land on one replica.
+            start = int(random() * size)
+            for position in range(start, start + size):
+                replica = members[position % size]
+                if is_candidate(replica, request, now, config):
+                    return replica
+        return None
 
 
 @dataclass(slots=True, frozen=True)
