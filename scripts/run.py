@@ -184,6 +184,7 @@ def main() -> int:
         for name, argv in demo_fleet_commands(env):
             supervisor.spawn(name, argv, env)
         wait_ready(f"http://{host}:{port}/readyz", supervisor)
+        start_demo_traffic(supervisor, env, host, port)
         print_banner(env, host, port)
         while True:
             exited = supervisor.first_exited()
@@ -220,6 +221,23 @@ def demo_fleet_commands(env: dict[str, str]) -> list[tuple[str, list[str]]]:
             return []
         raise StartupError(f"could not list the demo fleet: {result.stderr.strip()}")
     return [(item["name"], item["argv"]) for item in json.loads(result.stdout or "[]")]
+
+
+def start_demo_traffic(supervisor: Supervisor, env: dict[str, str], host: str, port: int) -> None:
+    """A trickle of requests with the demo key, so the console's live numbers move."""
+    rate = env.get("PLATFORM_DEMO_TRAFFIC", "0.5")
+    if rate in {"0", "false", "no"}:
+        return
+    demo = var_dir() / "demo.json"
+    key = json.loads(demo.read_text()).get("acme_api_key") if demo.exists() else None
+    if not key:
+        return
+    supervisor.spawn(
+        "traffic",
+        [sys.executable, "scripts/demo_traffic.py", "--base-url", f"http://{host}:{port}/v1",
+         "--api-key", key, "--rate", rate],
+        env,
+    )  # fmt: skip
 
 
 def print_banner(env: dict[str, str], host: str, port: int) -> None:

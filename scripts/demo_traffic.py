@@ -1,0 +1,96 @@
+"""A trickle of chat traffic for the demo, so the console has something live to show.
+
+`make run` starts it once the platform is ready (PLATFORM_DEMO_TRAFFIC=0 turns it off). It
+uses the demo API key through the official `openai` client: Poisson arrivals, a mix of short
+and long prompts, of models and priority tiers, most requests streamed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+
+import openai
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "engineers",
+    "measure",
+    "latency",
+    "and",
+    "cost",
+    "across",
+    "heterogeneous",
+    "accelerators",
+    "serving",
+    "many",
+    "tenants",
+    "with",
+    "strict",
+    "objectives",
+]
+TIERS = ("interactive", "interactive", "standard", "standard", "batch")
+
+
+def prompt(rng: random.Random) -> str:
+    length = int(rng.lognormvariate(4.0, 1.0)) + 5
+    return " ".join(rng.choice(WORDS) for _ in range(min(length, 2000)))
+
+
+async def one_request(client: openai.AsyncOpenAI, models: list[str], rng: random.Random) -> None:
+    model = rng.choice(models)
+    tier = rng.choice(TIERS)
+    messages = [{"role": "user", "content": prompt(rng)}]
+    max_tokens = rng.choice((16, 32, 64, 128, 256))
+    try:
+        if rng.random() < 0.8:
+            stream = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens, stream=True,
+                stream_options={"include_usage": True}, extra_headers={"x-priority": tier},
+            )  # fmt: skip
+            async for _ in stream:
+                pass
+        else:
+            await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=max_tokens,
+                extra_headers={"x-priority": tier},
+            )  # fmt: skip
+    except openai.APIError as error:
+        print(f"demo request to {model} ({tier}) failed: {error}", flush=True)
+
+
+async def run(base_url: str, api_key: str, rate: float, seed: int) -> None:
+    rng = random.Random(seed)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+    models = [model.id async for model in client.models.list()]
+    print(f"demo traffic: {rate:g} requests/s over {', '.join(models)}", flush=True)
+    pending: set[asyncio.Task[None]] = set()
+    while True:
+        await asyncio.sleep(rng.expovariate(rate))
+        task = asyncio.create_task(one_request(client, models, rng))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--api-key", required=True)
+    parser.add_argument("--rate", type=float, default=1.0, help="requests per second")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    asyncio.run(run(args.base_url, args.api_key, args.rate, args.seed))
+
+
+if __name__ == "__main__":
+    main()
