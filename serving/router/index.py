@@ -42,6 +42,10 @@ class ReplicaSet:
     def __contains__(self, replica_id: object) -> bool:
         return replica_id in self._position
 
+    def get(self, replica_id: str) -> ReplicaState | None:
+        position = self._position.get(replica_id)
+        return None if position is None else self.items[position]
+
     def add(self, replica: ReplicaState) -> None:
         if replica.replica_id in self._position:
             return

@@ -204,11 +204,7 @@ class WeightedScorer:
         )
         for deployment in deployments_in_order(route, request):
             live = self.state.live(deployment.deployment_id)
-            candidates = [
-                replica
-                for replica in self._pool(live, matches)
-                if is_candidate(replica, request, now, self.config)
-            ]
+            candidates = _candidates(self._pool(live, matches), request, now, self.config)
             if candidates:
                 replica = self._best(candidates, matches, len(request.prefix_hashes))
                 return _decide(
@@ -230,35 +226,66 @@ class WeightedScorer:
             replica.replica_id: replica
             for replica in self.state.rng.sample(live.items, self.max_scored)
         }
+        member = live.get
         for replica_id in matches:
-            if replica_id in live:
-                holder = self.state.replica(replica_id)
-                if holder is not None:
-                    pool[replica_id] = holder
+            holder = member(replica_id)
+            if holder is not None:
+                pool[replica_id] = holder
         return list(pool.values())
 
     def _best(
         self, candidates: list[ReplicaState], matches: dict[str, int], total_blocks: int
     ) -> ReplicaState:
-        shortest = min(replica.waiting for replica in candidates)
-        longest = max(replica.waiting for replica in candidates)
+        # Same scores as weights.queue * queue + weights.kv_cache * (1 - kv) + weights.prefix
+        # * prefix, term by term, with the lookups hoisted out of the loop.
+        queues = [replica.waiting for replica in candidates]
+        shortest = min(queues)
+        longest = max(queues)
         spread = longest - shortest
         weights = self.weights
+        queue_weight, kv_weight, prefix_weight = weights.queue, weights.kv_cache, weights.prefix
+        get_blocks = matches.get
         best: list[ReplicaState] = []
         best_score = -1.0
-        for replica in candidates:
-            queue = 1.0 if spread == 0 else (longest - replica.waiting) / spread
-            prefix = matches.get(replica.replica_id, 0) / total_blocks if total_blocks else 0.0
+        for replica, waiting in zip(candidates, queues, strict=True):
+            queue = 1.0 if spread == 0 else (longest - waiting) / spread
+            prefix = get_blocks(replica.replica_id, 0) / total_blocks if total_blocks else 0.0
             score = (
-                weights.queue * queue
-                + weights.kv_cache * (1.0 - replica.kv_usage)
-                + weights.prefix * prefix
+                queue_weight * queue + kv_weight * (1.0 - replica.kv_usage) + prefix_weight * prefix
             )
             if score > best_score + 1e-12:
                 best, best_score = [replica], score
             elif score >= best_score - 1e-12:
                 best.append(replica)
         return best[0] if len(best) == 1 else self.state.rng.choice(best)
+
+
+def _candidates(
+    pool: list[ReplicaState], request: RouteRequest, now: float, config: RouterConfig
+) -> list[ReplicaState]:
+    """`is_candidate`'s filters over a pool, inline, in the pool's order."""
+    dead_after_s = config.dead_after_s
+    allowed = request.allowed_regions
+    prompt_tokens = request.prompt_tokens
+    adapter = request.adapter
+    kept: list[ReplicaState] = []
+    for replica in pool:
+        if not replica.healthy or replica.breaker_open_until > now:
+            continue
+        if now - replica.telemetry_at > dead_after_s:
+            continue
+        if allowed is not None and replica.region not in allowed:
+            continue
+        if prompt_tokens > replica.perf.kv_capacity_tokens:
+            continue
+        if (
+            adapter is not None
+            and replica.max_loras <= 0
+            and adapter not in replica.adapters_loaded
+        ):
+            continue
+        kept.append(replica)
+    return kept
 
 
 def _can_meet_when_idle(
