@@ -341,6 +341,10 @@ class RateLimiter:
         ]
         return keys, args
 
+    @property
+    def lease_ttl_s(self) -> float:
+        return float(self._lease_ttl_s)
+
     async def renew_lease(self, reservation: Reservation) -> None:
         """Push a long stream's lease expiry on (call it every few minutes while streaming)."""
         if not reservation.lease_keys:

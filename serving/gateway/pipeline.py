@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -78,6 +79,9 @@ class Exchange:
     _upstream: UpstreamStream | None = None
     _settled: bool = False
     _complete: bool = False
+    # A stream longer than its concurrency lease renews it, so the slot is not reclaimed
+    # from under a healthy stream (the lease still expires if this gateway dies).
+    _renew_lease_at: float = math.inf
 
     @property
     def path(self) -> str:
@@ -141,6 +145,7 @@ class Exchange:
             )
         self.admission = await gateway.admit(self)
         self.headers.update(self.admission.headers)
+        self._renew_lease_at = time.monotonic() + gateway.lease_renewal_s
         try:
             await self._choose_replica(exclude=frozenset())
         except BaseException:
@@ -267,6 +272,9 @@ class Exchange:
                         self.outcome.finish_reason = choice["finish_reason"]
                     if self._has_content(choice):
                         now = time.monotonic()
+                        if now >= self._renew_lease_at:
+                            self._renew_lease_at = now + gateway.lease_renewal_s
+                            gateway.renew_lease_soon(self.admission)
                         if self.outcome.first_token_at is None:
                             self.outcome.first_token_at = now
                             if self.decision is not None and self.decision.replica is not None:

@@ -63,6 +63,7 @@ class GatewayConfig:
     spool_path: str = "var/usage-spool.jsonl"
     guardrails: tuple[str, ...] = DEFAULT_CHAIN
     max_body_bytes: int = 4 * 1024 * 1024
+    stream_lease_ttl_s: int = 600
 
     @classmethod
     def from_settings(cls) -> GatewayConfig:
@@ -82,6 +83,7 @@ class GatewayConfig:
                 / f"usage-spool-{os.getpid()}.jsonl"
             ),
             guardrails=tuple(getattr(settings, "GATEWAY_GUARDRAILS", DEFAULT_CHAIN)),
+            stream_lease_ttl_s=int(getattr(settings, "GATEWAY_STREAM_LEASE_TTL_S", 600)),
         )
 
 
@@ -100,7 +102,7 @@ class Gateway:
         )
         self.redis = aioredis.Redis(connection_pool=pool)
         self.authenticator = KeyAuthenticator(self.redis, timeout_s=config.redis_timeout_s)
-        self.limiter = RateLimiter(self.redis)
+        self.limiter = RateLimiter(self.redis, lease_ttl_s=config.stream_lease_ttl_s)
         self.routing = RoutingCache(self.redis, telemetry_interval_s=config.refresh_s)
         self.catalog = Catalog()
         self.price_book = PriceBook([])
@@ -113,6 +115,7 @@ class Gateway:
         self._policy: Any = None
         self._policy_version = -1
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -247,6 +250,25 @@ class Gateway:
         if breaker is not None and breaker.allow_request():
             # Half-open: this request is the probe; nothing else goes until it reports.
             state.set_breaker(replica_id, breaker.blocked_until)
+
+    @property
+    def lease_renewal_s(self) -> float:
+        return self.limiter.lease_ttl_s / 2
+
+    def renew_lease_soon(self, admission: Any) -> None:
+        """Renew a long stream's concurrency lease in the background (off the token path)."""
+        reservation = admission.reservation if admission is not None else None
+        if reservation is None or reservation.degraded or not reservation.lease_keys:
+            return
+        task = asyncio.create_task(self._renew(reservation))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _renew(self, reservation: Any) -> None:
+        try:
+            await self.limiter.renew_lease(reservation)
+        except (RedisError, OSError, TimeoutError) as error:
+            log.warning("could not renew the stream lease of %s: %s", reservation.request_id, error)
 
     def request_first_token(self, replica_id: str, prefill_tokens: int) -> None:
         self.routing.snapshot.state.request_first_token(replica_id, prefill_tokens)

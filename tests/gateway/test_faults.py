@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -172,3 +173,28 @@ def test_in_flight_accounting_returns_to_zero_after_successes_failures_and_abort
         assert replica.inflight == 0
         assert replica.inflight_prompt_tokens == 0
         assert replica.prefill_pending_tokens == 0
+
+
+def test_a_stream_longer_than_its_lease_renews_it(setup, settings) -> None:
+    settings.GATEWAY_STREAM_LEASE_TTL_S = 2
+    server, fleet, key, client = setup
+    fleet.start("L4-24GB", time_scale=1)  # ~76 ms a token: 60 tokens take ~4.5 s
+    fleet.publish()
+    scores: list[float] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            for lease in client.keys("rl:*streams*"):
+                for _, score in client.zrange(lease, 0, -1, withscores=True):
+                    scores.append(score)
+            time.sleep(0.2)
+
+    with ThreadPoolExecutor(1) as pool:
+        watcher = pool.submit(watch)
+        reply = chat(server.url, key.secret, max_tokens=60, stream=True)
+        watcher.result()
+    assert reply.status_code == 200
+    assert scores, "the stream never held a lease"
+    # Renewed every TTL/2 = 1 s: the expiry moved on while the stream ran.
+    assert max(scores) - min(scores) >= 1.5
