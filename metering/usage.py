@@ -122,6 +122,12 @@ class UsageSpool:
         """fsync blocks; keep it off the event loop."""
         await asyncio.to_thread(self.append, event)
 
+    def has_pending(self) -> bool:
+        """Cheap: whether anything is spooled (no file read), for a frequent check."""
+        return any(
+            path.exists() and path.stat().st_size > 0 for path in (self.replaying_path, self.path)
+        )
+
     def pending(self) -> int:
         return sum(len(self._read_lines(p)) for p in (self.replaying_path, self.path))
 
@@ -132,7 +138,7 @@ class UsageSpool:
             with self._lock:
                 if not self.replaying_path.exists() and self.path.exists():
                     os.replace(self.path, self.replaying_path)
-            lines = self._read_lines(self.replaying_path)
+            lines = await asyncio.to_thread(self._read_lines, self.replaying_path)
             sent = 0
             while lines:
                 chunk, rest = lines[: self.REPLAY_CHUNK], lines[self.REPLAY_CHUNK :]

@@ -33,13 +33,15 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
 class ChatStreamConsumer(AsyncWebsocketConsumer):
     gateway: Gateway
     principal: Any = None
+    raw_key: str | None = None
     generation: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         self.gateway = await get_gateway()
         authorization = _header(self.scope, b"authorization") or ""
         if authorization[:7].lower() == "bearer ":
-            self.principal = await self._authenticate(authorization[7:].strip())
+            self.raw_key = authorization[7:].strip()
+            self.principal = await self._authenticate(self.raw_key)
             if self.principal is None:
                 await self.close(code=4401)
                 return
@@ -73,7 +75,8 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
         except orjson.JSONDecodeError:
             message = {}
         if message.get("type") == "auth" and isinstance(message.get("api_key"), str):
-            self.principal = await self._authenticate(message["api_key"])
+            self.raw_key = message["api_key"]
+            self.principal = await self._authenticate(self.raw_key)
         if self.principal is None:
             await self._send_error(invalid_api_key())
             await self.close(code=4401)
@@ -82,19 +85,29 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
 
     async def _generate(self, raw: bytes) -> None:
         try:
+            # Checked again for every generation: a key revoked while the socket is open
+            # stops working at its next message, like over HTTP.
+            self.principal = await self._authenticate(self.raw_key or "")
+            if self.principal is None:
+                await self._send_error(invalid_api_key())
+                await self.close(code=4401)
+                return
             body = parse_body(ChatCompletionRequest, raw)
             tier = (_header(self.scope, PRIORITY_HEADER.encode()) or "standard").lower()
             if tier not in TIERS:
                 raise ApiError(400, f"{PRIORITY_HEADER} must be one of {', '.join(TIERS)}.")
             exchange = Exchange(
-                gateway=self.gateway, kind="chat", body=body, principal=self.principal, tier=tier
-            )
+                gateway=self.gateway, kind="chat", body=body, principal=self.principal,
+                tier=tier, over_websocket=True,
+            )  # fmt: skip
             await exchange.prepare()
-            async for chunk in exchange.events():
-                if chunk is END_OF_STREAM:
-                    continue
-                chunk.pop("usage", None)
-                await self.send(text_data=orjson.dumps({"type": "chunk", "data": chunk}).decode())
+            async with contextlib.aclosing(exchange.events()) as events:
+                async for chunk in events:
+                    if chunk is END_OF_STREAM:
+                        continue
+                    chunk.pop("usage", None)
+                    message = {"type": "chunk", "data": chunk}
+                    await self.send(text_data=orjson.dumps(message).decode())
             done = {"type": "done", "request_id": exchange.request_id,
                     "usage": exchange.usage_payload()}  # fmt: skip
             await self.send(text_data=orjson.dumps(done).decode())

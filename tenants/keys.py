@@ -286,9 +286,11 @@ class KeyAuthenticator:
             # Seed Redis so the next process to miss its cache need not ask PostgreSQL.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
                 await asyncio.wait_for(
+                    # NX: a revocation written meanwhile by the control plane wins.
                     self._redis.set(
                         key_record_name(secret_hash),
                         encode_key_record(secret_hash, principal),
+                        nx=True,
                         # an unknown key's tombstone expires: the key may be created later
                         ex=None if principal is not None else 60,
                     ),

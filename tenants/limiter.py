@@ -354,6 +354,8 @@ class RateLimiter:
         pipe = self._redis.pipeline(transaction=False)
         for key in reservation.lease_keys:
             pipe.zadd(key, {reservation.request_id: expiry}, xx=True)
+            # The set itself must outlive the renewed lease, as admission makes it do.
+            pipe.expire(key, self._lease_ttl_s + 60)
         await asyncio.wait_for(pipe.execute(), self._timeout_s)
 
 

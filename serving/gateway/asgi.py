@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
 from serving.gateway import idempotency
 from serving.gateway.errors import ApiError, invalid_api_key
@@ -165,7 +166,7 @@ class GatewayApp:
         if idem_key and not body.stream:
             await self.idempotent(gateway, exchange, raw, idem_key, send, receive)
             return
-        await exchange.prepare()
+        await self.until_disconnect(exchange.prepare(), receive)
         if body.stream:
             await self.stream(exchange, send, receive)
         else:
@@ -179,17 +180,26 @@ class GatewayApp:
     ) -> None:  # fmt: skip
         tenant = str(exchange.principal.tenant_id)
         fingerprint = idempotency.body_fingerprint(raw)
-        stored = await idempotency.claim(gateway.redis, tenant, key, fingerprint)
+        try:
+            stored = await idempotency.claim(gateway.redis, tenant, key, fingerprint)
+        except RedisError as error:
+            raise ApiError(503, "Idempotency keys are unavailable right now; retry shortly.",
+                           code="idempotency_unavailable", headers={"Retry-After": "2"}) from error  # fmt: skip
         if stored is not None:
             await send_json(send, stored.status, stored.body, {"idempotent-replayed": "true"})
             return
         try:
-            await exchange.prepare()
+            await self.until_disconnect(exchange.prepare(), receive)
             status, payload = await self.collect(exchange, receive)
         except BaseException:
-            await idempotency.release(gateway.redis, tenant, key)
+            with contextlib.suppress(RedisError):
+                await idempotency.release(gateway.redis, tenant, key)
             raise
-        await idempotency.complete(gateway.redis, tenant, key, fingerprint, status, payload)
+        try:
+            await idempotency.complete(gateway.redis, tenant, key, fingerprint, status, payload)
+        except RedisError:
+            # The response is still the client's; a retry will meet the claim's expiry.
+            log.warning("could not store the response for idempotency key of %s", tenant)
         await send_json(send, status, payload, {"x-request-id": exchange.request_id,
                                                 **exchange.headers})  # fmt: skip
 
@@ -214,7 +224,7 @@ class GatewayApp:
 
         try:
             await self.until_disconnect(assemble(), receive)
-        except ApiError:
+        except (ApiError, ClientDisconnected):
             raise
         except Exception as error:
             raise ApiError(502, "The model replica failed mid-generation; please retry.",

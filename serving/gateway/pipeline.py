@@ -62,6 +62,8 @@ class Exchange:
     body: ChatCompletionRequest | CompletionRequest
     principal: Any
     tier: str
+    # A WebSocket generation streams whatever its body says, so it holds a stream slot too.
+    over_websocket: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
@@ -79,6 +81,10 @@ class Exchange:
     _upstream: UpstreamStream | None = None
     _settled: bool = False
     _complete: bool = False
+    # The replica whose in-flight count this request holds (between started and finished).
+    _started_on: str | None = None
+    # True once a replica accepted the request and produced its first chunk.
+    _accepted: bool = False
     # A stream longer than its concurrency lease renews it, so the slot is not reclaimed
     # from under a healthy stream (the lease still expires if this gateway dies).
     _renew_lease_at: float = math.inf
@@ -148,8 +154,10 @@ class Exchange:
         self._renew_lease_at = time.monotonic() + gateway.lease_renewal_s
         try:
             await self._choose_replica(exclude=frozenset())
-        except BaseException:
-            await self.settle()
+        except BaseException as error:
+            # Admitted, then refused (no replica, queue full or timed out) or the client left.
+            self.outcome.status = "error" if isinstance(error, Exception) else "client_cancelled"
+            await asyncio.shield(self.settle())
             raise
 
     def route_request(self) -> RouteRequest:
@@ -185,7 +193,11 @@ class Exchange:
             )
         if decision.queue_advised:
             # Nothing meets the SLO: wait for capacity in the bounded priority queue.
-            self.outcome.queue_s += await gateway.wait_in_queue(self.tier)
+            queued_at = time.monotonic()
+            try:
+                await gateway.wait_in_queue(self.tier)
+            finally:
+                self.outcome.queue_s += time.monotonic() - queued_at
             decision = gateway.choose(request, exclude)
             if decision.replica is None:
                 raise ApiError(503, "No replica is available right now.", code="no_capacity",
@@ -195,25 +207,42 @@ class Exchange:
 
     # --- the stream --------------------------------------------------------------------------
 
+    @property
+    def streams(self) -> bool:
+        return self.over_websocket or bool(self.body.stream)
+
+    @property
+    def accepted(self) -> bool:
+        """Whether a replica took the request (only then does it count for rollouts)."""
+        return self._accepted
+
     def prefill_tokens(self) -> int:
         """The prefill this request puts on its replica: the prompt less what the router
         expects that replica to hold in its prefix cache."""
         cached = self.decision.cached_tokens if self.decision is not None else 0
         return max(0, self.prompt_estimate - cached)
 
-    def upstream_payload(self, served_name: str) -> dict[str, Any]:
+    def upstream_payload(self, endpoint: ReplicaEndpoint) -> dict[str, Any]:
         payload = self.body.model_dump(exclude_none=True, exclude={"stream_options", "n"})
-        payload["model"] = self.adapter or served_name
+        payload["model"] = self.adapter or endpoint.served_model_name
         payload["stream"] = True
         # Always ask for usage upstream, so tokens are counted even when the client did not ask.
         payload["stream_options"] = {"include_usage": True}
         if self.kind == "chat":
             payload.pop("max_completion_tokens", None)
-        payload["max_tokens"] = self.max_tokens
+        max_tokens = self.max_tokens
+        if self.body.requested_max_tokens() is None and endpoint.max_model_len:
+            # No max_tokens asked for: as vLLM would, up to what the context leaves, within
+            # the key's cap (which the admission reserved).
+            max_tokens = max(1, min(max_tokens, endpoint.max_model_len - self.prompt_estimate))
+        payload["max_tokens"] = max_tokens
         return payload
 
-    async def _open_upstream(self) -> UpstreamStream:
-        """Open the replica's stream, retrying once on another replica before any token."""
+    async def _open_upstream(self) -> tuple[UpstreamStream, AsyncIterator[dict[str, Any]], Any]:
+        """Open the replica's stream and wait for its first chunk, retrying once on another
+        replica if this one fails before producing anything (connect error, an error status,
+        a crash or a silence during prefill). Returns the stream, its chunk iterator and the
+        first chunk (None for an empty stream)."""
         gateway = self.gateway
         tried: set[str] = set()
         for attempt in range(2):
@@ -225,18 +254,25 @@ class Exchange:
                 raise ApiError(503, "The chosen replica left the routing table; retry.",
                                code="no_capacity", headers={"Retry-After": "1"})  # fmt: skip
             gateway.request_started(replica.replica_id, self.prefill_tokens())
+            self._started_on = replica.replica_id
+            stream: UpstreamStream | None = None
             try:
                 stream = await open_stream(
                     gateway.session, endpoint.endpoint, self.path,
-                    self.upstream_payload(endpoint.served_model_name),
+                    self.upstream_payload(endpoint),
                 )  # fmt: skip
-                return stream
+                chunks = stream.chunks()
+                first = await anext(chunks, None)
+                self._accepted = True
+                return stream, chunks, first
             except UpstreamError as error:
-                gateway.request_finished(
-                    replica.replica_id, self.prefill_tokens(), first_token_seen=False
-                )
+                if stream is not None:
+                    stream.close()
+                self._finish_on_replica(first_token_seen=False)
                 if error.status is not None and 400 <= error.status < 500:
-                    # The engine refused the request itself (e.g. longer than its context).
+                    # The engine refused the request itself (e.g. longer than its context):
+                    # the client's doing, not the replica's; no verdict for its breaker.
+                    gateway.abandon_probe(replica.replica_id)
                     raise ApiError(400, str(error).split(": ", 1)[-1][:400],
                                    code="invalid_request") from error  # fmt: skip
                 gateway.record_failure(endpoint, error.kind)
@@ -245,22 +281,43 @@ class Exchange:
                     raise ApiError(502, "The model replica failed; please retry.",
                                    code="upstream_error", error_type="server_error") from error  # fmt: skip
                 await self._choose_replica(exclude=frozenset(tried))
+            except BaseException:
+                # Cancelled (the client left) or a bug while connecting: undo what was taken.
+                if stream is not None:
+                    stream.close()
+                self._finish_on_replica(first_token_seen=False)
+                gateway.abandon_probe(replica.replica_id)
+                raise
         raise AssertionError("unreachable")
+
+    def _finish_on_replica(self, *, first_token_seen: bool) -> None:
+        """Give back the replica's in-flight count, once per `request_started`."""
+        if self._started_on is not None:
+            self.gateway.request_finished(
+                self._started_on, self.prefill_tokens(), first_token_seen=first_token_seen
+            )
+            self._started_on = None
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
         """The OpenAI chunks for the client. Settles exactly once in `finally`."""
         gateway = self.gateway
         labels = self._labels()
         last_chunk_at: float | None = None
+        verdict = False
         try:
             try:
-                self._upstream = await self._open_upstream()
+                self._upstream, chunks, first = await self._open_upstream()
             except ApiError as error:
                 self.outcome.status = "upstream_failed" if error.status >= 500 else "error"
                 self.outcome.error = error.message
                 raise
+            labels = self._labels()
             try:
-                async for chunk in self._upstream.chunks():
+                pending = [first] if first is not None else []
+                while True:
+                    chunk = pending.pop() if pending else await anext(chunks, None)
+                    if chunk is None:
+                        break
                     usage = chunk.get("usage")
                     if usage:
                         self._take_usage(usage)
@@ -277,10 +334,8 @@ class Exchange:
                             gateway.renew_lease_soon(self.admission)
                         if self.outcome.first_token_at is None:
                             self.outcome.first_token_at = now
-                            if self.decision is not None and self.decision.replica is not None:
-                                gateway.request_first_token(
-                                    self.decision.replica.replica_id, self.prefill_tokens()
-                                )
+                            if self._started_on is not None:
+                                gateway.request_first_token(self._started_on, self.prefill_tokens())
                             metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(
                                 now - self.started_mono
                             )
@@ -296,9 +351,11 @@ class Exchange:
                 self.outcome.error = str(error)
                 if self.outcome.replica is not None:
                     gateway.record_failure(self.outcome.replica, "mid_stream")
+                    verdict = True
                 raise
             if self.outcome.replica is not None:
                 gateway.record_success(self.outcome.replica)
+                verdict = True
             # Everything is delivered: the transport may finish the response now, and the
             # settle below (a Redis round trip) no longer delays the client's end of stream.
             self._complete = True
@@ -319,12 +376,11 @@ class Exchange:
         finally:
             if self._upstream is not None:
                 self._upstream.close()
-                if self.decision is not None and self.decision.replica is not None:
-                    gateway.request_finished(
-                        self.decision.replica.replica_id,
-                        self.prefill_tokens(),
-                        first_token_seen=self.outcome.first_token_at is not None,
-                    )
+            if not verdict and self.outcome.replica is not None:
+                # A half-open breaker's probe that ended without a verdict (the client
+                # left) must not keep its replica blocked.
+                gateway.abandon_probe(self.outcome.replica.replica_id)
+            self._finish_on_replica(first_token_seen=self.outcome.first_token_at is not None)
             await asyncio.shield(self.settle())
 
     def _take_usage(self, usage: dict[str, Any]) -> None:
@@ -360,7 +416,9 @@ class Exchange:
         self._settled = True
         outcome = self.outcome
         if not outcome.prompt_tokens:
-            outcome.prompt_tokens = self.prompt_estimate if outcome.replica else 0
+            # The engine's own count when it reported one; the estimate when it took the
+            # request but was cut before its usage chunk; nothing when no engine took it.
+            outcome.prompt_tokens = self.prompt_estimate if self._accepted else 0
         ended = time.time()
         total_s = time.monotonic() - self.started_mono
         labels = self._labels()

@@ -73,6 +73,7 @@ class ReplicaEndpoint:
     version: str
     version_id: str | None
     price_per_hour: float
+    max_model_len: int = 0
 
 
 @dataclass(slots=True)
@@ -179,6 +180,7 @@ def build_snapshot(
                         str(deployment["version_id"]) if deployment.get("version_id") else None
                     ),
                     price_per_hour=replica.price_per_hour,
+                    max_model_len=int(row.get("max_model_len") or 0),
                 )
     state = RouterState(
         routes, replicas, version=int(table.get("version", 0)), prefix_index=prefix_index
@@ -197,6 +199,7 @@ class RoutingCache:
         self.telemetry_interval_s = telemetry_interval_s
         self.snapshot = build_snapshot({})
         self.loaded = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -215,6 +218,12 @@ class RoutingCache:
                 await task
 
     async def reload(self) -> None:
+        # One reload at a time: two in flight (an update message and the poll) could
+        # otherwise apply an older table after a newer one.
+        async with self._reload_lock:
+            await self._reload()
+
+    async def _reload(self) -> None:
         raw = await self.redis.get(ROUTING_TABLE_KEY)
         table = orjson.loads(raw) if raw else {}
         version = int(table.get("version", 0))

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from serving.engine.tokens import render_chat_prompt
 from serving.gateway.errors import ApiError
@@ -54,6 +61,14 @@ class _GenerationRequest(BaseModel):
         if value != 1:
             raise ValueError("n greater than 1 is not supported; send separate requests")
         return value
+
+    @model_validator(mode="after")
+    def no_hidden_multiple_choices(self) -> _GenerationRequest:
+        # vLLM extensions pass through, but not ones that generate several sequences.
+        extra = self.model_extra or {}
+        if (extra.get("best_of") or 1) != 1 or extra.get("use_beam_search"):
+            raise ValueError("best_of and beam search are not supported; send separate requests")
+        return self
 
     @field_validator("stop")
     @classmethod

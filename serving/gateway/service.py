@@ -152,7 +152,7 @@ class Gateway:
             await asyncio.sleep(self.config.refresh_s * 2)
             try:
                 await self.refresh_reference_data()
-                if self.spool.pending():
+                if self.spool.has_pending():
                     sent = await self.spool.replay(self.redis)
                     log.info("replayed %d spooled usage events", sent)
             except asyncio.CancelledError:
@@ -170,7 +170,7 @@ class Gateway:
                 request_id=exchange.request_id,
                 prompt_tokens=exchange.prompt_estimate,
                 max_tokens=exchange.max_tokens,
-                stream=bool(exchange.body.stream),
+                stream=exchange.streams,
             )
         except LimiterUnavailable as error:
             raise ApiError(503, str(error), code="limiter_unavailable",
@@ -293,6 +293,12 @@ class Gateway:
             self.breakers[replica_id] = breaker
         return breaker
 
+    def abandon_probe(self, replica_id: str) -> None:
+        breaker = self.breakers.get(replica_id)
+        if breaker is not None:
+            breaker.abandon_probe()
+            self.routing.snapshot.state.set_breaker(replica_id, breaker.blocked_until)
+
     def record_failure(self, replica: ReplicaEndpoint, kind: str) -> None:
         metrics.UPSTREAM_FAILURES.labels(replica.pool, kind).inc()
         breaker = self._breaker(replica.replica_id)
@@ -363,7 +369,7 @@ class Gateway:
                 charged_usd_micros=charged,
             )
         add_usage_event(pipeline, event)
-        if replica is not None:
+        if replica is not None and exchange.accepted:
             tpot_s = None
             if ttft_ms is not None and outcome.completion_tokens > 1:
                 tpot_s = (total_ms - ttft_ms) / 1000 / (outcome.completion_tokens - 1)

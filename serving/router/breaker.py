@@ -69,6 +69,11 @@ class CircuitBreaker:
         self._probe_in_flight = True
         return True
 
+    def abandon_probe(self) -> None:
+        """The half-open probe ended without a verdict (its client left, or the request was
+        refused as invalid): let the next request probe instead."""
+        self._probe_in_flight = False
+
     def record_success(self) -> None:
         self._failures = 0
         self._trips = 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +17,7 @@ import redis
 from metering.usage import USAGE_STREAM, UsageEvent
 from tests.gateway.conftest import (
     MODEL,
+    EngineSim,
     Fleet,
     GatewayServer,
     publish_catalog,
@@ -198,3 +201,68 @@ def test_a_stream_longer_than_its_lease_renews_it(setup, settings) -> None:
     assert scores, "the stream never held a lease"
     # Renewed every TTL/2 = 1 s: the expiry moved on while the stream ran.
     assert max(scores) - min(scores) >= 1.5
+
+
+def test_a_client_gone_while_connecting_leaves_no_in_flight_count_or_blocked_probe(setup) -> None:
+    server, fleet, key, _ = setup
+    hung = fleet.start(extra=("--sim-hang",))
+    fleet.publish()
+    for _ in range(3):  # the client gives up while the replica never answers
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{server.url}/v1/chat/completions",
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                      "max_tokens": 2, "stream": True},
+                headers={"Authorization": f"Bearer {key.secret}"},
+                timeout=0.5,
+            )  # fmt: skip
+    state = server.gateway().routing.snapshot.state
+    replica = state.replica(hung.replica_id)
+    assert wait_until(lambda: replica.inflight == 0 and replica.prefill_pending_tokens == 0)
+    gateway_breakers = server.gateway().breakers.get(hung.replica_id)
+    assert gateway_breakers is None or gateway_breakers.blocked_until != float("inf")
+
+
+def headers_then_close_server() -> tuple[int, threading.Event]:
+    """A replica that answers 200 with SSE headers, then drops the connection before any
+    chunk: as a vLLM whose GPU faults during prefill."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.recv(65536)
+                connection.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return int(listener.getsockname()[1]), stop
+
+
+def test_a_replica_that_dies_before_its_first_token_is_retried_elsewhere(setup) -> None:
+    server, fleet, key, _ = setup
+    healthy = fleet.start()
+    port, stop = headers_then_close_server()
+    placeholder = subprocess.Popen(["sleep", "60"])
+    fleet.sims.append(
+        EngineSim(port, placeholder, "H100-SXM-80GB", "r-faulty", "h100", "us-east", 0.5)
+    )
+    fleet.publish()
+    try:
+        replies = [chat(server.url, key.secret, max_tokens=3, stream=True) for _ in range(6)]
+    finally:
+        stop.set()
+    assert [r.status_code for r in replies] == [200] * 6
+    assert all(b"[DONE]" in r.content and b'"error"' not in r.content for r in replies)
+    assert sample(healthy.metrics_text(), "vllm:request_success_total") == 6
+    # The cheaper faulty replica was tried (and failed over) until its breaker opened.
+    assert server.gateway().breakers["r-faulty"].blocked_until > 0
