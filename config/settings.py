@@ -58,6 +58,7 @@ INSTALLED_APPS = [
     "channels",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "tenants",
     "registry",
     "serving",
@@ -157,6 +158,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Control-plane REST API: tenants, registry, fleet, metering.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Swagger UI from the installed sidecar package, never a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 CHANNEL_LAYERS = {

@@ -61,11 +61,15 @@ def seed(details: dict[str, Any]) -> None:
         )
     llama_8b = Model.objects.get(name="llama-3.1-8b")
     v1 = ModelVersion.objects.get(model=llama_8b, version="v1")
+    # A second version to roll out. qwen2.5-7b, because the demo serves it from one
+    # deployment: a rollout starts from the only deployment taking its model's traffic
+    # (llama-3.1-8b runs on two pools in the demo).
+    qwen = Model.objects.get(name="qwen2.5-7b")
     ModelVersion.objects.get_or_create(
-        model=llama_8b,
+        model=qwen,
         version="v2",
         defaults={
-            "artifact_uri": ARTIFACTS["llama-3.1-8b"],
+            "artifact_uri": ARTIFACTS["qwen2.5-7b"],
             "revision": "main",
             "status": ModelVersion.Status.APPROVED,
         },
@@ -94,4 +98,7 @@ def seed(details: dict[str, Any]) -> None:
         publish_visibility()
     except Exception as error:  # a seed without Redis still leaves a usable database
         details.setdefault("warnings", []).append(f"model visibility not published: {error}")
-    details["extra"]["Rollout to try"] = "llama-3.1-8b v1 -> v2 (POST /api/v1/rollouts/)"
+    details["extra"]["Rollout to try"] = (
+        "qwen2.5-7b v1 -> v2: POST /api/v1/rollouts/ "
+        '{"baseline": <its deployment id>, "target_version": <v2 id>}'
+    )

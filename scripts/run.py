@@ -171,13 +171,13 @@ def main() -> int:
         )  # fmt: skip
         supervisor.spawn(
             "worker",
-            [venv_bin("celery"), "-A", "config", "worker", "-l", "INFO", "--concurrency", "2",
+            [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--concurrency", "2",
              "-n", "worker@%h"],
             env,
         )  # fmt: skip
         supervisor.spawn(
             "beat",
-            [venv_bin("celery"), "-A", "config", "beat", "-l", "INFO",
+            [venv_bin("celery"), "-A", "config", "beat", "-l", "WARNING",
              "-s", str(var / "celerybeat-schedule")],
             env,
         )  # fmt: skip

@@ -98,7 +98,7 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not (path.startswith("/v1/") or path == "/metrics"):
+        if scope["type"] != "http" or not (path.startswith("/v1/") or path in {"/v1", "/metrics"}):
             await self.fallback(scope, receive, send)
             return
         request_id_headers: dict[str, str] = {}
@@ -136,6 +136,9 @@ class GatewayApp:
             "/v1/completions": ("POST", "completion"),
             "/v1/models": ("GET", "models"),
         }
+        model_id = path.removeprefix("/v1/models/") if path.startswith("/v1/models/") else None
+        if model_id is not None:
+            routes[path] = ("GET", "model")
         if path not in routes:
             raise ApiError(404, f"Unknown endpoint: {method} {scope['path']}", code="unknown_url")
         allowed, kind = routes[path]
@@ -149,10 +152,17 @@ class GatewayApp:
             raise ApiError(403, "Your tenant is suspended.", code="tenant_suspended")
         if "inference" not in principal.scopes:
             raise ApiError(403, "This API key has no 'inference' scope.", code="missing_scope")
-        if kind == "models":
+        if kind in {"models", "model"}:
             servable = set(gateway.routing.snapshot.served_models)
-            data = {"object": "list", "data": gateway.catalog.listing(principal, servable)}
-            await send_json(send, 200, orjson.dumps(data), {})
+            listing = gateway.catalog.listing(principal, servable)
+            if kind == "models":
+                await send_json(send, 200, orjson.dumps({"object": "list", "data": listing}), {})
+                return
+            found = next((item for item in listing if item["id"] == model_id), None)
+            if found is None:
+                raise ApiError(404, f"The model '{model_id}' does not exist or you do not have "
+                               "access to it.", code="model_not_found", param="model")  # fmt: skip
+            await send_json(send, 200, orjson.dumps(found), {})
             return
         raw = await read_body(receive, gateway.config.max_body_bytes)
         body = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)

@@ -108,6 +108,14 @@ class Exchange:
                 param="model",
             )
         self.base_model, self.adapter = entry
+        if self.base_model not in gateway.routing.snapshot.served_models:
+            raise ApiError(
+                404,
+                f"The model '{self.model}' is not deployed right now; GET /v1/models lists "
+                "the models you can call.",
+                code="model_not_deployed",
+                param="model",
+            )
         if principal.model_allowlist and not (
             self.model in principal.model_allowlist or self.base_model in principal.model_allowlist
         ):

@@ -118,6 +118,8 @@ class CompletionRequest(_GenerationRequest):
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest
 
+UNION_TAGS = {"str", "int", "float", "bool", "list[str]", "list[dict[str,any]]", "none"}
+
 
 def parse_body(kind: type[_GenerationRequest], raw: bytes) -> Any:
     """Validate a JSON body, turning pydantic's first complaint into OpenAI's 400."""
@@ -127,16 +129,20 @@ def parse_body(kind: type[_GenerationRequest], raw: bytes) -> Any:
         return kind.model_validate_json(raw)
     except ValidationError as error:
         first = error.errors()[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "model_type":
+            raise ApiError(400, "The request body must be a JSON object.") from None
+        # Drop pydantic's union-member tags ("str", "list[str]") from the parameter path.
         if first["type"] == "json_invalid":
-            return _raise(ApiError(400, "The request body is not valid JSON."))
-        if first["type"] == "missing":
+            raise ApiError(400, "The request body is not valid JSON.") from None
+        param = (
+            ".".join(str(part) for part in first["loc"] if str(part).lower() not in UNION_TAGS)
+            or None
+        )
+        message = first["msg"].removeprefix("Value error, ")
+        if param is None:
+            message = f"{message}."
+        elif first["type"] == "missing":
             message = f"Missing required parameter: '{param}'."
         else:
             message = f"Invalid value for '{param}': {message}."
         raise ApiError(400, message, param=param, code="invalid_value") from None
-
-
-def _raise(error: ApiError) -> Any:
-    raise error

@@ -158,3 +158,28 @@ def test_another_tenant_cannot_call_an_adapter_it_was_not_granted(
         client.chat.completions.create(
             model="acme-support", messages=[{"role": "user", "content": "hi"}], max_tokens=3
         )
+
+
+def test_a_model_is_retrieved_by_its_id(client: openai.OpenAI) -> None:
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_a_visible_model_without_a_deployment_is_a_404_not_a_retry(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    fleet.publish()  # a routing table with no replica and no route for MODEL
+    redis_client.hset(
+        "registry:visibility",
+        "undeployed-model",
+        '{"kind": "model", "base_model": "undeployed-model", "public": true, "tenants": []}',
+    )
+    key = make_key("acme")
+    api = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key=key.secret, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as raised:
+        api.chat.completions.create(
+            model="undeployed-model", messages=[{"role": "user", "content": "x"}], max_tokens=2
+        )
+    assert raised.value.code == "model_not_deployed"

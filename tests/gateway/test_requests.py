@@ -193,3 +193,25 @@ def test_gateway_metrics_are_exposed_in_prometheus_format(ready) -> None:
         'platform_gateway_tokens_total{kind="completion",model="llama-3.1-8b",tenant="acme"}'
         in text
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        (b"[1, 2]", "must be a JSON object", None),
+        (b'{"model": "llama-3.1-8b", "prompt": 42}', "valid string", "prompt"),
+    ],
+)
+def test_bad_completion_bodies_name_the_parameter_plainly(ready, body, message, param) -> None:
+    _, _, http = ready
+    reply = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert reply.status_code == 400
+    assert message in reply.json()["error"]["message"]
+    assert reply.json()["error"]["param"] == param
+
+
+def test_best_of_cannot_sneak_several_choices_past_n(ready) -> None:
+    _, _, http = ready
+    reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3})
+    assert reply.status_code == 400
+    assert "best_of" in reply.json()["error"]["message"]
