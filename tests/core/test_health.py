@@ -37,3 +37,10 @@ def test_gateway_readiness_needs_redis_only(client: Client, monkeypatch) -> None
     response = client.get("/readyz/gateway")
     assert response.status_code == 200
     assert response.json()["checks"] == {"redis": "ok"}
+
+
+@pytest.mark.django_db
+def test_the_api_docs_page_loads_swagger_ui_from_our_own_static_files(admin_client: Client) -> None:
+    page = admin_client.get("/api/v1/docs/").content.decode()
+    assert "drf_spectacular_sidecar/swagger-ui-dist" in page
+    assert "cdn." not in page and "https://" not in page.split("<body", 1)[0]
