@@ -14,6 +14,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("deployments/check/", views.placement_check, name="console-placement-check"),
     path("deployments/create/", views.create_deployment, name="console-create-deployment"),
     path("rollouts/", views.rollouts_page, name="console-rollouts"),
+    path("rollouts/start/", views.start_rollout, name="console-start-rollout"),
     path("rollouts/<int:rollout_id>/", views.rollout_detail, name="console-rollout"),
     path(
         "rollouts/<int:rollout_id>/<str:action>/",

@@ -124,7 +124,43 @@ def create_deployment(request: HttpRequest) -> HttpResponse:
 @staff_required
 def rollouts_page(request: HttpRequest) -> HttpResponse:
     rollouts = actions.rollouts_for_user(request.user).select_related("model", "baseline", "canary")
-    return render(request, "console/rollouts.html", {"rollouts": rollouts})
+    baselines = (
+        actions.visible_deployments_for_user(request.user)
+        .filter(status=Deployment.Status.ACTIVE, traffic_weight=100)
+        .select_related("model_version__model", "pool")
+    )
+    versions = (
+        actions.visible_versions_for_user(request.user)
+        .filter(status=ModelVersion.Status.APPROVED)
+        .select_related("model")
+    )
+    return render(
+        request,
+        "console/rollouts.html",
+        {"rollouts": rollouts, "baselines": baselines, "versions": versions},
+    )
+
+
+@staff_required
+@require_POST
+def start_rollout(request: HttpRequest) -> HttpResponse:
+    """Start a canary rollout from a deployment to another approved version of its model."""
+    try:
+        baseline = actions.access_deployment(request.user, request.POST.get("baseline", ""))
+        target = actions.access_version(request.user, request.POST.get("target_version", ""))
+        rollout = actions.do_start_rollout(
+            baseline,
+            target,
+            actor=request.user,
+            step_min_duration_s=_int(request.POST, "step_min_duration_s", 300),
+            step_min_requests=_int(request.POST, "step_min_requests", 200),
+            cohort_by_tenant=request.POST.get("cohort_by_tenant") == "on",
+        )
+    except ValidationError as error:
+        messages.error(request, "Not started: " + "; ".join(_errors_text(error)))
+        return redirect("console-rollouts")
+    messages.info(request, f"Rollout {rollout.pk} started: 5% of traffic to the canary.")
+    return redirect("console-rollout", rollout_id=rollout.pk)
 
 
 @staff_required

@@ -175,3 +175,32 @@ def test_the_fleet_snapshot_counts_gpus_by_state_and_prices_every_ready_gpu(
     assert (counts["ready"], counts["starting"], counts["idle"]) == (1, 1, 2)
     assert snapshot["queue_depth"] == 3 and snapshot["kv_use"] == 0.5
     assert snapshot["cost_per_hour"] == pytest.approx(4 * float(pool.price_per_gpu_hour))
+
+
+def test_staff_start_a_rollout_from_the_console(pool: GpuPool) -> None:
+    from registry.actions import do_create_deployment
+    from registry.models import Rollout
+
+    model = make_model("llama-3.1-8b")
+    v1 = approved_version(model, "v1", "bf16")
+    v2 = approved_version(model, "v2", "bf16")
+    baseline = do_create_deployment(name="llama-8b", model_version=v1, pool=pool)
+    staff = client_for(user("ops", is_staff=True))
+    page = staff.get("/console/rollouts/").content.decode()
+    assert f'<option value="{baseline.pk}">' in page
+    reply = staff.post(
+        "/console/rollouts/start/", {"baseline": baseline.pk, "target_version": v2.pk}
+    )
+    rollout = Rollout.objects.get()
+    assert reply.status_code == 302 and reply.url == f"/console/rollouts/{rollout.pk}/"
+    assert rollout.canary.model_version == v2
+    assert rollout.canary.traffic_weight == 5
+
+
+def test_a_tenant_member_cannot_start_a_rollout(acme: Tenant, pool: GpuPool) -> None:
+    from registry.models import Rollout
+
+    developer = client_for(member(acme, "dev", Role.ADMIN))
+    reply = developer.post("/console/rollouts/start/", {"baseline": 1, "target_version": 2})
+    assert reply.status_code == 403
+    assert not Rollout.objects.exists()
