@@ -21,11 +21,13 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
+from redis.exceptions import RedisError
 
 from config.views import staff_required
 from metering.console_queries import month_to_date
-from registry.actions import visible_models_for_tenant
+from registry.actions import visible_adapters_for_tenant, visible_models_for_tenant
 from registry.models import Deployment
+from serving.routing_table import read_routing_table
 from tenants import actions
 from tenants.models import ApiKey, Role, Scope, Tenant
 
@@ -166,8 +168,25 @@ def models_page(request: HttpRequest, slug: str) -> HttpResponse:
 @login_required
 def playground(request: HttpRequest, slug: str) -> HttpResponse:
     tenant = portal_tenant(request, slug)
-    models = [m.name for m in visible_models_for_tenant(tenant.pk)]
+    models = playground_models(tenant)
     return render(request, "portal/playground.html", portal_context(request, tenant, models=models))
+
+
+def playground_models(tenant: Tenant) -> list[str]:
+    """What the tenant can call right now: visible models that are deployed, then the visible
+    adapters of those (called by their own name, as with vLLM)."""
+    try:
+        table = read_routing_table() or {}
+    except RedisError:
+        table = {}
+    deployed = set((table.get("models") or {}).keys())
+    models = [m.name for m in visible_models_for_tenant(tenant.pk) if m.name in deployed]
+    adapters = [
+        a.name
+        for a in visible_adapters_for_tenant(tenant.pk).select_related("base_version__model")
+        if a.base_version.model.name in deployed
+    ]
+    return models + adapters
 
 
 @login_required

@@ -204,3 +204,22 @@ def test_a_tenant_member_cannot_start_a_rollout(acme: Tenant, pool: GpuPool) -> 
     reply = developer.post("/console/rollouts/start/", {"baseline": 1, "target_version": 2})
     assert reply.status_code == 403
     assert not Rollout.objects.exists()
+
+
+def test_the_playground_offers_only_what_is_deployed_and_the_adapters_on_it(
+    acme: Tenant, redis_client: redis.Redis
+) -> None:
+    from registry.models import Adapter
+    from serving.routing_table import TABLE_KEY
+
+    deployed = make_model("llama-3.1-8b")
+    make_model("llama-3.1-405b")  # visible, but nothing serves it
+    Adapter.objects.create(
+        name="acme-tone", base_version=approved_version(deployed, "v1", "bf16"), rank=8,
+        artifact_uri="s3://adapters/acme-tone/", owner_tenant=acme,
+    )  # fmt: skip
+    redis_client.set(TABLE_KEY, b'{"version": 1, "models": {"llama-3.1-8b": {}}}')
+    page = client_for(member(acme, "dev", Role.DEVELOPER)).get("/portal/acme/playground/")
+    options = page.content.decode()
+    assert ">llama-3.1-8b<" in options and ">acme-tone<" in options
+    assert "llama-3.1-405b" not in options
