@@ -287,7 +287,15 @@ class RateLimiter:
         keys, args = self._settle_call(
             reservation, prompt_tokens, completion_tokens, charged_usd_micros
         )
-        await self._settle(keys=keys, args=args, client=pipeline)
+        # EVALSHA straight into the caller's pipeline: redis-py's Script object would add a
+        # SCRIPT EXISTS round trip before every pipeline. `load_scripts()` (at start, and after
+        # a NOSCRIPT from a restarted Redis) makes sure the script is there.
+        pipeline.evalsha(self._settle.sha, len(keys), *keys, *args)
+
+    async def load_scripts(self) -> None:
+        """Load the Lua scripts into Redis (idempotent): `settle_commands` relies on it."""
+        await asyncio.wait_for(self._redis.script_load(SETTLE_SCRIPT), self._timeout_s)
+        await asyncio.wait_for(self._redis.script_load(ADMIT_SCRIPT), self._timeout_s)
 
     async def settle(
         self,

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from metering.pricing import PRICE_BOOK_KEY, PriceBook, PriceNotFound, charge_usd_micros
 from metering.usage import UsageEvent, UsageSpool, add_usage_event
@@ -126,6 +126,8 @@ class Gateway:
         await self.routing.start()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.refresh_reference_data()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.limiter.load_scripts()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
 
     async def close(self) -> None:
@@ -358,6 +360,35 @@ class Gateway:
             ended_at=ended_at,
             price_charged_usd_micros=charged,
         )
+        for attempt in range(2):
+            pipeline = await self._settle_pipeline(exchange, event, ttft_ms, total_ms, charged)
+            try:
+                await pipeline.execute()
+                break
+            except NoScriptError:
+                # Redis restarted and lost the settle script: load it, settle again (the
+                # usage event is idempotent by request id downstream).
+                if attempt == 1:
+                    log.error("settle of %s: Lua script missing twice", exchange.request_id)
+                    await self.spool.append_async(event)
+                    break
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
+                    await self.limiter.load_scripts()
+            except (RedisError, OSError, TimeoutError) as error:
+                log.error(
+                    "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
+                )
+                metrics.SPOOLED_EVENTS.inc()
+                await self.spool.append_async(event)
+                break
+        self.authenticator.touch(principal.key_id)
+
+    async def _settle_pipeline(
+        self, exchange: Any, event: UsageEvent, ttft_ms: float | None, total_ms: float,
+        charged: int,
+    ) -> Any:  # fmt: skip
+        outcome = exchange.outcome
+        replica = outcome.replica
         pipeline = self.redis.pipeline(transaction=False)
         reservation = exchange.admission.reservation if exchange.admission else None
         if reservation is not None and not reservation.degraded:
@@ -382,16 +413,7 @@ class Gateway:
                 output_tokens=outcome.completion_tokens,
                 finish_reason=outcome.finish_reason,
             )
-        try:
-            await pipeline.execute()
-        except (RedisError, OSError, TimeoutError) as error:
-            log.error(
-                "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
-            )
-            metrics.SPOOLED_EVENTS.inc()
-            await self.spool.append_async(event)
-        if exchange.principal is not None:
-            self.authenticator.touch(principal.key_id)
+        return pipeline
 
 
 _gateway: Gateway | None = None

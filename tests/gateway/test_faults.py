@@ -266,3 +266,15 @@ def test_a_replica_that_dies_before_its_first_token_is_retried_elsewhere(setup) 
     assert sample(healthy.metrics_text(), "vllm:request_success_total") == 6
     # The cheaper faulty replica was tried (and failed over) until its breaker opened.
     assert server.gateway().breakers["r-faulty"].blocked_until > 0
+
+
+def test_a_redis_that_lost_its_scripts_still_settles_every_request(setup) -> None:
+    server, fleet, key, client = setup
+    fleet.start()
+    fleet.publish()
+    assert chat(server.url, key.secret, max_tokens=2, stream=True).status_code == 200
+    client.script_flush()  # as after a Redis restart
+    assert chat(server.url, key.secret, max_tokens=2, stream=True).status_code == 200
+    assert wait_until(lambda: client.xlen("usage:events") == 2)
+    leases = client.keys("rl:*streams*")
+    assert all(client.zcard(lease) == 0 for lease in leases)

@@ -105,6 +105,7 @@ async def test_a_second_settle_of_the_same_reservation_changes_nothing(
 
 async def test_settle_commands_run_in_the_callers_pipeline(aredis: aioredis.Redis) -> None:
     limiter = RateLimiter(aredis)
+    await limiter.load_scripts()  # the settle EVALSHA in a pipeline relies on it
     principal = principal_with()
     admission = await admit(limiter, principal, prompt_tokens=40, max_tokens=60, stream=True)
     pipe = aredis.pipeline(transaction=False)
