@@ -17,17 +17,11 @@ from typing import Any
 import orjson
 from channels.generic.websocket import AsyncWebsocketConsumer
 
+from serving.gateway.asgi import header
 from serving.gateway.errors import ApiError, invalid_api_key
 from serving.gateway.pipeline import END_OF_STREAM, PRIORITY_HEADER, TIERS, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, parse_body
 from serving.gateway.service import Gateway, get_gateway
-
-
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
 
 
 class ChatStreamConsumer(AsyncWebsocketConsumer):
@@ -38,7 +32,7 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
 
     async def connect(self) -> None:
         self.gateway = await get_gateway()
-        authorization = _header(self.scope, b"authorization") or ""
+        authorization = header(self.scope, b"authorization") or ""
         if authorization[:7].lower() == "bearer ":
             self.raw_key = authorization[7:].strip()
             self.principal = await self._authenticate(self.raw_key)
@@ -93,7 +87,7 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
                 await self.close(code=4401)
                 return
             body = parse_body(ChatCompletionRequest, raw)
-            tier = (_header(self.scope, PRIORITY_HEADER.encode()) or "standard").lower()
+            tier = (header(self.scope, PRIORITY_HEADER.encode()) or "standard").lower()
             if tier not in TIERS:
                 raise ApiError(400, f"{PRIORITY_HEADER} must be one of {', '.join(TIERS)}.")
             exchange = Exchange(

@@ -70,12 +70,3 @@ def invalid_api_key() -> ApiError:
         "'Authorization: Bearer <key>'.",
         code="invalid_api_key",
     )
-
-
-def model_not_found(model: str) -> ApiError:
-    return ApiError(
-        404,
-        f"The model '{model}' does not exist or you do not have access to it.",
-        code="model_not_found",
-        param="model",
-    )

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError, RedisError
 
@@ -433,7 +432,3 @@ async def get_gateway() -> Gateway:
             await gateway.start()
             _gateway = gateway
     return _gateway
-
-
-def decode_json(raw: bytes) -> Any:
-    return orjson.loads(raw)

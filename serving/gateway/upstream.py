@@ -16,7 +16,9 @@ import orjson
 
 
 class UpstreamError(Exception):
-    """A replica failed. `before_first_token` tells whether a retry elsewhere is safe."""
+    """A replica failed: `kind` says how (connect, status, stream_broken), `status` carries
+    an HTTP error status. Whether a retry elsewhere is safe is the caller's to know (only
+    before the first chunk)."""
 
     def __init__(self, message: str, *, kind: str, status: int | None = None) -> None:
         super().__init__(message)
