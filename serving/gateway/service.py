@@ -359,28 +359,39 @@ class Gateway:
             ended_at=ended_at,
             price_charged_usd_micros=charged,
         )
-        for attempt in range(2):
-            pipeline = await self._settle_pipeline(exchange, event, ttft_ms, total_ms, charged)
-            try:
-                await pipeline.execute()
-                break
-            except NoScriptError:
-                # Redis restarted and lost the settle script: load it, settle again (the
-                # usage event is idempotent by request id downstream).
-                if attempt == 1:
-                    log.error("settle of %s: Lua script missing twice", exchange.request_id)
-                    await self.spool.append_async(event)
-                    break
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await self.limiter.load_scripts()
-            except (RedisError, OSError, TimeoutError) as error:
-                log.error(
-                    "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
-                )
-                metrics.SPOOLED_EVENTS.inc()
-                await self.spool.append_async(event)
-                break
+        pipeline = await self._settle_pipeline(exchange, event, ttft_ms, total_ms, charged)
+        try:
+            await pipeline.execute()
+        except NoScriptError:
+            # Redis restarted and lost the settle script. Every other command of the pipeline
+            # ran; load the script and send the limiter's settle again, alone.
+            await self._settle_limiter_again(exchange, charged)
+        except (RedisError, OSError, TimeoutError) as error:
+            log.error(
+                "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
+            )
+            metrics.SPOOLED_EVENTS.inc()
+            await self.spool.append_async(event)
         self.authenticator.touch(principal.key_id)
+
+    async def _settle_limiter_again(self, exchange: Any, charged: int) -> None:
+        reservation = exchange.admission.reservation if exchange.admission else None
+        if reservation is None or reservation.degraded:
+            return
+        try:
+            await self.limiter.load_scripts()
+            pipeline = self.redis.pipeline(transaction=False)
+            await self.limiter.settle_commands(
+                pipeline,
+                reservation,
+                prompt_tokens=exchange.outcome.prompt_tokens,
+                completion_tokens=exchange.outcome.completion_tokens,
+                charged_usd_micros=charged,
+            )
+            await pipeline.execute()
+        except (RedisError, OSError, TimeoutError) as error:
+            # The lease expires on its own; the usage event, which bills, was written.
+            log.error("limiter settle of %s failed again: %s", exchange.request_id, error)
 
     async def _settle_pipeline(
         self, exchange: Any, event: UsageEvent, ttft_ms: float | None, total_ms: float,
