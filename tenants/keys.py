@@ -26,6 +26,7 @@ import json
 import logging
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
@@ -245,13 +246,16 @@ class KeyAuthenticator:
         timeout_s: float | None = None,
         touch_flush_s: float = 5.0,
         load_from_database: DatabaseLoader | None = None,
+        cache_max_entries: int = 100_000,
     ) -> None:
         self._redis = redis
         self._cache_ttl_s = cache_ttl_s
         self._timeout_s = timeout_s if timeout_s is not None else _default_timeout_s()
         self._touch_flush_s = touch_flush_s
         self._load_from_database = load_from_database or load_principal_from_database
-        self._cache: dict[str, _CacheEntry] = {}
+        # Bounded: made-up keys must not grow a process's memory without limit.
+        self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._cache_max_entries = cache_max_entries
         self._touched: dict[int, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
@@ -265,6 +269,9 @@ class KeyAuthenticator:
             principal = await self._lookup(raw_key, secret_hash)
             entry = _CacheEntry(time.monotonic() + self._cache_ttl_s, principal)
             self._cache[secret_hash] = entry
+            self._cache.move_to_end(secret_hash)
+            while len(self._cache) > self._cache_max_entries:
+                self._cache.popitem(last=False)
         principal = entry.principal
         if principal is None or principal.is_expired(time.time()):
             return None

@@ -146,3 +146,13 @@ def test_the_secret_is_stored_only_as_its_hash(acme: Tenant, redis_client: Any) 
     assert not any(secret in str(value) for value in stored.values())
     for name in redis_client.scan_iter():
         assert secret.encode() not in name + (redis_client.get(name) or b"")
+
+
+async def test_made_up_keys_do_not_grow_the_cache_past_its_bound(aredis: aioredis.Redis) -> None:
+    async def unknown(raw_key: str) -> None:
+        return None
+
+    authenticator = KeyAuthenticator(aredis, cache_max_entries=50, load_from_database=unknown)
+    for i in range(200):
+        assert await authenticator.authenticate(f"sk-{i:08x}-{'f' * 48}") is None
+    assert len(authenticator._cache) == 50
