@@ -180,9 +180,12 @@ class GatewayApp:
         if body.stream:
             await self.stream(exchange, send, receive)
         else:
-            status, payload = await self.collect(exchange, receive)
-            await send_json(send, status, payload, {"x-request-id": exchange.request_id,
-                                                    **exchange.headers})  # fmt: skip
+
+            async def respond(status: int, payload: bytes) -> None:
+                await send_json(send, status, payload, {"x-request-id": exchange.request_id,
+                                                        **exchange.headers})  # fmt: skip
+
+            await self.collect(exchange, receive, respond)
 
     async def idempotent(
         self, gateway: Gateway, exchange: Exchange, raw: bytes, key: str, send: Send,
@@ -198,32 +201,47 @@ class GatewayApp:
         if stored is not None:
             await send_json(send, stored.status, stored.body, {"idempotent-replayed": "true"})
             return
+
+        responded = False
+
+        async def respond(status: int, payload: bytes) -> None:
+            nonlocal responded
+            responded = True
+            try:
+                await idempotency.complete(gateway.redis, tenant, key, fingerprint, status, payload)
+            except RedisError:
+                # The response is still the client's; a retry will meet the claim's expiry.
+                log.warning("could not store the response for idempotency key of %s", tenant)
+            await send_json(send, status, payload, {"x-request-id": exchange.request_id,
+                                                    **exchange.headers})  # fmt: skip
+
         try:
             await self.until_disconnect(exchange.prepare(), receive)
-            status, payload = await self.collect(exchange, receive)
+            await self.collect(exchange, receive, respond)
         except BaseException:
-            with contextlib.suppress(RedisError):
-                await idempotency.release(gateway.redis, tenant, key)
+            if not responded:
+                with contextlib.suppress(RedisError):
+                    await idempotency.release(gateway.redis, tenant, key)
             raise
-        try:
-            await idempotency.complete(gateway.redis, tenant, key, fingerprint, status, payload)
-        except RedisError:
-            # The response is still the client's; a retry will meet the claim's expiry.
-            log.warning("could not store the response for idempotency key of %s", tenant)
-        await send_json(send, status, payload, {"x-request-id": exchange.request_id,
-                                                **exchange.headers})  # fmt: skip
 
-    async def collect(self, exchange: Exchange, receive: Receive) -> tuple[int, bytes]:
-        """A non-streaming response: the upstream stream, assembled."""
+    async def collect(
+        self,
+        exchange: Exchange,
+        receive: Receive,
+        respond: Callable[[int, bytes], Awaitable[None]],
+    ) -> None:
+        """A non-streaming response: the upstream stream, assembled, handed to `respond`
+        before the settle's Redis round trip runs (as the streamed [DONE] is)."""
+        events = exchange.events()
         pieces: list[str] = []
         first: dict[str, Any] | None = None
         finish: str | None = None
 
         async def assemble() -> None:
             nonlocal first, finish
-            async for chunk in exchange.events():
+            async for chunk in events:
                 if chunk is END_OF_STREAM:
-                    continue
+                    return  # everything delivered; the settle runs when `events` closes
                 first = first or chunk
                 choice = chunk["choices"][0]
                 if exchange.kind == "chat":
@@ -235,8 +253,10 @@ class GatewayApp:
         try:
             await self.until_disconnect(assemble(), receive)
         except (ApiError, ClientDisconnected):
+            await events.aclose()
             raise
         except Exception as error:
+            await events.aclose()
             raise ApiError(502, "The model replica failed mid-generation; please retry.",
                            code="upstream_error", error_type="server_error") from error  # fmt: skip
         text = "".join(pieces)
@@ -253,7 +273,10 @@ class GatewayApp:
             "id": response_id, "object": obj, "created": created, "model": exchange.model,
             "choices": [choice], "usage": exchange.usage_payload(),
         }  # fmt: skip
-        return 200, orjson.dumps(payload)
+        try:
+            await respond(200, orjson.dumps(payload))
+        finally:
+            await events.aclose()
 
     async def until_disconnect(
         self,
