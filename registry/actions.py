@@ -289,27 +289,33 @@ MODEL_FIELDS = {
 }
 
 
+def _save_visible(
+    obj: Model | Adapter,
+    changes: dict[str, Any],
+    allowed: set[str],
+    granted_tenant_ids: Iterable[int] | None,
+) -> Any:
+    """The one write path of models and adapters: validate, save, grant, republish who
+    may see them."""
+    _apply(obj, changes, allowed)
+    obj.full_clean()
+    obj.save()
+    _set_grants(obj, granted_tenant_ids)
+    _visibility_changed()
+    return obj
+
+
 @transaction.atomic
 def do_create_model(*, granted_tenant_ids: Iterable[int] | None = None, **fields: Any) -> Model:
     model = Model()
-    _apply(model, fields, MODEL_FIELDS)
-    model.full_clean()
-    model.save()
-    _set_grants(model, granted_tenant_ids)
-    _visibility_changed()
-    return model
+    return _save_visible(model, fields, MODEL_FIELDS, granted_tenant_ids)
 
 
 @transaction.atomic
 def do_update_model(
     model: Model, *, granted_tenant_ids: Iterable[int] | None = None, **changes: Any
 ) -> Model:
-    _apply(model, changes, MODEL_FIELDS)
-    model.full_clean()
-    model.save()
-    _set_grants(model, granted_tenant_ids)
-    _visibility_changed()
-    return model
+    return _save_visible(model, changes, MODEL_FIELDS, granted_tenant_ids)
 
 
 @transaction.atomic
@@ -380,24 +386,14 @@ ADAPTER_FIELDS = {"name", "base_version", "rank", "artifact_uri", "owner_tenant"
 @transaction.atomic
 def do_create_adapter(*, granted_tenant_ids: Iterable[int] | None = None, **fields: Any) -> Adapter:
     adapter = Adapter()
-    _apply(adapter, fields, ADAPTER_FIELDS)
-    adapter.full_clean()
-    adapter.save()
-    _set_grants(adapter, granted_tenant_ids)
-    _visibility_changed()
-    return adapter
+    return _save_visible(adapter, fields, ADAPTER_FIELDS, granted_tenant_ids)
 
 
 @transaction.atomic
 def do_update_adapter(
     adapter: Adapter, *, granted_tenant_ids: Iterable[int] | None = None, **changes: Any
 ) -> Adapter:
-    _apply(adapter, changes, ADAPTER_FIELDS)
-    adapter.full_clean()
-    adapter.save()
-    _set_grants(adapter, granted_tenant_ids)
-    _visibility_changed()
-    return adapter
+    return _save_visible(adapter, changes, ADAPTER_FIELDS, granted_tenant_ids)
 
 
 @transaction.atomic
