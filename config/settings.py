@@ -194,6 +194,16 @@ if GATEWAY_ROUTER_POLICY not in {"round_robin", "least_load", "weighted_scorer",
 GATEWAY_CONNECT_TIMEOUT_S = env_float("GATEWAY_CONNECT_TIMEOUT_S", 2.0)
 GATEWAY_READ_TIMEOUT_S = env_float("GATEWAY_READ_TIMEOUT_S", 30.0)
 
+# The autoscaler's forecast (serving/autoscale_actions.py): the period of the traffic pattern
+# it learns, in seconds (a day); 0 turns the forecast off.
+AUTOSCALER_FORECAST_PERIOD_S = env_int("AUTOSCALER_FORECAST_PERIOD_S", 86400, minimum=0)
+if 0 < AUTOSCALER_FORECAST_PERIOD_S < 3600:
+    raise ImproperEnvironment(
+        "AUTOSCALER_FORECAST_PERIOD_S",
+        str(AUTOSCALER_FORECAST_PERIOD_S),
+        "0 (no forecast) or a period of at least 3600 seconds",
+    )
+
 CELERY_BROKER_URL = REDIS_URL
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"

@@ -2,16 +2,30 @@
 registry's `do_scale_deployment`.
 
 Per deployment with room to scale (active, replicas_max > replicas_min), every beat:
-1. one sample of its ready replicas from `routing:telemetry` (running, waiting summed, KV use
-   averaged), appended to a short Redis list, so the window survives worker restarts and any
-   worker can run the next beat;
-2. `serving.autoscaler.recommend` over the window, with the deployment's bounds, the pool's
-   free GPUs, and the raw recommendations of the scale-down stabilization window (also in
-   Redis);
-3. when the count changes, `registry.actions.do_scale_deployment`, then a reconcile.
+1. one sample of its ready replicas, appended to a short Redis list, so the window survives
+   worker restarts and any worker can run the next beat. The sample holds
+   - running and waiting requests (summed) and KV cache use (averaged), from
+     `routing:telemetry`;
+   - the p95 time to first token of the requests the gateways settled since the last reading,
+     from the per-deployment TTFT histogram the gateway's settle already writes
+     (`registry.rollout_metrics`, counters in its one settle round trip). The loop keeps a
+     snapshot of that histogram (a mark) and reads the difference; until at least
+     `MIN_TTFT_REQUESTS` requests have settled since the mark there is no p95 and the mark
+     stays, so a quiet deployment's one long prompt is not read as a missed SLO;
+2. a forecast: the most replicas the traffic needed within `FORECAST_SPREAD_S` of this time of
+   day plus a cold start (`COLD_START_S`), one period (`AUTOSCALER_FORECAST_PERIOD_S`, a day)
+   ago, from a history of the loop's own reactive recommendations kept in Redis one point per
+   minute (`serving.autoscaler.daily_forecast`), so capacity is warm before a known peak;
+3. `serving.autoscaler.recommend` over the sample window, with the forecast as a floor, the
+   deployment's bounds, the pool's free GPUs, and the raw recommendations of the scale-down
+   stabilization window (also in Redis);
+4. when the count changes, `registry.actions.do_scale_deployment`, then a reconcile.
 
-Level-triggered and idempotent: a second run in the same beat adds one more sample and
-recommends the same count.
+The history keeps what the signals asked for without the forecast: a forecast fed back into
+its own history would hold a past peak up forever.
+
+Level-triggered and idempotent: a second run in the same beat adds one more sample (with no
+TTFT: nothing settled since the first) and recommends the same count.
 """
 
 from __future__ import annotations
@@ -23,9 +37,17 @@ from typing import Any
 
 import orjson
 import redis
+from django.conf import settings
 
 from registry.models import Deployment
-from serving.autoscaler import AutoscalerConfig, FleetSample, ReplicaBounds, recommend
+from registry.rollout_metrics import quantile_from_buckets, stats_key
+from serving.autoscaler import (
+    AutoscalerConfig,
+    FleetSample,
+    ReplicaBounds,
+    daily_forecast,
+    recommend,
+)
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
 from serving.models import Gpu, Replica
@@ -37,9 +59,24 @@ logger = logging.getLogger(__name__)
 
 SAMPLES_KEY = "autoscale:samples:{deployment_id}"
 RAW_KEY = "autoscale:raw:{deployment_id}"
+# The TTFT histogram's counters when the loop last read a p95: {"at_s": ..., "counts": {...}}.
+TTFT_MARK_KEY = "autoscale:ttft-mark:{deployment_id}"
+# Hash: field = the minute's index within the period, value = [minute start, highest reactive
+# raw recommendation of that minute]. At most period / 60 fields, whatever runs how often.
+HISTORY_KEY = "autoscale:history:{deployment_id}"
 KEEP_SAMPLES = 64
 KEEP_RAW = 256
 KEY_TTL_S = 3600
+# The 95th percentile of fewer requests than this is their maximum (one long prompt).
+MIN_TTFT_REQUESTS = 20
+HISTORY_STEP_S = 60
+# History older than a period by more than this is not "the same time yesterday".
+HISTORY_MARGIN_S = 3600
+# Decision to ready replica: placement, image and weights load, CUDA graph capture. No setting
+# measures it; a few minutes covers an 8B to 70B model loaded from a node's local disk.
+COLD_START_S = 300.0
+# How far from the same time of day an earlier peak still counts (daily traffic drifts).
+FORECAST_SPREAD_S = 900.0
 # The request shape the per-replica concurrency target is sized for.
 TYPICAL_PROMPT_TOKENS = 1000
 TYPICAL_OUTPUT_TOKENS = 250
@@ -107,7 +144,10 @@ def pool_capacity(deployment: Deployment) -> int:
 
 
 def sample(
-    deployment: Deployment, telemetry: dict[str, dict[str, Any]], now_s: float
+    deployment: Deployment,
+    telemetry: dict[str, dict[str, Any]],
+    now_s: float,
+    ttft_p95_s: float | None = None,
 ) -> FleetSample:
     ready = Replica.objects.filter(deployment=deployment, state=Replica.State.READY)
     rows = [telemetry[str(pk)] for pk in ready.values_list("pk", flat=True) if str(pk) in telemetry]
@@ -117,7 +157,118 @@ def sample(
         running=sum(int(row.get("running") or 0) for row in rows),
         waiting=sum(int(row.get("waiting") or 0) for row in rows),
         kv_usage=sum(float(row.get("kv") or 0.0) for row in rows) / len(rows) if rows else 0.0,
+        ttft_p95_s=ttft_p95_s,
     )
+
+
+def observed_ttft_p95(
+    client: redis.Redis, deployment_id: int, now_s: float, window_s: float
+) -> float | None:
+    """The p95 time to first token of the deployment's requests settled since the last
+    reading, from the gateway's TTFT histogram (`registry.rollout_metrics`; buckets of 9%,
+    interpolated). None until `MIN_TTFT_REQUESTS` have settled since the mark; a mark older
+    than `window_s` (the loop stopped, or traffic is thin) starts over."""
+    mark_key = TTFT_MARK_KEY.format(deployment_id=deployment_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(mark_key)
+    pipe.hgetall(stats_key(deployment_id))
+    stored, counters = pipe.execute()
+    counts = {
+        name: int(value)
+        for name, value in ((_text(n), v) for n, v in counters.items())
+        if name.startswith("ttft:")
+    }
+    p95 = None
+    mark = orjson.loads(stored) if stored else None
+    if mark is not None and now_s - mark["at_s"] <= window_s:
+        since: dict[str, int] = mark["counts"]
+        # A counter below its mark: the hash expired and restarted, so it counts from zero.
+        window = {
+            int(name.removeprefix("ttft:")): n - since.get(name, 0)
+            if n >= since.get(name, 0)
+            else n
+            for name, n in counts.items()
+        }
+        if sum(window.values()) < MIN_TTFT_REQUESTS:
+            return None  # the mark stays: the next beat reads a longer window
+        p95 = quantile_from_buckets(window, 0.95)
+    client.set(mark_key, orjson.dumps({"at_s": now_s, "counts": counts}), ex=KEY_TTL_S)
+    return p95
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _history_slot(at_s: float, period_s: float) -> str:
+    return str(int(at_s % period_s // HISTORY_STEP_S))
+
+
+def history_fields(now_s: float, period_s: float) -> list[str]:
+    """The history's fields a beat reads: this minute's, then those near this time of day
+    plus a cold start (one extra step each way: a period of no whole minutes shifts by one)."""
+    target = now_s + COLD_START_S
+    steps = int(FORECAST_SPREAD_S // HISTORY_STEP_S) + 1
+    near = (_history_slot(target + k * HISTORY_STEP_S, period_s) for k in range(-steps, steps + 1))
+    return list(dict.fromkeys([_history_slot(now_s, period_s), *near]))
+
+
+def forecast_from(history: dict[str, list[float]], now_s: float, period_s: float) -> int | None:
+    """Replicas needed around this time of day plus a cold start, one period ago."""
+    return daily_forecast(
+        [
+            (at, int(raw))
+            for at, raw in history.values()
+            if at >= now_s - period_s - HISTORY_MARGIN_S
+        ],
+        now_s=now_s,
+        period_s=period_s,
+        lead_s=COLD_START_S,
+        spread_s=FORECAST_SPREAD_S,
+    )
+
+
+def _read_memory(
+    client: redis.Redis, deployment_id: int, now_s: float, period_s: float | None
+) -> tuple[list[tuple[float, int]], dict[str, list[float]]]:
+    """The stabilization window's raw recommendations, and the history's points near now
+    (field -> [minute start, raw]). One round trip."""
+    fields = history_fields(now_s, period_s) if period_s else []
+    pipe = client.pipeline(transaction=False)
+    pipe.lrange(RAW_KEY.format(deployment_id=deployment_id), 0, -1)
+    if fields:
+        pipe.hmget(HISTORY_KEY.format(deployment_id=deployment_id), fields)
+    stored_raw, *stored_history = pipe.execute()
+    recent = [(at, raw) for at, raw in (orjson.loads(row) for row in stored_raw)]
+    points = stored_history[0] if stored_history else []
+    history = {
+        field: orjson.loads(point)
+        for field, point in zip(fields, points, strict=True)
+        if point is not None
+    }
+    return recent, history
+
+
+def _write_memory(
+    client: redis.Redis, deployment_id: int, now_s: float, raw: int, reactive_raw: int,
+    history: dict[str, list[float]], period_s: float | None,
+) -> None:  # fmt: skip
+    """Append the raw recommendation to the stabilization window, and keep the minute's
+    highest reactive one in the history. One round trip."""
+    raw_key = RAW_KEY.format(deployment_id=deployment_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.rpush(raw_key, orjson.dumps([now_s, raw]))
+    pipe.ltrim(raw_key, -KEEP_RAW, -1)
+    pipe.expire(raw_key, KEY_TTL_S)
+    if period_s:
+        history_key = HISTORY_KEY.format(deployment_id=deployment_id)
+        field = _history_slot(now_s, period_s)
+        minute = now_s - now_s % HISTORY_STEP_S
+        known = history.get(field)
+        if known is None or known[0] != minute or known[1] < reactive_raw:
+            pipe.hset(history_key, field, orjson.dumps([minute, reactive_raw]))
+        pipe.expire(history_key, int(period_s + HISTORY_MARGIN_S))
+    pipe.execute()
 
 
 def _remember(client: redis.Redis, key: str, value: Any, keep: int) -> list[Any]:
@@ -135,7 +286,10 @@ def do_autoscale_deployment(
     telemetry: dict[str, dict[str, Any]],
     now_s: float,
     config: AutoscalerConfig | None = None,
+    forecast_period_s: float | None = None,
 ) -> ScalingOutcome:
+    """One beat for one deployment. `forecast_period_s`: the traffic pattern's period; None
+    or 0: no forecast."""
     from registry.actions import do_scale_deployment
     from serving.actions import request_reconcile
 
@@ -145,7 +299,8 @@ def do_autoscale_deployment(
         ttft_slo_s=tier.ttft_s if tier else None,
     )
     current = deployment.replicas_desired
-    point = sample(deployment, telemetry, now_s)
+    ttft_p95_s = observed_ttft_p95(client, deployment.pk, now_s, config.window_s)
+    point = sample(deployment, telemetry, now_s, ttft_p95_s)
     samples = [
         FleetSample(**row)
         for row in _remember(
@@ -155,19 +310,23 @@ def do_autoscale_deployment(
     if point.replicas == 0:
         # Nothing ready reports yet (a cold start, or telemetry lost): no evidence to act on.
         return ScalingOutcome(deployment.pk, current, current, "no telemetry")
-    raw_key = RAW_KEY.format(deployment_id=deployment.pk)
-    recent = [(at, raw) for at, raw in (orjson.loads(r) for r in client.lrange(raw_key, 0, -1))]
-    decision = recommend(
-        samples,
-        now_s=now_s,
-        current=current,
-        bounds=ReplicaBounds(
-            deployment.replicas_min, deployment.replicas_max, pool_capacity(deployment)
-        ),
-        config=config,
-        recent_raw=recent,
+    recent, history = _read_memory(client, deployment.pk, now_s, forecast_period_s)
+    bounds = ReplicaBounds(
+        deployment.replicas_min, deployment.replicas_max, pool_capacity(deployment)
     )
-    _remember(client, raw_key, [now_s, decision.raw], KEEP_RAW)
+    reactive = recommend(
+        samples, now_s=now_s, current=current, bounds=bounds, config=config, recent_raw=recent
+    )
+    forecast = forecast_from(history, now_s, forecast_period_s) if forecast_period_s else None
+    decision = reactive
+    if forecast is not None:
+        decision = recommend(
+            samples, now_s=now_s, current=current, bounds=bounds, config=config,
+            recent_raw=recent, forecast=forecast,
+        )  # fmt: skip
+    _write_memory(
+        client, deployment.pk, now_s, decision.raw, reactive.raw, history, forecast_period_s
+    )
     if decision.desired != current:
         do_scale_deployment(deployment, decision.desired)
         logger.info(
@@ -184,8 +343,9 @@ def do_autoscale_deployment(
 def do_autoscale(client: redis.Redis, now_s: float | None = None) -> list[ScalingOutcome]:
     now_s = time.time() if now_s is None else now_s
     telemetry = read_routing_telemetry(client)
+    period_s = float(settings.AUTOSCALER_FORECAST_PERIOD_S)
     return [
-        do_autoscale_deployment(deployment, client, telemetry, now_s)
+        do_autoscale_deployment(deployment, client, telemetry, now_s, forecast_period_s=period_s)
         for deployment in autoscaled_deployments()
         if deployment.replicas_max > deployment.replicas_min
     ]

@@ -10,7 +10,14 @@ import pytest
 import redis
 
 from registry.models import Deployment
-from serving.autoscale_actions import do_autoscale, target_running
+from registry.rollout_metrics import add_request
+from serving.autoscale_actions import (
+    COLD_START_S,
+    MIN_TTFT_REQUESTS,
+    do_autoscale,
+    observed_ttft_p95,
+    target_running,
+)
 from serving.gpu_classes import sync_gpu_classes
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from serving.telemetry import ROUTING_TELEMETRY_KEY
@@ -112,3 +119,146 @@ def test_the_celery_task_runs_the_loop(
     autoscale.apply()
     deployment.refresh_from_db()
     assert deployment.replicas_desired > 2
+
+
+def settle(client: redis.Redis, deployment: Deployment, count: int, ttft_s: float) -> None:
+    """What the gateway's settle pipeline records per request (registry.rollout_metrics)."""
+    pipe = client.pipeline(transaction=False)
+    for _ in range(count):
+        add_request(pipe, deployment.pk, ok=True, ttft_s=ttft_s, output_tokens=50,
+                    finish_reason="stop")  # fmt: skip
+    pipe.execute()
+
+
+def test_a_missed_ttft_objective_scales_up_when_queue_and_kv_look_fine(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    report(redis_client, replicas, running=2, kv=0.1)
+    [before] = do_autoscale(redis_client, now_s=1000.0)
+    settle(redis_client, deployment, 40, ttft_s=3.0)  # the interactive tier's objective: 1 s
+    [after] = do_autoscale(redis_client, now_s=1010.0)
+    deployment.refresh_from_db()
+    assert (before.desired, before.reason) == (2, "hold")
+    assert (deployment.replicas_desired, after.reason) == (4, "up on ttft")
+
+
+def test_a_handful_of_slow_requests_is_not_a_missed_objective(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    report(redis_client, replicas, running=2, kv=0.1)
+    do_autoscale(redis_client, now_s=1000.0)
+    settle(redis_client, deployment, MIN_TTFT_REQUESTS - 1, ttft_s=3.0)
+    [outcome] = do_autoscale(redis_client, now_s=1010.0)
+    assert (outcome.desired, outcome.reason) == (2, "hold")
+
+
+def test_slow_requests_count_once_enough_have_settled_over_several_beats(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    report(redis_client, replicas, running=2, kv=0.1)
+    do_autoscale(redis_client, now_s=1000.0)
+    settle(redis_client, deployment, MIN_TTFT_REQUESTS // 2, ttft_s=3.0)
+    do_autoscale(redis_client, now_s=1010.0)
+    settle(redis_client, deployment, MIN_TTFT_REQUESTS // 2, ttft_s=3.0)
+    [outcome] = do_autoscale(redis_client, now_s=1020.0)
+    assert (outcome.desired, outcome.reason) == (4, "up on ttft")
+
+
+def test_the_p95_reads_the_gateways_ttft_histogram_within_a_bucket(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, _ = fleet()
+    observed_ttft_p95(redis_client, deployment.pk, now_s=1000.0, window_s=45.0)
+    settle(redis_client, deployment, 90, ttft_s=0.2)
+    settle(redis_client, deployment, 10, ttft_s=2.0)
+    p95 = observed_ttft_p95(redis_client, deployment.pk, now_s=1010.0, window_s=45.0)
+    assert p95 is not None and 1.8 < p95 <= 2.0 * 1.1
+
+
+def seed_history(
+    client: redis.Redis, deployment: Deployment, at_s: float, raw: int, period_s: float = 86400
+) -> None:
+    """One point of the loop's history: field = minute of the period, value = [minute, raw]."""
+    minute = at_s - at_s % 60
+    field = str(int(minute % period_s // 60))
+    client.hset(f"autoscale:history:{deployment.pk}", field, orjson.dumps([minute, raw]))
+
+
+DAY = 86400.0
+
+
+def test_the_forecast_warms_replicas_ahead_of_yesterdays_peak(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    now = 10 * DAY + 9 * 3600  # 09:00; yesterday's peak began at 09:05
+    for minute in range(5, 65):
+        seed_history(redis_client, deployment, now - DAY + minute * 60, raw=6)
+    report(redis_client, replicas, running=2, kv=0.1)
+    [outcome] = do_autoscale(redis_client, now_s=now)
+    deployment.refresh_from_db()
+    assert (deployment.replicas_desired, outcome.reason) == (4, "up on forecast")
+
+
+def test_a_peak_at_another_time_of_day_is_not_forecast(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    now = 10 * DAY + 9 * 3600
+    seed_history(redis_client, deployment, now - DAY + 3 * 3600, raw=6)  # 12:00 yesterday
+    report(redis_client, replicas, running=2, kv=0.1)
+    [outcome] = do_autoscale(redis_client, now_s=now)
+    assert (outcome.desired, outcome.reason) == (2, "hold")
+
+
+def test_a_peak_the_loop_saw_yesterday_is_warmed_for_today(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    peak = 10 * DAY + 9 * 3600
+    report(redis_client, replicas, running=int(target_running(deployment) * 2), kv=0.9)
+    do_autoscale(redis_client, now_s=peak)
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_desired=2)
+    report(redis_client, replicas, running=2, kv=0.1)
+    [outcome] = do_autoscale(redis_client, now_s=peak + DAY - COLD_START_S)
+    assert (outcome.desired, outcome.reason) == (4, "up on forecast")
+
+
+def test_the_history_keeps_one_point_a_minute(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    report(redis_client, replicas, running=2, kv=0.1)
+    for second in range(0, 120, 10):
+        do_autoscale(redis_client, now_s=DAY + second)
+    history = redis_client.hgetall(f"autoscale:history:{deployment.pk}")
+    assert {orjson.loads(point)[0] for point in history.values()} == {DAY, DAY + 60}
+
+
+def test_no_forecast_when_the_setting_turns_it_off(
+    fleet: Callable[..., Any], redis_client: redis.Redis, settings: Any
+) -> None:
+    settings.AUTOSCALER_FORECAST_PERIOD_S = 0
+    deployment, replicas = fleet()
+    now = 10 * DAY + 9 * 3600
+    seed_history(redis_client, deployment, now - DAY + 5 * 60, raw=6)
+    report(redis_client, replicas, running=2, kv=0.1)
+    [outcome] = do_autoscale(redis_client, now_s=now)
+    assert (outcome.desired, outcome.reason) == (2, "hold")
+
+
+def test_the_history_keeps_what_the_traffic_needed_not_the_forecast(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    now = 10 * DAY + 9 * 3600
+    seed_history(redis_client, deployment, now - DAY + 5 * 60, raw=6)
+    report(redis_client, replicas, running=2, kv=0.1)
+    [outcome] = do_autoscale(redis_client, now_s=now)
+    field = str(int(now % DAY // 60))
+    stored = orjson.loads(redis_client.hget(f"autoscale:history:{deployment.pk}", field) or b"")
+    assert outcome.reason == "up on forecast"
+    assert stored == [now, 1]  # a forecast fed back would hold yesterday's peak up for ever

@@ -215,3 +215,19 @@ def test_best_of_cannot_sneak_several_choices_past_n(ready) -> None:
     reply = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "best_of": 3})
     assert reply.status_code == 400
     assert "best_of" in reply.json()["error"]["message"]
+
+
+def test_settled_requests_time_to_first_token_reaches_the_autoscaler(
+    ready, redis_client: redis.Redis
+) -> None:
+    from serving.autoscale_actions import MIN_TTFT_REQUESTS, observed_ttft_p95
+
+    _, _, http = ready
+    deployment_id = 1  # the fleet's routing table
+    assert observed_ttft_p95(redis_client, deployment_id, now_s=1000.0, window_s=45.0) is None
+    for stream in [False, True] * (MIN_TTFT_REQUESTS // 2):
+        assert http.post("/v1/chat/completions", json={**BODY, "stream": stream}).status_code == 200
+    stats = f"registry:rollout:stats:{deployment_id}"
+    assert wait_until(lambda: int(redis_client.hget(stats, "requests") or 0) >= MIN_TTFT_REQUESTS)
+    p95 = observed_ttft_p95(redis_client, deployment_id, now_s=1010.0, window_s=45.0)
+    assert p95 is not None and 0 < p95 < 30
