@@ -157,6 +157,11 @@ class RouterConfig:
     # When nothing meets the SLO and the least bad misses it by more than this factor,
     # the decision advises the gateway to queue (or refuse) rather than send.
     queue_over_slo_factor: float = 1.5
+    # When nothing meets the SLO, a request of a looser tier than the tightest configured
+    # takes the cheapest replica missing its objective by at most `queue_over_slo_factor`
+    # (when there is one) instead of the least bad: in an overload it leaves the fast
+    # replicas to the tier that needs them, rather than queueing its own long prompts there.
+    yield_to_tighter_tiers: bool = True
 
     def tier(self, name: str) -> SloTier:
         return self.slo_tiers.get(name) or SloTier(name, None, None)

@@ -317,7 +317,9 @@ class CostAware:
     large group. Among candidates within
     `near_tie_fraction` of the cheapest, two are drawn and the lower predicted TTFT wins.
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
-    flagged `queue_advised` when it misses by more than `queue_over_slo_factor`.
+    flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
+    request of a looser tier than the tightest takes the cheapest replica missing by at
+    most that factor, when there is one (`yield_to_tighter_tiers`).
 
     The hot loop computes `predict`'s TTFT and TPOT inline (same expressions in the same
     order, so the same floats) and skips the prediction of a candidate that cannot change
@@ -331,6 +333,8 @@ class CostAware:
     def __init__(self, state: RouterState, config: RouterConfig | None = None) -> None:
         self.state = state
         self.config = config or RouterConfig()
+        objectives = [t.ttft_s for t in self.config.slo_tiers.values() if t.ttft_s is not None]
+        self._tightest_ttft_s = min(objectives, default=None)
 
     def choose(self, request: RouteRequest, now: float) -> Decision:
         state = self.state
@@ -564,21 +568,38 @@ class CostAware:
                 a, b = ties[first], ties[second]
                 chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
             return self._decision(chosen, chosen[_REASON], request, now, queue_advised=False)
-        # The smallest miss; between equal misses, the cheaper replica.
-        violation, _, chosen = min(
+        # A deferred option's rank is a placeholder (infinity): rank it by its price.
+        scored = [
             (
-                (self._violation(option, request, now, tier), option[_RANK], option)
-                for option in options
-            ),
-            key=lambda triple: (triple[0], triple[1]),
-        )
+                self._violation(option, request, now, tier),
+                option[_RANK] if option[_TTFT] is not None else option[_REPLICA].price_per_hour,
+                option,
+            )
+            for option in options
+        ]
+        tolerable = self.config.queue_over_slo_factor
+        if self._yields(tier):
+            # Overloaded: a looser tier settles for the cheapest replica it can tolerate,
+            # leaving the fast ones to the tighter tiers.
+            within = [triple for triple in scored if triple[0] <= tolerable]
+            if within:
+                _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))
+                return self._decision(chosen, Reason.LEAST_BAD, request, now, queue_advised=False)
+        # The smallest miss; between equal misses, the cheaper replica.
+        violation, _, chosen = min(scored, key=lambda triple: (triple[0], triple[1]))
         return self._decision(
             chosen,
             Reason.LEAST_BAD,
             request,
             now,
-            queue_advised=violation > self.config.queue_over_slo_factor,
+            queue_advised=violation > tolerable,
         )
+
+    def _yields(self, tier: SloTier) -> bool:
+        """Whether a request of this tier gives way to tighter tiers when nothing meets."""
+        if not self.config.yield_to_tighter_tiers or self._tightest_ttft_s is None:
+            return False
+        return tier.ttft_s is None or tier.ttft_s > self._tightest_ttft_s
 
     def _violation(
         self, option: _Option, request: RouteRequest, now: float, tier: SloTier

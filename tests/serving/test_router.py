@@ -178,6 +178,48 @@ def test_cost_aware_returns_the_least_bad_replica_and_advises_queueing_when_none
     assert not decision.meets_slo and decision.queue_advised
 
 
+def overloaded_pair() -> RouterState:
+    """An H100 and an L40S with prefill queued: a standard request misses its 3 s TTFT on
+    both, by about 1.1x on the H100 and 1.3x on the cheaper L40S."""
+    h100_perf, _ = gpu(H100)
+    l40s_perf, _ = gpu(L40S)
+    return fleet(
+        replica("h100", H100, prefill_pending_tokens=int(3.3 / h100_perf.prefill_s_per_token)),
+        replica("l40s", L40S, prefill_pending_tokens=int(3.9 / l40s_perf.prefill_s_per_token)),
+    )
+
+
+def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tiers() -> None:
+    config = RouterConfig()
+    state = overloaded_pair()
+    standard = config.tier("standard")
+    assert standard.ttft_s is not None
+    misses = {
+        name: predict(state.replica(name), request(), NOW, config).ttft_s / standard.ttft_s  # type: ignore[arg-type]
+        for name in ("h100", "l40s")
+    }
+    assert 1.0 < misses["h100"] < misses["l40s"] <= config.queue_over_slo_factor
+    decision = CostAware(state, config).choose(request(), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "l40s"
+    assert decision.reason is Reason.LEAST_BAD and not decision.queue_advised
+    # The tightest tier still takes the least bad: the H100.
+    assert chosen_id(CostAware(state, config), request(tier="interactive")) == "h100"
+    # Switched off, the standard request takes the least bad too.
+    unyielding = replace(config, yield_to_tighter_tiers=False)
+    assert chosen_id(CostAware(overloaded_pair(), unyielding), request()) == "h100"
+
+
+def test_a_looser_tier_does_not_yield_onto_a_replica_it_cannot_tolerate() -> None:
+    h100_perf, _ = gpu(H100)
+    l40s_perf, _ = gpu(L40S)
+    state = fleet(
+        replica("h100", H100, prefill_pending_tokens=int(3.3 / h100_perf.prefill_s_per_token)),
+        replica("l40s", L40S, prefill_pending_tokens=int(9.0 / l40s_perf.prefill_s_per_token)),
+    )
+    decision = CostAware(state).choose(request(), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "h100"
+
+
 def test_batch_requests_have_no_slo_and_go_to_the_cheapest_replica() -> None:
     state = fleet(replica("l4", L4, running=200, waiting=30), replica("h100", H100))
     decision = CostAware(state).choose(request(tier="batch"), NOW)
