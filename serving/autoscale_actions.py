@@ -314,18 +314,13 @@ def do_autoscale_deployment(
     bounds = ReplicaBounds(
         deployment.replicas_min, deployment.replicas_max, pool_capacity(deployment)
     )
-    reactive = recommend(
-        samples, now_s=now_s, current=current, bounds=bounds, config=config, recent_raw=recent
-    )
     forecast = forecast_from(history, now_s, forecast_period_s) if forecast_period_s else None
-    decision = reactive
-    if forecast is not None:
-        decision = recommend(
-            samples, now_s=now_s, current=current, bounds=bounds, config=config,
-            recent_raw=recent, forecast=forecast,
-        )  # fmt: skip
+    decision = recommend(
+        samples, now_s=now_s, current=current, bounds=bounds, config=config,
+        recent_raw=recent, forecast=forecast,
+    )  # fmt: skip
     _write_memory(
-        client, deployment.pk, now_s, decision.raw, reactive.raw, history, forecast_period_s
+        client, deployment.pk, now_s, decision.raw, decision.reactive, history, forecast_period_s
     )
     if decision.desired != current:
         do_scale_deployment(deployment, decision.desired)

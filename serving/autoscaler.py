@@ -84,6 +84,9 @@ class Recommendation:
     # scale-down stabilization window).
     raw: int
     reason: str
+    # The raw count from the signals alone, before any forecast: what the daily history
+    # keeps, so that a forecast peak does not forecast itself the next day.
+    reactive: int = 0
 
 
 def needed_replicas(samples: Sequence[FleetSample], config: AutoscalerConfig) -> tuple[float, str]:
@@ -122,15 +125,15 @@ def recommend(
     """
     window = [s for s in samples if now_s - config.window_s <= s.at_s <= now_s]
     if not window:
-        return Recommendation(bounds.clamp(current), current, "no telemetry")
+        return Recommendation(bounds.clamp(current), current, "no telemetry", current)
     needed, reason = needed_replicas(window, config)
-    raw = max(1, math.ceil(needed * (1.0 + config.warm_buffer) - 1e-9))
+    raw = reactive = max(1, math.ceil(needed * (1.0 + config.warm_buffer) - 1e-9))
     if forecast is not None and forecast > raw:
         raw, reason = forecast, "forecast"
 
     if raw > current:
         cap = max(current + 1, math.ceil(current * config.max_step_up_factor))
-        return Recommendation(bounds.clamp(min(raw, cap)), raw, f"up on {reason}")
+        return Recommendation(bounds.clamp(min(raw, cap)), raw, f"up on {reason}", reactive)
 
     horizon = now_s - config.scale_down_stabilization_s
     stabilized = max([raw, *(r for at, r in recent_raw if at >= horizon)])
@@ -139,8 +142,8 @@ def recommend(
     covered = any(at <= horizon + config.window_s for at, _ in recent_raw)
     if covered and stabilized < current * (1.0 - config.hysteresis) and stabilized < current:
         target = max(stabilized, current - config.max_step_down)
-        return Recommendation(bounds.clamp(target), raw, f"down on {reason}")
-    return Recommendation(bounds.clamp(current), raw, "hold")
+        return Recommendation(bounds.clamp(target), raw, f"down on {reason}", reactive)
+    return Recommendation(bounds.clamp(current), raw, "hold", reactive)
 
 
 def daily_forecast(

@@ -356,7 +356,7 @@ class ClusterSimulator:
                 forecast=forecast,
             )
             raw_log.append((now_s, decision.raw))
-            self._history[pool.name].append((now_s, decision.raw))
+            self._history[pool.name].append((now_s, decision.reactive))
             self._apply(pool, live, decision.desired, decision.reason, now_s)
 
     def _apply(

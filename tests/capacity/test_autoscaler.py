@@ -83,6 +83,13 @@ def test_a_forecast_is_a_floor() -> None:
     decision = recommend(window(2, 5), now_s=100, current=2, bounds=WIDE, config=CONFIG, forecast=6)
     assert decision.desired == 4  # up to the forecast, capped at x2 per step
     assert decision.reason == "up on forecast"
+    # The history keeps what the signals asked for, not the forecast: no self-fulfilling peak.
+    assert decision.raw == 6
+    assert (
+        decision.reactive
+        == recommend(window(2, 5), now_s=100, current=2, bounds=WIDE, config=CONFIG).raw
+    )
+    assert decision.reactive < 6
 
 
 def test_samples_older_than_the_window_are_ignored() -> None:
