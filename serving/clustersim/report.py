@@ -48,7 +48,12 @@ class Summary:
     cost_per_hour: float
     cost_per_million_tokens: float
     cost_per_million_output_tokens: float
+    # Busy: the share of replica time an engine had work (decode keeps it near 1 under
+    # load). Compute and bandwidth: the roofline's FLOPs and bytes over replica time, as a
+    # share of the efficiency-scaled peak, so what the hardware actually did.
     gpu_utilization: float
+    compute_utilization: float
+    bandwidth_utilization: float
     ttft_p50_s: float
     ttft_p95_s: float
     ttft_p99_s: float
@@ -134,6 +139,12 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
         cost_per_million_tokens=cost / ((prompt + output) / 1e6) if prompt + output else 0.0,
         cost_per_million_output_tokens=cost / (output / 1e6) if output else 0.0,
         gpu_utilization=busy / replica_s if replica_s else 0.0,
+        compute_utilization=(
+            sum(r.engine.compute_s_total for r in result.replicas) / replica_s if replica_s else 0.0
+        ),
+        bandwidth_utilization=(
+            sum(r.engine.memory_s_total for r in result.replicas) / replica_s if replica_s else 0.0
+        ),
         ttft_p50_s=(ttft := _percentiles([t for r in records if (t := r.ttft_s) is not None]))[0],
         ttft_p95_s=ttft[1],
         ttft_p99_s=ttft[2],
@@ -251,7 +262,9 @@ def format_summary(summary: Summary) -> str:
         f"  TTFT p50/p95/p99 {summary.ttft_p50_s:.3f}/{summary.ttft_p95_s:.3f}/"
         f"{summary.ttft_p99_s:.3f} s   TPOT p50/p95/p99 {summary.tpot_p50_s * 1000:.1f}/"
         f"{summary.tpot_p95_s * 1000:.1f}/{summary.tpot_p99_s * 1000:.1f} ms",
-        f"  GPU-hours {summary.gpu_hours:.2f}  utilisation {summary.gpu_utilization:.0%}  "
+        f"  GPU-hours {summary.gpu_hours:.2f}  busy {summary.gpu_utilization:.0%}  "
+        f"compute {summary.compute_utilization:.0%}  bandwidth "
+        f"{summary.bandwidth_utilization:.0%}  "
         f"cost ${summary.cost_usd:.2f} (${summary.cost_per_hour:.2f}/h, "
         f"${summary.cost_per_million_tokens:.3f} per M tokens)",
     ]

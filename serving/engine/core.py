@@ -186,6 +186,10 @@ class Engine:
         self.generation_tokens_total = 0
         self.preemptions_total = 0
         self.finished_total: dict[str, int] = {"length": 0, "stop": 0, "abort": 0}
+        # Seconds of the roofline's compute and memory terms over every step so far: over
+        # wall time, how much of the GPU's (efficiency-scaled) FLOPS and bandwidth was used.
+        self.compute_s_total = 0.0
+        self.memory_s_total = 0.0
 
     # --- requests ------------------------------------------------------------------------
 
@@ -424,6 +428,8 @@ class Engine:
         memory_s = self._weights_s + context * self._kv_token_s
         compute_s = tokens * self._token_flop_s + attention * self._attention_unit_s
         duration = self._t0 + (memory_s if memory_s > compute_s else compute_s)
+        self.compute_s_total += compute_s
+        self.memory_s_total += memory_s
         end = start + duration
         result.duration_s = duration
         self.clock_s = end
@@ -568,6 +574,8 @@ class Engine:
             seq.output += k
         self._allocate(new_blocks)
         self.generation_tokens_total += k * len(self._running)
+        self.compute_s_total += k * m
+        self.memory_s_total += k * a + d * k * (k - 1) / 2
         self.clock_s += self._run_duration(k, a, d, m)
         for seq in [s for s in self._running if s.output >= s.limit]:
             self._finish(seq, seq.limit_reason, self.clock_s)

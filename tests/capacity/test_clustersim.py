@@ -101,6 +101,23 @@ def test_a_static_fleet_costs_its_hourly_price_for_the_simulated_time() -> None:
     assert summary.gpu_hours == pytest.approx(3 * result.ended_s / 3600)
 
 
+def test_compute_and_bandwidth_utilisation_follow_the_workloads_shape() -> None:
+    fleet = homogeneous("H100-SXM-80GB", 1)
+    prefill_heavy = [SimRequest(f"p{i}", i * 0.05, 4000, 2, "acme", "batch") for i in range(200)]
+    decode_heavy = [SimRequest(f"d{i}", i * 0.05, 50, 400, "acme", "batch") for i in range(200)]
+    reading = summarize(simulate(fleet, prefill_heavy))
+    writing = summarize(simulate(fleet, decode_heavy))
+    for summary in (reading, writing):
+        assert 0.0 < summary.compute_utilization <= summary.gpu_utilization <= 1.0
+        assert 0.0 < summary.bandwidth_utilization <= summary.gpu_utilization
+    # 4,000 prompt tokens every 50 ms is about 80k tokens/s of prefill: more than one
+    # H100 computes, so the GPU is compute-bound; short prompts with long answers read
+    # weights and KV every step instead.
+    assert reading.compute_utilization > 0.9
+    assert reading.compute_utilization > reading.bandwidth_utilization
+    assert writing.bandwidth_utilization > writing.compute_utilization
+
+
 def test_cost_aware_routing_sends_batch_work_to_the_cheapest_gpus() -> None:
     fleet = FleetSpec(
         pools=(PoolSpec("h100", "H100-SXM-80GB", 2), PoolSpec("l40s", "L40S-48GB", 2))

@@ -348,3 +348,7 @@ def test_advance_gives_exactly_the_same_results_as_stepping(requests: list[Engin
         "preemptions_total",
     ):
         assert getattr(advanced_engine, counter) == getattr(stepped_engine, counter), counter
+    for seconds in ("compute_s_total", "memory_s_total"):
+        assert getattr(advanced_engine, seconds) == pytest.approx(
+            getattr(stepped_engine, seconds), rel=1e-9
+        ), seconds
