@@ -14,6 +14,10 @@ overview page renders first, so both show the same numbers.
 - TTFT p50/p99: over requests that ended in the last five minutes (metering's usage rows).
 - Cost per hour: every GPU of a Ready node at its pool's price (idle GPUs cost money too);
   cost per million tokens is that divided by the current token rate.
+
+The overview's chart (tokens per second and queue depth) starts from the recent history: the
+broadcaster appends each snapshot's point to a capped Redis list, and the page embeds that list,
+so the chart is drawn on load and the WebSocket only extends it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from serving import telemetry
 from serving.models import Gpu, Node, Replica
 
 PREVIOUS_TOTALS_KEY = "console:fleet:previous_totals"
+HISTORY_KEY = "console:fleet:history"
+# As many points as the page keeps: ten minutes of the broadcaster's 2 s beat.
+HISTORY_POINTS = 300
+# A history nobody has extended for this long is no longer "recent".
+HISTORY_TTL_S = 3600
 TTFT_WINDOW = timedelta(minutes=5)
 GPU_STATES = ("ready", "starting", "draining", "failed", "idle", "unavailable")
 
@@ -162,4 +171,28 @@ def fleet_snapshot(client: redis.Redis | None = None, *, rate: bool = True) -> d
         "ttft_p99_ms": p99,
         "cost_per_hour": cost_per_hour,
         "cost_per_mtok": per_mtok,
+    }
+
+
+def record_fleet_history(client: redis.Redis, snapshot: dict[str, Any]) -> None:
+    """Append the snapshot's chart point to the capped history (one round trip)."""
+    point = {key: snapshot[key] for key in ("at", "tokens_per_s", "queue_depth")}
+    pipe = client.pipeline(transaction=False)
+    pipe.rpush(HISTORY_KEY, orjson.dumps(point))
+    pipe.ltrim(HISTORY_KEY, -HISTORY_POINTS, -1)
+    pipe.expire(HISTORY_KEY, HISTORY_TTL_S)
+    pipe.execute()
+
+
+def fleet_history(client: redis.Redis | None = None) -> dict[str, list[Any]]:
+    """The recent chart points as columns (uPlot's layout), oldest first."""
+    client = client or telemetry.redis_client()
+    points = sorted(
+        (orjson.loads(raw) for raw in client.lrange(HISTORY_KEY, 0, -1)),
+        key=lambda point: point["at"],
+    )
+    return {
+        "at": [point["at"] for point in points],
+        "tokens_per_s": [point["tokens_per_s"] for point in points],
+        "queue_depth": [point["queue_depth"] for point in points],
     }

@@ -8,14 +8,18 @@ from asgiref.sync import async_to_sync
 from celery import shared_task
 from channels.layers import get_channel_layer
 
-from serving.console_queries import fleet_snapshot
+from serving import telemetry
+from serving.console_queries import fleet_snapshot, record_fleet_history
 
 FLEET_GROUP = "fleet-live"
 
 
 def publish_fleet_snapshot() -> dict[str, Any]:
-    """Build one snapshot and send it to the group; returns what was sent."""
-    snapshot = fleet_snapshot()
+    """Build one snapshot, add its point to the chart's history and send it to the group;
+    returns what was sent."""
+    client = telemetry.redis_client()
+    snapshot = fleet_snapshot(client)
+    record_fleet_history(client, snapshot)
     layer = get_channel_layer()
     if layer is not None:
         async_to_sync(layer.group_send)(

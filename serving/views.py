@@ -9,7 +9,7 @@ from django.views.decorators.http import require_POST
 
 from config.views import staff_required
 from serving import actions
-from serving.console_queries import GPU_STATES, fleet_snapshot
+from serving.console_queries import GPU_STATES, fleet_history, fleet_snapshot
 from serving.models import GpuPool, Node, Replica
 
 NODE_ACTIONS = {
@@ -21,10 +21,12 @@ NODE_ACTIONS = {
 
 @staff_required
 def overview(request: HttpRequest) -> HttpResponse:
-    snapshot = fleet_snapshot(rate=False)
-    return render(
-        request, "console/overview.html", {"snapshot": snapshot, "gpu_states": GPU_STATES}
-    )
+    context = {
+        "snapshot": fleet_snapshot(rate=False),
+        "history": fleet_history(),
+        "gpu_states": GPU_STATES,
+    }
+    return render(request, "console/overview.html", context)
 
 
 @staff_required

@@ -1,4 +1,5 @@
 // The live overview: one WebSocket to the `fleet-live` group; each message is a snapshot.
+// The chart starts from the recent history embedded in the page, then grows with each one.
 "use strict";
 (function () {
   const fmt = window.platformConsole.formatNumber;
@@ -70,22 +71,35 @@
     }
   }
 
-  function renderChart(snapshot) {
-    history.at.push(snapshot.at);
-    history.tokens.push(snapshot.tokens_per_s);
-    history.queue.push(snapshot.queue_depth);
+  function addPoint(at, tokens, queue) {
+    // uPlot needs x in order; a broadcast that raced the page's own snapshot is dropped.
+    if (history.at.length && at <= history.at[history.at.length - 1]) return;
+    history.at.push(at);
+    history.tokens.push(tokens);
+    history.queue.push(queue);
     for (const series of Object.values(history)) {
       if (series.length > HISTORY_POINTS) series.shift();
     }
+  }
+
+  function loadHistory(recent) {
+    recent.at.forEach((at, i) => addPoint(at, recent.tokens_per_s[i], recent.queue_depth[i]));
+  }
+
+  function renderChart(snapshot) {
+    addPoint(snapshot.at, snapshot.tokens_per_s, snapshot.queue_depth);
     const target = document.getElementById("fleet-chart");
     if (!window.uPlot || !target) return;
     const data = [history.at, history.tokens, history.queue];
     if (!chart) {
       chart = new uPlot({
         width: target.clientWidth || 600, height: 220,
-        series: [{}, { label: "tokens/s", stroke: "#2357d9" }, { label: "waiting", stroke: "#b7791f", scale: "q" }],
+        // The page's and the socket's first snapshots have no token rate (it needs two
+        // broadcasts): the line runs across them instead of breaking.
+        series: [{}, { label: "tokens/s", stroke: "#2357d9", spanGaps: true }, { label: "waiting", stroke: "#b7791f", scale: "q" }],
         axes: [{}, { label: "tokens/s" }, { side: 1, scale: "q", label: "waiting", grid: { show: false } }],
       }, data, target);
+      target.uplot = chart;
       window.addEventListener("resize", () => chart.setSize({ width: target.clientWidth, height: 220 }));
     } else {
       chart.setData(data);
@@ -112,6 +126,7 @@
   }
 
   document.addEventListener("DOMContentLoaded", () => {
+    loadHistory(JSON.parse(document.getElementById("fleet-history").textContent));
     render(JSON.parse(document.getElementById("fleet-initial").textContent));
     connect();
   });

@@ -1,4 +1,5 @@
-"""The admin console in a real browser: the live overview and a rollout's pause and resume."""
+"""The admin console in a real browser: the live overview (its chart drawn from the recent
+history on load), and a rollout's pause and resume."""
 
 from __future__ import annotations
 
@@ -97,6 +98,33 @@ def test_an_admin_sees_the_live_fleet_change_when_a_replica_stops(
     expect(page.locator(f'#replica-table tr[data-replica="{stopped.pk}"]')).to_have_count(0)
     expect(page.locator("#gpu-table tbody tr").first).to_contain_text("H100-SXM-80GB")
     screenshot(page, "console-overview-after-replica-stopped")
+
+
+def test_the_overview_chart_shows_the_recent_history_as_soon_as_the_page_loads(
+    gateway_server: GatewayServer, serving_fleet: dict[str, Any], redis_client: redis.Redis,
+    page: Page,
+) -> None:  # fmt: skip
+    node, replicas = serving_fleet["node"], serving_fleet["replicas"]
+    for generated in (2000, 4000, 6000):
+        scraped = [(r.replica_id, {"num_requests_waiting": 1, "generation_tokens_total": generated})
+                   for r in replicas]  # fmt: skip
+        telemetry.store_latest(redis_client, node.pk, [], scraped, timezone.now())
+        in_thread(publish_fleet_snapshot)
+    make_user("ops", is_staff=True)
+
+    log_in(page, gateway_server.url, "ops")
+    expect(page).to_have_url(f"{gateway_server.url}/console/")
+    page.wait_for_function("document.getElementById('fleet-chart').uplot !== undefined")
+    # No broadcast follows the page load, and the snapshots of the page and of the socket's
+    # handshake carry no token rate: rates on the chart can only come from the history.
+    data = page.evaluate("document.getElementById('fleet-chart').uplot.data")
+    at, tokens, queue = data
+    assert len(at) >= 3
+    assert len([rate for rate in tokens if rate is not None]) == 2
+    assert all(rate > 0 for rate in tokens if rate is not None)
+    assert queue[:3] == [2, 2, 2]
+    assert at == sorted(at)
+    screenshot(page, "console-overview-chart-on-load")
 
 
 @pytest.fixture

@@ -12,7 +12,13 @@ from django.utils import timezone
 
 from registry.models import Deployment
 from serving import telemetry
-from serving.console_queries import fleet_snapshot
+from serving.console_queries import (
+    HISTORY_POINTS,
+    fleet_history,
+    fleet_snapshot,
+    record_fleet_history,
+)
+from serving.console_tasks import publish_fleet_snapshot
 from serving.gpu_classes import sync_gpu_classes
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from tenants.actions import do_create_api_key, do_create_tenant
@@ -175,6 +181,43 @@ def test_the_fleet_snapshot_counts_gpus_by_state_and_prices_every_ready_gpu(
     assert (counts["ready"], counts["starting"], counts["idle"]) == (1, 1, 2)
     assert snapshot["queue_depth"] == 3 and snapshot["kv_use"] == 0.5
     assert snapshot["cost_per_hour"] == pytest.approx(4 * float(pool.price_per_gpu_hour))
+
+
+def test_the_chart_history_keeps_the_latest_points_oldest_first(redis_client: redis.Redis) -> None:
+    for second in range(HISTORY_POINTS + 5, 0, -1):  # written newest first, on purpose
+        point = {"at": float(second), "tokens_per_s": second * 10.0, "queue_depth": 1}
+        record_fleet_history(redis_client, point)
+    history = fleet_history(redis_client)
+    assert len(history["at"]) == HISTORY_POINTS
+    assert history["at"] == sorted(history["at"])
+    # The list is capped by arrival: the five written first (the latest seconds) fell out.
+    assert history["at"][-1] == float(HISTORY_POINTS)
+    assert history["tokens_per_s"][0] == 10.0
+
+
+def test_the_overview_embeds_the_history_the_broadcaster_recorded(
+    pool: GpuPool, redis_client: redis.Redis
+) -> None:
+    node = Node.objects.create(pool=pool, hostname="n1", agent_url="http://n1:9100")
+    version = approved_version(make_model("llama-3.1-8b"), "v1", "bf16")
+    deployment = Deployment.objects.create(name="d", model_version=version, pool=pool)
+    ready = Replica.objects.create(
+        deployment=deployment, node=node, gpu_indices=[0], state=Replica.State.READY
+    )
+    for generated in (1000, 3000):
+        telemetry.store_latest(
+            redis_client, node.pk, [],
+            [(ready.replica_id, {"num_requests_waiting": 2, "generation_tokens_total": generated})],
+            timezone.now(),
+        )  # fmt: skip
+        publish_fleet_snapshot()
+
+    reply = client_for(user("ops", is_staff=True)).get("/console/")
+    history = reply.context["history"]
+    assert len(history["at"]) == 2 and history["queue_depth"] == [2, 2]
+    # The first broadcast has no earlier totals to take a rate from; the second has.
+    assert history["tokens_per_s"][0] is None and history["tokens_per_s"][1] > 0
+    assert b'<script id="fleet-history" type="application/json">' in reply.content
 
 
 def test_staff_start_a_rollout_from_the_console(pool: GpuPool) -> None:
