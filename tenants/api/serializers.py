@@ -3,12 +3,12 @@ except `ApiKeyCreatedSerializer`, answered once, to the creation request."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
+from serving.gateway.guardrails import PatternError, check_blocked_patterns
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Scope, Tenant
 
 
@@ -26,13 +26,11 @@ class TenantSerializer(serializers.ModelSerializer[Tenant]):
         read_only_fields = ["id", "created_at"]
 
     def validate_blocked_patterns(self, patterns: list[str]) -> list[str]:
-        for pattern in patterns:
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise serializers.ValidationError(
-                    f"{pattern!r} is not a valid regular expression: {error}."
-                ) from None
+        # The gateway runs them on RE2, so they are checked against RE2, not Python's `re`.
+        try:
+            check_blocked_patterns(patterns)
+        except PatternError as error:
+            raise serializers.ValidationError(str(error)) from None
         return patterns
 
 
