@@ -2,7 +2,7 @@
 // The chart starts from the recent history embedded in the page, then grows with each one.
 "use strict";
 (function () {
-  const fmt = window.platformConsole.formatNumber;
+  const { formatNumber: fmt, valueAxis } = window.platformConsole;
   const GPU_STATES = ["ready", "starting", "draining", "failed", "idle", "unavailable"];
   const history = { at: [], tokens: [], queue: [] };
   const HISTORY_POINTS = 300;
@@ -97,7 +97,8 @@
         // The page's and the socket's first snapshots have no token rate (it needs two
         // broadcasts): the line runs across them instead of breaking.
         series: [{}, { label: "tokens/s", stroke: "#2357d9", spanGaps: true }, { label: "waiting", stroke: "#b7791f", scale: "q" }],
-        axes: [{}, { label: "tokens/s" }, { side: 1, scale: "q", label: "waiting", grid: { show: false } }],
+        axes: [{}, valueAxis("", { label: "tokens/s" }),
+          valueAxis("", { side: 1, scale: "q", label: "waiting", grid: { show: false } })],
       }, data, target);
       target.uplot = chart;
       window.addEventListener("resize", () => chart.setSize({ width: target.clientWidth, height: 220 }));

@@ -7,6 +7,7 @@ document.addEventListener("DOMContentLoaded", () => {
     document.querySelectorAll(".chart").forEach((el) => { el.textContent = "No usage yet."; el.classList.add("muted"); });
     return;
   }
+  const { valueAxis } = window.platformConsole;
   const width = (el) => el.clientWidth || 600;
   const spendEl = document.getElementById("spend-chart");
   const spendSeries = [{}, { label: "spend this month ($)", stroke: "#2357d9", fill: "rgba(35,87,217,.08)" }];
@@ -16,12 +17,18 @@ document.addEventListener("DOMContentLoaded", () => {
     spendData.push(series.at.map(() => budget));
   }
   const charts = [
-    [new uPlot({ width: width(spendEl), height: 220, series: spendSeries }, spendData, spendEl), spendEl],
+    [new uPlot({
+      width: width(spendEl), height: 220, series: spendSeries, axes: [{}, valueAxis("$")],
+    }, spendData, spendEl), spendEl],
   ];
   const tokensEl = document.getElementById("tokens-chart");
   charts.push([new uPlot({
     width: width(tokensEl), height: 200,
     series: [{}, { label: "tokens", stroke: "#1a7f4b", fill: "rgba(26,127,75,.1)", paths: uPlot.paths.bars({ size: [0.6] }) }],
+    // Half a day either side, so the first and last days' bars are drawn whole.
+    scales: { x: { time: true, range: (chart, min, max) => [min - 43200, max + 43200] } },
+    axes: [{}, valueAxis()],
   }, [series.at, series.tokens], tokensEl), tokensEl]);
+  charts.forEach(([chart, el]) => { el.uplot = chart; });
   window.addEventListener("resize", () => charts.forEach(([c, el]) => c.setSize({ width: width(el), height: c.height })));
 });

@@ -1,17 +1,21 @@
-"""The tenant portal in a real browser: keys by role, and a playground streaming through /v1."""
+"""The tenant portal in a real browser: keys by role, a playground streaming through /v1, and
+usage charts whose axis labels fit at common widths."""
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import redis
+from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from metering.ingest import Consumer
 from metering.models import UsageEvent
 from tenants.actions import do_create_tenant
-from tenants.models import ApiKey, Membership, Role, Tenant
+from tenants.models import ApiKey, Membership, Quota, Role, Tenant
 from tests.browser.conftest import log_in, make_user, screenshot
 from tests.gateway.conftest import Fleet, GatewayServer, publish_catalog, wait_until
 from tests.registry.conftest import make_model
@@ -25,6 +29,50 @@ WATCH_REPLY = """() => {
   new MutationObserver(() => window.replyChanges.push(
     {t: performance.now(), length: output.textContent.length})
   ).observe(output, {childList: true, characterData: true, subtree: true});
+}"""
+
+# Records the box of every text drawn on a canvas (uPlot draws its axis labels there), in the
+# canvas's pixels after its transform (axis titles are rotated).
+WATCH_CANVAS_TEXT = """
+window.canvasTexts = [];
+const fillText = CanvasRenderingContext2D.prototype.fillText;
+CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+  const m = this.measureText(text);
+  const t = this.getTransform();
+  const corners = [
+    [x - m.actualBoundingBoxLeft, y - m.actualBoundingBoxAscent],
+    [x + m.actualBoundingBoxRight, y - m.actualBoundingBoxAscent],
+    [x - m.actualBoundingBoxLeft, y + m.actualBoundingBoxDescent],
+    [x + m.actualBoundingBoxRight, y + m.actualBoundingBoxDescent],
+  ].map(([px, py]) => t.transformPoint(new DOMPoint(px, py)));
+  window.canvasTexts.push({
+    canvas: this.canvas, text: String(text),
+    left: Math.min(...corners.map((c) => c.x)), right: Math.max(...corners.map((c) => c.x)),
+    top: Math.min(...corners.map((c) => c.y)), bottom: Math.max(...corners.map((c) => c.y)),
+  });
+  return fillText.call(this, text, x, y, ...rest);
+};
+"""
+
+# The texts drawn in each chart's canvas, with their boxes in page pixels, and the chart's box.
+CHART_TEXTS = """(id) => {
+  const chart = document.getElementById(id);
+  const canvas = chart.querySelector('canvas');
+  const rect = canvas.getBoundingClientRect();
+  const scale = rect.width / canvas.width;
+  const box = chart.getBoundingClientRect();
+  const latest = new Map();  // a redraw paints the same label again: keep the last paint
+  for (const t of window.canvasTexts.filter((t) => t.canvas === canvas)) {
+    latest.set(t.text + '@' + Math.round(t.top), t);
+  }
+  return {
+    chart: {left: box.left, right: box.right, top: box.top, bottom: box.bottom},
+    texts: [...latest.values()].map((t) => ({
+      text: t.text,
+      left: rect.left + t.left * scale, right: rect.left + t.right * scale,
+      top: rect.top + t.top * scale, bottom: rect.top + t.bottom * scale,
+    })),
+  };
 }"""
 
 
@@ -119,3 +167,46 @@ def test_a_viewer_cannot_create_a_key(
     page.click("nav >> text=Playground")
     expect(page.locator("#pg-key")).to_have_attribute("placeholder", "sk-…")
     screenshot(page, "portal-viewer-keys")
+
+
+def usage_day(tenant: Tenant, days_ago: int, tokens: int, price_usd: float) -> None:
+    started = timezone.now() - timedelta(days=days_ago)
+    UsageEvent.objects.create(
+        request_id=f"req-{tenant.slug}-{days_ago}", tenant_id=tenant.pk, model="llama-3.1-8b",
+        priority="standard", prompt_tokens=tokens // 2, cached_prompt_tokens=0,
+        completion_tokens=tokens - tokens // 2, status="ok", queue_ms=1.0, total_ms=900.0,
+        price_charged_usd_micros=round(price_usd * 1e6), started_at=started, ended_at=started,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("width", [1280, 768, 390])
+def test_the_usage_charts_axis_labels_are_whole_and_compact(
+    gateway_server: GatewayServer, acme: Tenant, page: Page, width: int
+) -> None:
+    # Large figures: tens of millions of tokens a day, thousands of dollars against a budget.
+    for days_ago, tokens in [(0, 48_500_000), (1, 12_300_000), (3, 91_000_000)]:
+        usage_day(acme, days_ago, tokens, price_usd=tokens / 10_000)
+    Quota.objects.filter(tenant=acme).update(monthly_spend_budget_usd=25_000)
+    member(acme, "analyst", Role.VIEWER)
+    page.set_viewport_size({"width": width, "height": 900})
+    page.add_init_script(WATCH_CANVAS_TEXT)
+    log_in(page, gateway_server.url, "analyst")
+
+    page.goto(f"{gateway_server.url}/portal/acme/usage/")
+    page.wait_for_function("document.getElementById('tokens-chart').uplot !== undefined")
+    labels: dict[str, list[str]] = {}
+    for chart_id in ("spend-chart", "tokens-chart"):
+        drawn = page.evaluate(CHART_TEXTS, chart_id)
+        box = drawn["chart"]
+        assert drawn["texts"], f"{chart_id}: no axis labels drawn"
+        for text in drawn["texts"]:
+            assert text["left"] >= box["left"] - 0.5 and text["right"] <= box["right"] + 0.5, (
+                f"{chart_id} at {width}px: {text['text']!r} is cut off ({text} vs {box})"
+            )
+            assert text["top"] >= box["top"] - 0.5 and text["bottom"] <= box["bottom"] + 0.5, (
+                f"{chart_id} at {width}px: {text['text']!r} is cut off ({text} vs {box})"
+            )
+        labels[chart_id] = [t["text"] for t in drawn["texts"]]
+    assert any(re.fullmatch(r"\d+(\.\d+)?M", text) for text in labels["tokens-chart"]), labels
+    assert any(re.fullmatch(r"\$\d+(\.\d+)?K", text) for text in labels["spend-chart"]), labels
+    screenshot(page, f"portal-usage-charts-{width}px")
