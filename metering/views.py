@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 from django.contrib.auth.decorators import login_required
 from django.db.models import ExpressionWrapper, F, FloatField
@@ -23,6 +24,20 @@ from tenants.views import budget_figures, portal_context, portal_tenant
 
 WINDOW = timedelta(days=30)
 RECENT_REQUESTS = 50
+# Under this revenue (over the window) a margin percentage measures how little traffic there
+# was, not pricing: GPUs kept warm for a few demo requests read as -40,000 %.
+MARGIN_PCT_MIN_REVENUE_USD = 10.0
+
+
+def margin_as_shown(row: dict[str, Any]) -> dict[str, Any]:
+    """A margin row as the billing page shows it: the dollars always (sign apart, so a loss
+    reads -$12.34), the percentage only from MARGIN_PCT_MIN_REVENUE_USD of revenue up."""
+    shown_pct = row["revenue_usd"] >= MARGIN_PCT_MIN_REVENUE_USD
+    return {
+        **row,
+        "margin_pct": row["margin_pct"] if shown_pct else None,
+        "margin_abs_usd": abs(row["margin_usd"]),
+    }
 
 
 @staff_required
@@ -30,7 +45,8 @@ def billing(request: HttpRequest) -> HttpResponse:
     since = timezone.now() - WINDOW
     context = {
         "invoices": actions.access_invoices(request.user)[:100],
-        "margins": margin_by_model_and_pool(since),
+        "margins": [margin_as_shown(row) for row in margin_by_model_and_pool(since)],
+        "margin_pct_min_revenue_usd": MARGIN_PCT_MIN_REVENUE_USD,
         "sheets": actions.access_price_sheets(request.user).select_related("tenant"),
     }
     return render(request, "console/billing.html", context)
