@@ -8,6 +8,12 @@ Where a key's record lives, fastest first:
      while PostgreSQL is down;
   3. PostgreSQL, only on a Redis miss.
 
+A key PostgreSQL does not know is remembered as unknown too, so that repeating a made-up key
+does not ask PostgreSQL each time: in the in-process cache like any other answer, and in
+Redis as a tombstone that expires after `MISSING_KEY_TTL_S` (the key may be created later;
+creating it overwrites the tombstone and publishes its event, so it works at once). A string
+not shaped like a key this module generates is refused before any lookup.
+
 Revocations and changes are published on `KEY_EVENTS_CHANNEL` as `key:<sha256>`,
 `tenant:<id>` or `all`; every process drops the matching cache entries at once.
 
@@ -24,6 +30,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -42,6 +49,14 @@ KEY_EVENTS_CHANNEL = "tenants:key-events"
 LAST_USED_HASH = "apikey:last-used"
 KEY_SCHEME = "sk"
 DEFAULT_TIMEOUT_S = 0.5
+# How long every gateway process takes a key PostgreSQL did not know for unknown.
+MISSING_KEY_TTL_S = 30
+PREFIX_BYTES = 4
+SECRET_BYTES = 24
+# `sk-<prefix>-<secret>`, both lowercase hex, as `generate_raw_key` makes them.
+_KEY_SHAPE = re.compile(
+    rf"{KEY_SCHEME}-([0-9a-f]{{{2 * PREFIX_BYTES}}})-[0-9a-f]{{{2 * SECRET_BYTES}}}"
+)
 
 
 @dataclass(frozen=True)
@@ -176,15 +191,14 @@ class KeyPrincipal:
 
 def generate_raw_key() -> tuple[str, str]:
     """A new key `sk-<prefix>-<secret>` and its visible prefix."""
-    prefix = secrets.token_hex(4)
-    return f"{KEY_SCHEME}-{prefix}-{secrets.token_hex(24)}", prefix
+    prefix = secrets.token_hex(PREFIX_BYTES)
+    return f"{KEY_SCHEME}-{prefix}-{secrets.token_hex(SECRET_BYTES)}", prefix
 
 
 def key_prefix_of(raw_key: str) -> str | None:
-    parts = raw_key.split("-", 2)
-    if len(parts) != 3 or parts[0] != KEY_SCHEME or not parts[1] or not parts[2]:
-        return None
-    return parts[1]
+    """The visible prefix of a string shaped like a key; None for anything else."""
+    shaped = _KEY_SHAPE.fullmatch(raw_key)
+    return shaped.group(1) if shaped else None
 
 
 def hash_key(raw_key: str) -> str:
@@ -256,6 +270,8 @@ class KeyAuthenticator:
         # Bounded: made-up keys must not grow a process's memory without limit.
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._cache_max_entries = cache_max_entries
+        # Counts key events, so a lookup that an event overtook is not cached (below).
+        self._events_seen = 0
         self._touched: dict[int, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
@@ -266,12 +282,16 @@ class KeyAuthenticator:
         secret_hash = hash_key(raw_key)
         entry = self._cache.get(secret_hash)
         if entry is None or entry.fresh_until <= time.monotonic():
+            events_seen = self._events_seen
             principal = await self._lookup(raw_key, secret_hash)
             entry = _CacheEntry(time.monotonic() + self._cache_ttl_s, principal)
-            self._cache[secret_hash] = entry
-            self._cache.move_to_end(secret_hash)
-            while len(self._cache) > self._cache_max_entries:
-                self._cache.popitem(last=False)
+            # An event during the lookup (the key created or revoked meanwhile) may have
+            # made its answer stale: use it for this request, but do not cache it.
+            if events_seen == self._events_seen:
+                self._cache[secret_hash] = entry
+                self._cache.move_to_end(secret_hash)
+                while len(self._cache) > self._cache_max_entries:
+                    self._cache.popitem(last=False)
         principal = entry.principal
         if principal is None or principal.is_expired(time.time()):
             return None
@@ -299,7 +319,7 @@ class KeyAuthenticator:
                         encode_key_record(secret_hash, principal),
                         nx=True,
                         # an unknown key's tombstone expires: the key may be created later
-                        ex=None if principal is not None else 60,
+                        ex=None if principal is not None else MISSING_KEY_TTL_S,
                     ),
                     self._timeout_s,
                 )
@@ -307,6 +327,7 @@ class KeyAuthenticator:
 
     def forget(self, event: str) -> None:
         """Drop the cache entries an event names: `key:<hash>`, `tenant:<id>` or `all`."""
+        self._events_seen += 1
         kind, _, value = event.partition(":")
         if kind == "key":
             self._cache.pop(value, None)
@@ -358,7 +379,7 @@ class KeyAuthenticator:
             try:
                 await pubsub.subscribe(KEY_EVENTS_CHANNEL)
                 # Events may have been missed while unsubscribed: start from nothing.
-                self._cache.clear()
+                self.forget("all")
                 self._subscribed.set()
                 backoff_s = 0.1
                 while True:

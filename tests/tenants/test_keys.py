@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -12,10 +13,18 @@ import pytest
 import redis.asyncio as aioredis
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from tenants.actions import do_create_api_key, do_record_key_use, do_revoke_api_key, do_update_quota
-from tenants.keys import KeyAuthenticator, KeyPrincipal, hash_key, key_record_name
+from tenants.keys import (
+    MISSING_KEY_TTL_S,
+    KeyAuthenticator,
+    KeyPrincipal,
+    generate_raw_key,
+    hash_key,
+    key_record_name,
+)
 from tenants.models import ApiKey, KeyQuotaOverride, Quota, Tenant
 from tests.tenants.conftest import user
 from tests.tenants.workers import watch_key
@@ -156,3 +165,118 @@ async def test_made_up_keys_do_not_grow_the_cache_past_its_bound(aredis: aioredi
     for i in range(200):
         assert await authenticator.authenticate(f"sk-{i:08x}-{'f' * 48}") is None
     assert len(authenticator._cache) == 50
+
+
+@pytest.fixture
+def key_queries() -> Iterator[list[str]]:
+    """The SQL statements that read API keys, from any thread, while the test runs."""
+    seen: list[str] = []
+    execute = CursorWrapper.execute
+
+    def counting(self: CursorWrapper, sql: str, *args: Any, **kwargs: Any) -> Any:
+        if "tenants_apikey" in sql:
+            seen.append(sql)
+        return execute(self, sql, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CursorWrapper, "execute", counting)
+        yield seen
+
+
+async def test_a_repeated_unknown_key_asks_postgres_once_across_processes(
+    acme: Tenant, aredis: aioredis.Redis, key_queries: list[str]
+) -> None:
+    raw, _ = generate_raw_key()
+    # three gateway processes, each past its own few seconds of in-process cache every time
+    workers = [KeyAuthenticator(aredis, cache_ttl_s=0) for _ in range(3)]
+    for _ in range(10):
+        for worker in workers:
+            assert await worker.authenticate(raw) is None
+    assert len(key_queries) == 1
+    assert 0 < await aredis.ttl(key_record_name(hash_key(raw))) <= MISSING_KEY_TTL_S
+
+
+async def test_a_repeated_unknown_key_asks_postgres_once_while_redis_is_down(
+    acme: Tenant, aredis: aioredis.Redis, key_queries: list[str]
+) -> None:
+    raw, _ = generate_raw_key()
+    unreachable = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    authenticator = KeyAuthenticator(unreachable, timeout_s=0.5)
+    try:
+        for _ in range(20):
+            assert await authenticator.authenticate(raw) is None
+    finally:
+        await unreachable.aclose()
+    assert len(key_queries) == 1
+
+
+async def test_a_key_created_after_a_miss_works_at_once(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    raw, _ = generate_raw_key()
+    running = KeyAuthenticator(aredis, cache_ttl_s=60)
+    await running.start()
+    try:
+        assert await running.authenticate(raw) is None  # remembered as unknown, here and in Redis
+        key, _ = await sync_to_async(create_key)(acme, raw_key=raw)
+        # another process, which never saw the key, finds it in Redis without PostgreSQL
+        other = KeyAuthenticator(aredis, load_from_database=database_is_down)
+        assert (await other.authenticate(raw)).key_id == key.pk
+        # and the process that missed it drops its memory of the miss on the key's event
+        deadline = time.monotonic() + 1.0
+        while (principal := await running.authenticate(raw)) is None:
+            assert time.monotonic() < deadline, "the miss outlived the key's creation"
+            await asyncio.sleep(0.01)
+        assert principal.key_id == key.pk
+    finally:
+        await running.close()
+
+
+async def test_a_miss_overtaken_by_the_keys_creation_is_not_remembered(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    raw, _ = generate_raw_key()
+    created: list[ApiKey] = []
+
+    async def created_while_looking(raw_key: str) -> KeyPrincipal | None:
+        # PostgreSQL answered before the key was committed; the key, its record and its
+        # event all land before that answer reaches the authenticator.
+        key, _ = await sync_to_async(create_key)(acme, raw_key=raw_key)
+        created.append(key)
+        authenticator.forget(f"key:{hash_key(raw_key)}")
+        return None
+
+    authenticator = KeyAuthenticator(
+        aredis, cache_ttl_s=60, load_from_database=created_while_looking
+    )
+    assert await authenticator.authenticate(raw) is None
+    assert (await authenticator.authenticate(raw)).key_id == created[0].pk
+    assert len(created) == 1
+
+
+@pytest.mark.parametrize(
+    "raw_key",
+    [
+        "",
+        "sk-",
+        "sk-nope-nope",
+        "sk-0123abcd-" + "f" * 47,
+        "sk-0123abcd-" + "f" * 49,
+        "sk-0123ABCD-" + "f" * 48,
+        "sk-0123abcd-" + "f" * 48 + "\n",
+        "pk-0123abcd-" + "f" * 48,
+        "sk-0123abcd-" + "f" * 10_000,
+    ],
+)
+async def test_a_string_not_shaped_like_a_key_is_refused_without_any_lookup(
+    raw_key: str,
+) -> None:
+    unreachable = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    authenticator = KeyAuthenticator(unreachable, load_from_database=database_is_down)
+    try:
+        started = time.monotonic()
+        assert await authenticator.authenticate(raw_key) is None
+        assert time.monotonic() - started < 0.1  # no connection attempt, let alone a query
+    finally:
+        await unreachable.aclose()
+    assert not authenticator._cache
