@@ -1,26 +1,33 @@
-"""The four routing policies on homogeneous fleets and a heterogeneous fleet, on the Azure
+"""The four routing policies on homogeneous fleets and heterogeneous fleets, on the Azure
 conversation trace and the Mooncake trace, in the cluster simulator (engine model + the real
 router).
 
     .venv/bin/python bench/routing.py [--azure-rate 10] [--mooncake-rate 0.5]
-        [--mix H100-SXM-80GB:0.5,A100-SXM-80GB:0.25,L40S-48GB:0.25] [--traces azure,mooncake]
+        [--mixes H100-SXM-80GB:1+L40S-48GB:1,...] [--traces azure,mooncake]
         [--gpus <classes of the homogeneous search, default every class in gpus.csv>]
 
 Per trace:
-  (h) per GPU class, the smallest homogeneous fleet on which least-load serves >= 99 % of
-      interactive requests within the interactive TTFT objective (doubling, then bisecting);
-  (a) all four policies on the cheapest of those; the cheapest homogeneous fleet meeting the
-      SLO is the lowest $/Mtok of any (h) row and any (a) policy meeting it;
-  (b) a heterogeneous fleet of the smallest H100 fleet's hourly budget (the `--mix` shares of
-      the budget in whole replicas, never over it), all four policies on it;
-  (c) scaled-down heterogeneous fleets under cost-aware; the cheapest one meeting the SLO.
+  (h) per GPU class and per policy (least-load, cost-aware), the smallest homogeneous fleet
+      on which >= 99 % of interactive requests meet the interactive TTFT objective
+      (doubling, then bisecting). The cheapest of these is the baseline of the cost target:
+      the cheapest homogeneous fleet that meets the SLO, routed as well as we can;
+  (a) all four policies on the smallest H100 fleet meeting it;
+  (b) a heterogeneous fleet of (a)'s hourly budget (the first `--mixes` entry's shares, in
+      whole replicas, never over budget), all four policies on it;
+  (c) per mix, the smallest budget on which cost-aware meets the SLO (bisecting the budget).
 Targets, checked in the same run: cost-aware meets the interactive TTFT SLO for >= 99 % at
 >= 30 % below the cheapest homogeneous $/Mtok; its p99 TTFT on (b) is >= 20 % below
-least-load's. Tenants: acme and globex interactive (60 % of traffic), initech standard (25 %),
-umbrella batch (15 %); router SLO tiers are the defaults (interactive TTFT 1 s, TPOT 50 ms),
+least-load's. The saving against the cheapest H100 fleet is printed too, and so is the
+roofline's bound: a fleet sized by prefill compute (or by decode bandwidth) is at best as
+much cheaper as the best class's FLOPS (or bandwidth) per dollar is better than the
+baseline class's.
+
+Tenants: acme and globex interactive (60 % of traffic), initech standard (25 %), umbrella
+batch (15 %); router SLO tiers are the defaults (interactive TTFT 1 s, TPOT 50 ms),
 except Mooncake's interactive TTFT objective (--mooncake-ttft, 5 s: its prompts average 15k
-tokens and a fifth of them cannot prefill within 1 s on an idle H100). Runs are spread over
-`--workers` processes.
+tokens and a fifth of them cannot prefill within 1 s on an idle H100). The "int T+T" column
+is the share of interactive requests meeting both TTFT and TPOT: fleets of slow-decoding
+GPUs meet the TTFT target while missing TPOT. Runs are spread over `--workers` processes.
 """
 
 from __future__ import annotations
@@ -55,6 +62,14 @@ COST_TARGET = 0.30
 P99_TARGET = 0.20
 H100 = "H100-SXM-80GB"
 MAX_REPLICAS = 128
+SEARCH_POLICIES = ("least_load", "cost_aware")
+DEFAULT_MIXES = (
+    "H100-SXM-80GB:1+L40S-48GB:1,"
+    "RTX-PRO-6000-96GB:1+L40S-48GB:1,"
+    "H100-SXM-80GB:1+RTX-PRO-6000-96GB:1+L40S-48GB:1,"
+    "H200-SXM-141GB:1+L40S-48GB:1,"
+    "H100-SXM-80GB:2+A100-SXM-80GB:1+L40S-48GB:1"
+)
 
 # Set per trace before the worker pool forks, so the requests are never pickled.
 REQUESTS: list[SimRequest] = []
@@ -84,123 +99,199 @@ def hopeless(summary: Summary) -> bool:
     return summary.failed > (1 - SLO_SHARE) * summary.requests
 
 
-def smallest_meeting(task: tuple[str, RouterConfig]) -> tuple[str, int, Summary | None]:
-    """The fewest replicas of one GPU class on which least-load meets the SLO: doubling
-    up to a fleet that meets it, then bisecting (attainment grows with the fleet)."""
-    gpu, router = task
+def idle_misses(gpu: str, router: RouterConfig) -> float:
+    """The share of interactive requests whose prefill alone, on an idle replica of this
+    class, takes longer than the objective: no number of replicas brings them in."""
+    perf = homogeneous(gpu, 1).perf(homogeneous(gpu, 1).pools[0])
+    limit = router.tier("interactive").ttft_s or float("inf")
+    interactive = [r for r in REQUESTS if r.tier == "interactive"]
+    slow = sum(1 for r in interactive if perf.ttft_s(r.prompt_tokens) > limit)
+    return slow / max(1, len(interactive))
+
+
+def smallest_meeting(
+    task: tuple[str, str, RouterConfig],
+) -> tuple[str, str, int, Summary | None]:
+    """The fewest replicas of one GPU class on which `policy` meets the SLO: doubling up to
+    a fleet that meets it, then bisecting (attainment grows with the fleet)."""
+    gpu, policy, router = task
+    cacheable = any(r.block_hashes for r in REQUESTS[:100])  # prefix hits can bring them in
+    if not cacheable and idle_misses(gpu, router) > 1 - SLO_SHARE:
+        return gpu, policy, 0, None
     failing, meeting, found = 0, 0, None
-    size = 1
+    size, previous = 1, -1.0
     while size <= MAX_REPLICAS:
-        summary = run(homogeneous(gpu, size), "least_load", router)
+        summary = run(homogeneous(gpu, size), policy, router)
         if meets(summary):
             meeting, found = size, summary
             break
-        if hopeless(summary):
-            return gpu, 0, None
-        failing, size = size, size * 2
+        attained = summary.tiers["interactive"].ttft_attainment
+        if hopeless(summary) or (size >= 8 and attained <= previous):
+            return gpu, policy, 0, None  # more replicas stopped helping
+        failing, size, previous = size, size * 2, attained
     if found is None:
-        return gpu, 0, None
+        return gpu, policy, 0, None
     while meeting - failing > 1:
         middle = (failing + meeting) // 2
-        summary = run(homogeneous(gpu, middle), "least_load", router)
+        summary = run(homogeneous(gpu, middle), policy, router)
         if meets(summary):
             meeting, found = middle, summary
         else:
             failing = middle
-    return gpu, meeting, found
+    return gpu, policy, meeting, found
+
+
+def cheapest_mix(
+    task: tuple[dict[str, float], float, RouterConfig],
+) -> tuple[dict[str, float], list[tuple[FleetSpec, Summary]]]:
+    """Every fleet cost-aware ran on while bisecting the budget of one mix between 30 % and
+    100 % of `budget` (attainment grows with the budget); the cheapest meeting is among them."""
+    mix, budget, router = task
+    runs: list[tuple[FleetSpec, Summary]] = []
+    seen: dict[str, Summary] = {}
+
+    def attempt(dollars: float) -> bool:
+        fleet = with_budget(mix, dollars)
+        if not fleet.pools:
+            return False
+        key = fleet.describe()
+        if key not in seen:
+            seen[key] = run(fleet, "cost_aware", router)
+            runs.append((fleet, seen[key]))
+        return meets(seen[key])
+
+    low, high = 0.3 * budget, budget
+    if not attempt(high):
+        return mix, runs
+    while high - low > 0.5:  # dollars per hour
+        middle = (low + high) / 2
+        if attempt(middle):
+            high = middle
+        else:
+            low = middle
+    return mix, runs
 
 
 def row(label: str, summary: Summary, hourly: float) -> str:
     tier = summary.tiers["interactive"]
     return (
-        f"{label:<3} {summary.policy:<16} {summary.fleet:<50} {hourly:>7.2f} "
-        f"{tier.ttft_attainment:>8.2%} {tier.ttft_p99_s:>8.3f} {summary.ttft_p99_s:>8.3f} "
-        f"{summary.tpot_p99_s * 1000:>7.1f} {summary.cost_per_million_tokens:>8.4f} "
-        f"{summary.gpu_utilization:>5.0%}"
+        f"{label:<3} {summary.policy:<16} {summary.fleet:<56} {hourly:>7.2f} "
+        f"{tier.ttft_attainment:>8.2%} {tier.slo_attainment:>8.2%} {tier.ttft_p99_s:>8.3f} "
+        f"{summary.ttft_p99_s:>8.3f} {summary.tpot_p99_s * 1000:>7.1f} "
+        f"{summary.cost_per_million_tokens:>8.4f}"
     )
 
 
 HEADER = (
-    f"{'':<3} {'policy':<16} {'fleet':<50} {'$/hour':>7} {'int SLO':>8} {'int p99':>8} "
-    f"{'all p99':>8} {'TPOTp99':>7} {'$/Mtok':>8} {'util':>5}"
+    f"{'':<3} {'policy':<16} {'fleet':<56} {'$/hour':>7} {'int SLO':>8} {'int T+T':>8} "
+    f"{'int p99':>8} {'all p99':>8} {'TPOTp99':>7} {'$/Mtok':>8}"
 )
 
 
+def roofline_bound(baseline_gpu: str, classes: list[str]) -> str:
+    """How much cheaper than the baseline class any fleet can be when it is sized by prefill
+    compute or by decode bandwidth: the best class's FLOPS or bandwidth per dollar."""
+    specs = load_gpu_specs()
+    base = specs[baseline_gpu]
+
+    def per_dollar(gpu: str, figure: str) -> float:
+        spec = specs[gpu]
+        value = spec.tflops_for("bf16") if figure == "flops" else spec.mem_bandwidth_gbs
+        return value / spec.usd_per_hour
+
+    parts = []
+    for figure in ("flops", "bandwidth"):
+        best = max(classes, key=lambda g: per_dollar(g, figure))
+        ratio = per_dollar(best, figure) / per_dollar(baseline_gpu, figure)
+        parts.append(
+            f"{figure} per dollar: best {best} {ratio:.2f}x {base.name}, "
+            f"at most {max(0.0, 1 - 1 / ratio):.0%} cheaper"
+        )
+    return "; ".join(parts)
+
+
 def bench_trace(
-    name: str, router: RouterConfig, mix: dict[str, float], gpus: list[str], pool: Pool
+    name: str,
+    router: RouterConfig,
+    mixes: list[dict[str, float]],
+    gpus: list[str],
+    pool: Pool,
 ) -> list[str]:
     verdicts = []
     print(f"\n== {name}: {len(REQUESTS)} requests over {REQUESTS[-1].arrival_s:.0f} s ==")
     print(HEADER)
     specs = load_gpu_specs()
-    # (h) per GPU class, the smallest homogeneous fleet meeting the SLO under least-load.
-    smallest: dict[str, tuple[int, Summary]] = {}
-    for gpu, count, summary in pool.imap(smallest_meeting, [(g, router) for g in gpus]):
+    # (h) per GPU class and policy, the smallest homogeneous fleet meeting the SLO.
+    smallest: dict[tuple[str, str], tuple[int, Summary]] = {}
+    tasks = [(g, p, router) for g in gpus for p in SEARCH_POLICIES]
+    for gpu, policy, count, summary in pool.imap(smallest_meeting, tasks):
         if summary is None:
-            print(f"(h) {'least_load':<16} {gpu:<50} no fleet up to {MAX_REPLICAS} meets it")
+            print(f"(h) {policy:<16} {gpu:<56} no fleet up to {MAX_REPLICAS} meets it")
             continue
-        smallest[gpu] = (count, summary)
+        smallest[(gpu, policy)] = (count, summary)
         print(row("(h)", summary, count * specs[gpu].usd_per_hour))
     if not smallest:
         return [f"{name}: no homogeneous fleet meets the SLO"]
-    # (a) all four policies on the cheapest of them; the baseline is the lowest $/Mtok
-    # of any policy meeting the SLO on any of the smallest homogeneous fleets.
-    cheapest_gpu = min(smallest, key=lambda g: smallest[g][1].cost_per_million_tokens)
-    count = smallest[cheapest_gpu][0]
-    fleet_a = homogeneous(cheapest_gpu, count)
+    (base_gpu, base_policy), (base_count, base_summary) = min(
+        smallest.items(), key=lambda item: item[1][1].cost_per_million_tokens
+    )
+    baseline = base_summary.cost_per_million_tokens
+
+    # (a) all four policies on the smallest H100 fleet meeting the SLO.
+    h100_counts = [smallest[(H100, p)][0] for p in SEARCH_POLICIES if (H100, p) in smallest]
+    a_gpu = H100 if h100_counts else base_gpu
+    fleet_a = homogeneous(a_gpu, min(h100_counts) if h100_counts else base_count)
     results_a = dict(
         zip(POLICIES, pool.map(run_task, [(fleet_a, p, router) for p in POLICIES]), strict=True)
     )
     for summary in results_a.values():
         print(row("(a)", summary, fleet_a.hourly_cost))
-    baseline = min(
-        [s.cost_per_million_tokens for s in results_a.values() if meets(s)]
-        + [summary.cost_per_million_tokens for _, summary in smallest.values()]
+    h100_baseline = min(
+        (s.cost_per_million_tokens for s in results_a.values() if meets(s)), default=None
     )
 
-    # (b) a heterogeneous fleet of the smallest meeting H100 fleet's hourly budget.
-    budget = (
-        smallest[H100][0] * specs[H100].usd_per_hour if H100 in smallest else fleet_a.hourly_cost
-    )
-    fleet_b = with_budget(mix, budget)
+    # (b) a heterogeneous fleet of (a)'s hourly budget, all four policies.
+    budget = fleet_a.hourly_cost
+    fleet_b = with_budget(mixes[0], budget)
     results_b = dict(
         zip(POLICIES, pool.map(run_task, [(fleet_b, p, router) for p in POLICIES]), strict=True)
     )
     for summary in results_b.values():
         print(row("(b)", summary, fleet_b.hourly_cost))
 
-    # (c) scaled-down heterogeneous fleets under cost-aware, two at a time.
-    fleets_c: list[FleetSpec] = []
-    for scale in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4):
-        fleet_c = with_budget(mix, budget * scale)
-        if fleet_c.pools and all(f.describe() != fleet_c.describe() for f in fleets_c):
-            fleets_c.append(fleet_c)
+    # (c) per mix, the cheapest budget on which cost-aware meets the SLO.
     cheapest: tuple[FleetSpec, Summary] | None = None
-    if meets(results_b["cost_aware"]):
-        cheapest = (fleet_b, results_b["cost_aware"])
-    for fleet_c, summary in zip(
-        fleets_c, pool.map(run_task, [(f, "cost_aware", router) for f in fleets_c]), strict=True
-    ):
-        print(row("(c)", summary, fleet_c.hourly_cost))
-        if meets(summary) and (
-            cheapest is None
-            or summary.cost_per_million_tokens < cheapest[1].cost_per_million_tokens
-        ):
-            cheapest = (fleet_c, summary)
+    for _, runs in pool.imap(cheapest_mix, [(mix, budget, router) for mix in mixes]):
+        for fleet_c, summary in sorted(runs, key=lambda item: item[0].hourly_cost):
+            print(row("(c)", summary, fleet_c.hourly_cost))
+            if meets(summary) and (
+                cheapest is None
+                or summary.cost_per_million_tokens < cheapest[1].cost_per_million_tokens
+            ):
+                cheapest = (fleet_c, summary)
 
+    print("\nroofline bound against " + base_gpu + ": " + roofline_bound(base_gpu, gpus))
+    if a_gpu != base_gpu:
+        print("roofline bound against " + a_gpu + ": " + roofline_bound(a_gpu, gpus))
     if cheapest is None:
         verdicts.append(
             f"{name}: cost-aware meets the interactive TTFT SLO on no heterogeneous fleet tried: FAIL"
         )
     else:
-        saving = 1 - cheapest[1].cost_per_million_tokens / baseline
+        found, summary = cheapest
+        saving = 1 - summary.cost_per_million_tokens / baseline
         verdict = "PASS" if saving >= COST_TARGET else "FAIL"
         verdicts.append(
-            f"{name}: cost-aware meets the SLO on {cheapest[0].describe()} at "
-            f"${cheapest[1].cost_per_million_tokens:.4f}/Mtok, {saving:+.0%} vs the cheapest "
-            f"homogeneous (${baseline:.4f}/Mtok, {count}x {cheapest_gpu}): {verdict} "
-            f"(target >= {COST_TARGET:.0%})"
+            f"{name}: cost-aware meets the SLO on {found.describe()} at "
+            f"${summary.cost_per_million_tokens:.4f}/Mtok, {saving:+.0%} vs the cheapest "
+            f"homogeneous fleet (${baseline:.4f}/Mtok, {base_count}x {base_gpu}, "
+            f"{base_policy}): {verdict} (target >= {COST_TARGET:.0%})"
         )
+        if h100_baseline is not None:
+            verdicts.append(
+                f"{name}: and {1 - summary.cost_per_million_tokens / h100_baseline:+.0%} vs the "
+                f"cheapest {a_gpu} fleet (${h100_baseline:.4f}/Mtok, {fleet_a.describe()})"
+            )
     ca, ll = results_b["cost_aware"].ttft_p99_s, results_b["least_load"].ttft_p99_s
     better = 1 - ca / ll
     verdicts.append(
@@ -210,8 +301,12 @@ def bench_trace(
     return verdicts
 
 
-def parse_mix(text: str) -> dict[str, float]:
-    return {gpu: float(share) for gpu, share in (part.split(":") for part in text.split(","))}
+def parse_mixes(text: str) -> list[dict[str, float]]:
+    """`A:1+B:2,C:1+D:1` -> [{A: 1, B: 2}, {C: 1, D: 1}]: shares of the budget per class."""
+    return [
+        {gpu: float(share) for gpu, share in (part.split(":") for part in mix.split("+"))}
+        for mix in text.split(",")
+    ]
 
 
 def main() -> int:
@@ -227,7 +322,12 @@ def main() -> int:
         help="interactive TTFT objective on Mooncake, s (a fifth of its prompts take over 1 s "
         "to prefill on an idle H100)",
     )
-    parser.add_argument("--mix", default="H100-SXM-80GB:0.5,A100-SXM-80GB:0.25,L40S-48GB:0.25")
+    parser.add_argument(
+        "--mixes",
+        default=DEFAULT_MIXES,
+        help="heterogeneous mixes, comma-separated; each is CLASS:SHARE joined by '+'; the "
+        "first is fleet (b)",
+    )
     parser.add_argument(
         "--gpus", default=",".join(load_gpu_specs()), help="GPU classes of the homogeneous search"
     )
@@ -235,7 +335,7 @@ def main() -> int:
     args = parser.parse_args()
     print("command: " + " ".join([".venv/bin/python", "bench/routing.py", *sys.argv[1:]]))
     started = time.perf_counter()
-    mix = parse_mix(args.mix)
+    mixes = parse_mixes(args.mixes)
     gpus = args.gpus.split(",")
     verdicts: list[str] = []
     for trace in args.traces.split(","):
@@ -249,7 +349,7 @@ def main() -> int:
             label = f"Mooncake x{args.mooncake_rate:g}, interactive TTFT {args.mooncake_ttft:g} s"
         # Forked after REQUESTS is set: workers inherit it.
         with get_context("fork").Pool(args.workers) as pool:
-            verdicts += bench_trace(label, router, mix, gpus, pool)
+            verdicts += bench_trace(label, router, mixes, gpus, pool)
     print("\n" + "\n".join(verdicts))
     print(f"\n(wall {time.perf_counter() - started:.0f} s)")
     return 0
