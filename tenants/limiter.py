@@ -16,10 +16,26 @@ Redis keys, all of one tenant under the hash tag `{t:<tenant_id>}`:
     rl:{t:<tenant>}:k:<key>:streams      the key's own lease set (only when lower)
     rl:{t:<tenant>}:month:<YYYY-MM>:tokens        tokens used this month (UTC), reserved included
     rl:{t:<tenant>}:month:<YYYY-MM>:spend_micros  spend this month in micro-USD, added by settle
-    rl:{t:<tenant>}:settled:<request id>          marker that makes settle idempotent
+    rl:{t:<tenant>}:req:<request id>              the reservation's state: held (admitted),
+                                                  settled, or cancelled (released before it ran)
 
 Stream leases: only `stream=True` admissions hold one. A lease expires after `lease_ttl_s`
 (10 min) unless `renew_lease` pushes it on, so a gateway that crashes mid-stream leaks no slot.
+
+An admission whose answer never came back (the call timed out, or its caller was cancelled)
+may still have run in Redis. `admit` then sends a release for its request id at once: the
+settle script in 'release' mode gives back everything the admission took if it ran, and if it
+has not run yet leaves a tombstone that makes it take nothing when it does; either order ends
+with nothing held.
+
+Settles and releases that cannot reach Redis are kept in memory and retried
+(`retry_deferred`, which the gateway calls every few seconds), in order, until applied; the
+state key makes a retry of one that did run harmless. What can still be lost: the deferred
+calls of a gateway process that dies while Redis is away, and the oldest ones past
+`DEFERRED_MAX` or older than `DEFERRED_MAX_AGE_S`. For those, the stream leases expire within
+`lease_ttl_s`, the token buckets refill within a minute, the spend counter is raised to what
+PostgreSQL billed by the budget task (metering.budgets), and only the month's token counter
+stays too high by the unused part of those reservations.
 
 One round trip at the end of a request: the gateway builds a pipeline, appends the settle
 with `await limiter.settle_commands(pipe, reservation, ...)`, appends its own XADD of the
@@ -37,14 +53,16 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tenants.keys import KeyPrincipal, _default_timeout_s
@@ -57,12 +75,25 @@ SETTLE_SCRIPT = (LUA_DIR / "settle.lua").read_text()
 
 DEFAULT_LEASE_TTL_S = 600
 SETTLED_MARKER_TTL_S = 2 * 86400
+# Deferred settles kept for a retry: at most this many (the oldest go first) ...
+DEFERRED_MAX = 10_000
+# ... and none older than this, well inside the settled marker's life, so that a retry of a
+# settle that did run (only its answer was lost) still finds the marker and does nothing.
+DEFERRED_MAX_AGE_S = 86400.0
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
 
 LIMITER_REDIS_FAILURES = Counter(
     "platform_limiter_redis_failures_total",
     "Admissions decided without Redis because it was unreachable, by fail mode.",
     ["mode"],
+)
+LIMITER_DEFERRED = Gauge(
+    "platform_limiter_deferred_settles",
+    "Settles and releases waiting for Redis to come back, in this process.",
+)
+LIMITER_DEFERRED_DROPPED = Counter(
+    "platform_limiter_deferred_settles_dropped_total",
+    "Deferred settles and releases given up (too many waiting, or too old).",
 )
 
 
@@ -134,6 +165,10 @@ def tenant_tag(tenant_id: int) -> str:
     return f"rl:{{t:{tenant_id}}}"
 
 
+def request_state_key(tenant_id: int, request_id: str) -> str:
+    return f"{tenant_tag(tenant_id)}:req:{request_id}"
+
+
 def month_of(epoch_s: float) -> str:
     return time.strftime("%Y-%m", time.gmtime(epoch_s))
 
@@ -172,6 +207,10 @@ class RateLimiter:
         self._lease_ttl_s = lease_ttl_s
         self._admit = redis.register_script(ADMIT_SCRIPT)
         self._settle = redis.register_script(SETTLE_SCRIPT)
+        # request id -> (settle script keys, args, monotonic time first deferred)
+        self._deferred: OrderedDict[str, tuple[list[str], list[Any], float]] = OrderedDict()
+        self._retry_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[None]] = set()
 
     async def admit(
         self,
@@ -212,8 +251,11 @@ class RateLimiter:
             if limits.monthly_spend_budget_usd is None
             else usd_to_micros(limits.monthly_spend_budget_usd)
         )
-        keys = [month_tokens_key(principal.tenant_id, month)]
-        keys.append(month_spend_key(principal.tenant_id, month))
+        keys = [
+            month_tokens_key(principal.tenant_id, month),
+            month_spend_key(principal.tenant_id, month),
+            request_state_key(principal.tenant_id, request_id),
+        ]
         keys += [bucket[0] for bucket in buckets] + [lease[0] for lease in leases]
         args: list[Any] = [
             len(buckets),
@@ -229,11 +271,6 @@ class RateLimiter:
             args += [max(1, capacity), cost, kind]
         args += [max(1, limit) for _, limit in leases]
 
-        try:
-            raw = await asyncio.wait_for(self._admit(keys=keys, args=args), self._timeout_s)
-        except UNREACHABLE as error:
-            return self._without_redis(principal, request_id, month, error)
-
         reservation = Reservation(
             request_id=request_id,
             tenant_id=principal.tenant_id,
@@ -243,6 +280,15 @@ class RateLimiter:
             token_buckets=tuple((b[0], max(1, b[1])) for b in buckets if b[3] == "t"),
             lease_keys=tuple(lease[0] for lease in leases),
         )
+        try:
+            raw = await asyncio.wait_for(self._admit(keys=keys, args=args), self._timeout_s)
+        except UNREACHABLE as error:
+            # The script may have run with only its answer lost: give back what it took.
+            self._release_soon(reservation)
+            return self._without_redis(principal, request_id, month, error)
+        except asyncio.CancelledError:
+            self._release_soon(reservation)
+            raise
         return _admission_from_script(
             raw, reservation, limits.soft_alert_fraction, token_budget, spend_budget
         )
@@ -314,13 +360,93 @@ class RateLimiter:
         try:
             applied = await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
         except UNREACHABLE as error:
-            # The lease expires on its own and the bucket refills; the usage event, not
-            # this counter, is what bills.
             logger.error(
-                "Could not settle %s: Redis unreachable (%s)", reservation.request_id, error
+                "Could not settle %s: Redis unreachable (%s); retrying later",
+                reservation.request_id,
+                error,
             )
+            self._defer(reservation.request_id, keys, args)
             return False
         return bool(applied)
+
+    def defer_settle(
+        self,
+        reservation: Reservation,
+        *,
+        prompt_tokens: int,
+        completion_tokens: int,
+        charged_usd_micros: int = 0,
+    ) -> None:
+        """Keep a settle that could not reach Redis for `retry_deferred` to send later."""
+        if reservation.degraded:
+            return
+        keys, args = self._settle_call(
+            reservation, prompt_tokens, completion_tokens, charged_usd_micros
+        )
+        self._defer(reservation.request_id, keys, args)
+
+    def _release_soon(self, reservation: Reservation) -> None:
+        task = asyncio.get_running_loop().create_task(self.release(reservation))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def release(self, reservation: Reservation) -> None:
+        """Give back all an admission took, if it ran; if it has not run yet, make it take
+        nothing when it does. For an admission whose answer was lost; idempotent."""
+        keys, args = self._settle_call(reservation, 0, 0, 0, release=True)
+        try:
+            await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
+        except UNREACHABLE as error:
+            logger.warning(
+                "Could not release %s: Redis unreachable (%s); retrying later",
+                reservation.request_id,
+                error,
+            )
+            self._defer(reservation.request_id, keys, args)
+
+    def _defer(self, request_id: str, keys: list[str], args: list[Any]) -> None:
+        self._deferred[request_id] = (keys, args, time.monotonic())
+        while len(self._deferred) > DEFERRED_MAX:
+            dropped, _ = self._deferred.popitem(last=False)
+            LIMITER_DEFERRED_DROPPED.inc()
+            logger.error("Gave up the settle of %s: too many waiting for Redis", dropped)
+        LIMITER_DEFERRED.set(len(self._deferred))
+
+    @property
+    def deferred(self) -> int:
+        """How many settles and releases wait for Redis in this process."""
+        return len(self._deferred)
+
+    async def retry_deferred(self) -> int:
+        """Send the deferred settles and releases, oldest first, until one fails; return
+        how many were sent. Each is idempotent, so one that had run already changes nothing."""
+        sent = 0
+        async with self._retry_lock:
+            too_old = time.monotonic() - DEFERRED_MAX_AGE_S
+            while self._deferred:
+                request_id, (keys, args, since) = next(iter(self._deferred.items()))
+                if since < too_old:
+                    LIMITER_DEFERRED_DROPPED.inc()
+                    logger.error("Gave up the settle of %s: Redis away too long", request_id)
+                else:
+                    try:
+                        await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
+                    except UNREACHABLE:
+                        break
+                    except RedisError as error:
+                        # Refused, not unreachable: retrying would only block the rest.
+                        LIMITER_DEFERRED_DROPPED.inc()
+                        logger.error("Gave up the settle of %s: %s", request_id, error)
+                    else:
+                        sent += 1
+                self._deferred.pop(request_id, None)
+            LIMITER_DEFERRED.set(len(self._deferred))
+        return sent
+
+    async def close(self) -> None:
+        """Wait briefly for releases in flight (each is bounded by the Redis timeout)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self._timeout_s * 2)
 
     def _settle_call(
         self,
@@ -328,11 +454,12 @@ class RateLimiter:
         prompt_tokens: int,
         completion_tokens: int,
         charged_usd_micros: int,
+        *,
+        release: bool = False,
     ) -> tuple[list[str], list[Any]]:
-        tag = tenant_tag(reservation.tenant_id)
         used = max(0, prompt_tokens) + max(0, completion_tokens)
         keys = [
-            f"{tag}:settled:{reservation.request_id}",
+            request_state_key(reservation.tenant_id, reservation.request_id),
             month_tokens_key(reservation.tenant_id, reservation.month),
             month_spend_key(reservation.tenant_id, reservation.month),
             *(key for key, _ in reservation.token_buckets),
@@ -344,7 +471,10 @@ class RateLimiter:
             reservation.request_id,
             reservation.reserved_tokens - used,
             max(0, int(charged_usd_micros)),
-            SETTLED_MARKER_TTL_S,
+            # A release that finds nothing leaves a tombstone only as long as the admission
+            # it cancels could still be on its way (its state would have lived as long).
+            self._lease_ttl_s + 60 if release else SETTLED_MARKER_TTL_S,
+            "release" if release else "settle",
             *(capacity for _, capacity in reservation.token_buckets),
         ]
         return keys, args

@@ -136,6 +136,8 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await task
         await self.routing.close()
+        # Releases of admissions whose answer was lost are in flight: let them land.
+        await self.limiter.close()
         with contextlib.suppress(Exception):
             await self.authenticator.close()
         if self.session is not None:
@@ -152,6 +154,10 @@ class Gateway:
         while True:
             await asyncio.sleep(self.config.refresh_s * 2)
             try:
+                if self.limiter.deferred:
+                    sent = await self.limiter.retry_deferred()
+                    if sent:
+                        log.info("sent %d deferred limiter settles and releases", sent)
                 await self.refresh_reference_data()
                 if self.spool.has_pending():
                     sent = await self.spool.replay(self.redis)

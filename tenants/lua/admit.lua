@@ -3,8 +3,10 @@
 --
 -- KEYS[1]                    monthly token counter        (INCRBY reserved tokens)
 -- KEYS[2]                    monthly spend counter, micro-USD (read only here)
--- KEYS[3 .. 2+nb]            token buckets (hash: l = level, t = last update, seconds)
--- KEYS[3+nb .. 2+nb+ns]      stream lease sets (zset: request id -> lease expiry)
+-- KEYS[3]                    the request's state: set to 'held' when admitted; any value
+--                            already there (a release that came first) means take nothing
+-- KEYS[4 .. 3+nb]            token buckets (hash: l = level, t = last update, seconds)
+-- KEYS[4+nb .. 3+nb+ns]      stream lease sets (zset: request id -> lease expiry)
 --
 -- ARGV[1] nb   ARGV[2] ns   ARGV[3] request id   ARGV[4] lease ttl (s)
 -- ARGV[5] tokens to reserve   ARGV[6] monthly token budget (-1 = none)
@@ -34,7 +36,7 @@ local buckets = {}
 for i = 1, nb do
   local base = 8 + (i - 1) * 3
   local cap = tonumber(ARGV[base + 1])
-  local b = { key = KEYS[2 + i], cap = cap, cost = tonumber(ARGV[base + 2]),
+  local b = { key = KEYS[3 + i], cap = cap, cost = tonumber(ARGV[base + 2]),
               kind = ARGV[base + 3], rate = cap / WINDOW }
   local state = redis.call('HMGET', b.key, 'l', 't')
   if state[1] then
@@ -74,6 +76,12 @@ local function answer(allowed, err, limit, retry, taken)
            tostring(used_tokens), tostring(used_spend) }
 end
 
+-- A release for this request id ran first (its caller gave up waiting for this answer):
+-- take nothing, or what was taken would never be given back.
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return answer('0', 'request_cancelled', '', '', false)
+end
+
 -- Budgets first: an exhausted budget is not cured by waiting a few seconds.
 if hard then
   if token_budget >= 0 and used_tokens + reserve > token_budget then
@@ -103,7 +111,7 @@ if worst_limit then
 end
 
 for j = 1, ns do
-  local key = KEYS[2 + nb + j]
+  local key = KEYS[3 + nb + j]
   local limit = tonumber(ARGV[8 + nb * 3 + j])
   -- leases of crashed holders have expired: drop them before counting
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -122,10 +130,12 @@ for _, b in ipairs(buckets) do
   redis.call('EXPIRE', b.key, math.ceil((b.cap - level) / b.rate) + 1)
 end
 for j = 1, ns do
-  local key = KEYS[2 + nb + j]
+  local key = KEYS[3 + nb + j]
   redis.call('ZADD', key, now + lease_ttl, request_id)
   redis.call('EXPIRE', key, lease_ttl + 60)
 end
+-- Marks the reservation as taken, so a release (sent when the answer was lost) gives it back.
+redis.call('SET', KEYS[3], 'held', 'EX', lease_ttl + 60)
 used_tokens = redis.call('INCRBY', KEYS[1], reserve)
 redis.call('EXPIRE', KEYS[1], 40 * 86400)
 return answer('1', '', '', '', true)

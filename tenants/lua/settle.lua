@@ -1,19 +1,36 @@
 -- Settle one admission exactly once: refund (or charge) the difference between the tokens
 -- reserved and the tokens used, release the stream leases, add the spend.
 --
--- KEYS[1] settled marker (SET NX: a second settle of the same reservation does nothing)
+-- Two modes. 'settle': the caller knows the admission happened (it read the answer); apply
+-- unless already settled. 'release': the caller lost the admission's answer (a timeout, a
+-- cancelled call) and does not know whether it ran; give back everything only if it did
+-- (state 'held'), and if it has not run yet leave a tombstone so that it takes nothing when
+-- it does. Either way the outcome is the same whatever order the two arrive in.
+--
+-- KEYS[1] the request's state ('held' after admission, then 'settled' or 'cancelled')
 -- KEYS[2] monthly token counter   KEYS[3] monthly spend counter (micro-USD)
 -- KEYS[4 .. 3+nt] token buckets   KEYS[4+nt .. 3+nt+ns] stream lease sets
 --
 -- ARGV[1] nt   ARGV[2] ns   ARGV[3] request id   ARGV[4] reserved minus used tokens
--- ARGV[5] spend to add, micro-USD   ARGV[6] marker ttl (s)   then per token bucket: capacity
+-- ARGV[5] spend to add, micro-USD   ARGV[6] ttl (s) of the state left behind
+-- ARGV[7] mode: 'settle' or 'release'   then per token bucket: capacity
 --
--- Returns 1 when applied, 0 when this reservation was already settled.
+-- Returns 1 when applied, 0 when there was nothing (more) to do.
 redis.replicate_commands()
 
-if not redis.call('SET', KEYS[1], '1', 'NX', 'EX', tonumber(ARGV[6])) then
+local state = redis.call('GET', KEYS[1])
+local ttl = tonumber(ARGV[6])
+if ARGV[7] == 'release' then
+  if state ~= 'held' then
+    if not state then
+      redis.call('SET', KEYS[1], 'cancelled', 'EX', ttl)
+    end
+    return 0
+  end
+elseif state == 'settled' or state == 'cancelled' then
   return 0
 end
+redis.call('SET', KEYS[1], 'settled', 'EX', ttl)
 
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
@@ -25,12 +42,12 @@ local spend = tonumber(ARGV[5])
 
 for i = 1, nt do
   local key = KEYS[3 + i]
-  local cap = tonumber(ARGV[6 + i])
+  local cap = tonumber(ARGV[7 + i])
   local rate = cap / 60
-  local state = redis.call('HMGET', key, 'l', 't')
+  local bucket = redis.call('HMGET', key, 'l', 't')
   local level = cap
-  if state[1] then
-    level = tonumber(state[1]) + (now - tonumber(state[2])) * rate
+  if bucket[1] then
+    level = tonumber(bucket[1]) + (now - tonumber(bucket[2])) * rate
     if level > cap then level = cap end
   end
   -- a full bucket stays full: what was refunded beyond it would have refilled anyway

@@ -1,0 +1,86 @@
+"""The gateway when its Redis is slow or away: what an admission took is given back."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis
+from django.conf import settings as django_settings
+
+from tenants.limiter import (
+    ADMIT_SCRIPT,
+    month_of,
+    month_tokens_key,
+    request_state_key,
+    tenant_tag,
+)
+from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog, wait_until
+from tests.gateway.redis_proxy import RedisProxy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def proxy(redis_client: redis.Redis) -> Iterator[RedisProxy]:
+    running = RedisProxy(django_settings.REDIS_URL).start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def setup(settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+          redis_client: redis.Redis):  # fmt: skip
+    # The gateway starts on its first request, and talks to Redis through the proxy.
+    settings.REDIS_URL = proxy.url
+    publish_catalog(redis_client)
+    fleet.start()
+    fleet.publish()
+    key = make_key("acme", concurrent_streams=1)
+    return gateway_server, proxy, key, redis_client
+
+
+def stream(base: str, secret: str, max_tokens: int = 3) -> httpx.Response:
+    return httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": MODEL, "stream": True, "max_tokens": max_tokens,
+              "messages": [{"role": "user", "content": "hello there"}]},
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=30,
+    )  # fmt: skip
+
+
+def leases(client: redis.Redis, tenant_id: int) -> int:
+    return int(client.zcard(f"{tenant_tag(tenant_id)}:streams"))
+
+
+def month_tokens(client: redis.Redis, tenant_id: int) -> int:
+    return int(client.get(month_tokens_key(tenant_id, month_of(time.time()))) or 0)
+
+
+def test_an_admission_that_timed_out_after_it_ran_holds_no_slot_for_the_next_stream(
+    setup,
+) -> None:
+    server, proxy, key, client = setup
+    assert stream(server.url, key.secret).status_code == 200  # warm: key cached, pool open
+    tenant_id = key.tenant.pk
+    before = month_tokens(client, tenant_id)
+
+    # Redis runs the admission script at once; its answer comes after the gateway's timeout.
+    proxy.slow_for = hashlib.sha1(ADMIT_SCRIPT.encode()).hexdigest().encode()
+    proxy.delay_s = 1.0
+    refused = stream(server.url, key.secret, max_tokens=50)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "limiter_unavailable"
+    proxy.delay_s = 0.0
+
+    # The release went out at once and gave back what the admission took.
+    state = request_state_key(tenant_id, refused.headers["x-request-id"])
+    assert wait_until(lambda: client.get(state) == b"settled")  # 'cancelled': it never ran
+    assert leases(client, tenant_id) == 0
+    assert month_tokens(client, tenant_id) == before
+    # The tenant's one stream slot is free: its next stream is served.
+    assert stream(server.url, key.secret).status_code == 200
