@@ -6,7 +6,8 @@ Signals, sampled from replica telemetry every few seconds and averaged over a wi
   within its TPOT objective (`target_running_per_replica`);
 - KV use: the mean fraction of KV cache in use, against `kv_target` (above ~0.9 vLLM preempts);
 - queue depth: requests waiting; a persistent queue means every replica is full;
-- TTFT: the observed p95 against the tier's objective.
+- TTFT: the observed p95 against the tier's objective; ignored while replicas are starting,
+  since it is the latency of the fleet without them.
 
     needed  = replicas x max(load / target_running, kv / kv_target, ttft_p95 / ttft_slo)
     desired = ceil(needed x (1 + warm_buffer))
@@ -89,9 +90,11 @@ class Recommendation:
     reactive: int = 0
 
 
-def needed_replicas(samples: Sequence[FleetSample], config: AutoscalerConfig) -> tuple[float, str]:
+def needed_replicas(
+    samples: Sequence[FleetSample], config: AutoscalerConfig, *, latency: bool = True
+) -> tuple[float, str]:
     """Replicas the windowed signals call for, before the warm buffer, and the signal that
-    decided it."""
+    decided it. `latency`: whether the TTFT signal counts (see `recommend`)."""
     replicas = sum(s.replicas for s in samples) / len(samples)
     load = sum(s.running + s.waiting for s in samples) / len(samples)
     kv = sum(s.kv_usage for s in samples) / len(samples)
@@ -100,7 +103,7 @@ def needed_replicas(samples: Sequence[FleetSample], config: AutoscalerConfig) ->
         "kv": replicas * kv / config.kv_target,
     }
     ttfts = [s.ttft_p95_s for s in samples if s.ttft_p95_s is not None]
-    if config.ttft_slo_s and ttfts:
+    if latency and config.ttft_slo_s and ttfts:
         # Latency over its objective means the others underestimate (a prefill-bound fleet
         # shows little KV use): ask for as many more replicas as the SLO is missed by.
         candidates["ttft"] = replicas * (sum(ttfts) / len(ttfts)) / config.ttft_slo_s
@@ -126,7 +129,11 @@ def recommend(
     window = [s for s in samples if now_s - config.window_s <= s.at_s <= now_s]
     if not window:
         return Recommendation(bounds.clamp(current), current, "no telemetry", current)
-    needed, reason = needed_replicas(window, config)
+    # While replicas are still starting, the TTFT seen is that of the fleet without them:
+    # scaling on it again would order the same capacity twice (and overshoot to the
+    # maximum during every cold start). Load and KV count the work, not the latency.
+    starting = current > window[-1].replicas
+    needed, reason = needed_replicas(window, config, latency=not starting)
     raw = reactive = max(1, math.ceil(needed * (1.0 + config.warm_buffer) - 1e-9))
     if forecast is not None and forecast > raw:
         raw, reason = forecast, "forecast"

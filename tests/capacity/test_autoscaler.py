@@ -43,6 +43,15 @@ def test_ttft_over_its_objective_scales_up_even_with_little_load() -> None:
     assert decision.desired == 8
 
 
+def test_ttft_does_not_order_more_while_the_replicas_it_ordered_are_starting() -> None:
+    # 4 ready, 8 wanted: the slow first tokens are those of the fleet without the other 4.
+    decision = recommend(window(4, 5, ttft=2.0), now_s=100, current=8, bounds=WIDE, config=CONFIG)
+    assert decision.desired == 8 and decision.reason == "hold"
+    # Load still counts while they start: twice what 8 replicas carry asks for more.
+    busy = recommend(window(4, 200, ttft=2.0), now_s=100, current=8, bounds=WIDE, config=CONFIG)
+    assert busy.desired == 16 and busy.reason == "up on load"
+
+
 def test_it_does_not_scale_down_within_the_stabilization_window() -> None:
     recent = [(50.0, 10)]  # a busy recommendation 50 s ago
     decision = recommend(
