@@ -337,7 +337,8 @@ class Gateway:
         self, exchange: Any, *, ended_at: float, total_ms: float, ttft_ms: float | None
     ) -> None:
         """ONE Redis round trip: limiter refund/charge and slot release, the usage event,
-        the rollout counters. If Redis refuses, the usage event goes to the local spool."""
+        the rollout counters. If Redis refuses, the usage event goes to the local spool and
+        the limiter's settle waits in memory; both are sent again once Redis is back."""
         outcome = exchange.outcome
         principal = exchange.principal
         replica = outcome.replica
@@ -377,8 +378,22 @@ class Gateway:
                 "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
             )
             metrics.SPOOLED_EVENTS.inc()
+            # The refund and the stream slot are retried (idempotently: the pipeline may have
+            # run in part) rather than left to the lease's expiry.
+            self._defer_limiter_settle(exchange, charged)
             await self.spool.append_async(event)
         self.authenticator.touch(principal.key_id)
+
+    def _defer_limiter_settle(self, exchange: Any, charged: int) -> None:
+        reservation = exchange.admission.reservation if exchange.admission else None
+        if reservation is None:
+            return
+        self.limiter.defer_settle(
+            reservation,
+            prompt_tokens=exchange.outcome.prompt_tokens,
+            completion_tokens=exchange.outcome.completion_tokens,
+            charged_usd_micros=charged,
+        )
 
     async def _settle_limiter_again(self, exchange: Any, charged: int) -> None:
         reservation = exchange.admission.reservation if exchange.admission else None
@@ -396,8 +411,9 @@ class Gateway:
             )
             await pipeline.execute()
         except (RedisError, OSError, TimeoutError) as error:
-            # The lease expires on its own; the usage event, which bills, was written.
+            # The usage event, which bills, was written; the refund is retried later.
             log.error("limiter settle of %s failed again: %s", exchange.request_id, error)
+            self._defer_limiter_settle(exchange, charged)
 
     async def _settle_pipeline(
         self, exchange: Any, event: UsageEvent, ttft_ms: float | None, total_ms: float,

@@ -11,6 +11,7 @@ import pytest
 import redis
 from django.conf import settings as django_settings
 
+from metering.usage import USAGE_STREAM, UsageEvent
 from tenants.limiter import (
     ADMIT_SCRIPT,
     month_of,
@@ -83,4 +84,41 @@ def test_an_admission_that_timed_out_after_it_ran_holds_no_slot_for_the_next_str
     assert leases(client, tenant_id) == 0
     assert month_tokens(client, tenant_id) == before
     # The tenant's one stream slot is free: its next stream is served.
+    assert stream(server.url, key.secret).status_code == 200
+
+
+def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
+    settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    redis_client: redis.Redis,
+) -> None:  # fmt: skip
+    settings.REDIS_URL = proxy.url
+    publish_catalog(redis_client)
+    fleet.start("L4-24GB", time_scale=1)  # ~76 ms a token: the stream outlasts the outage's start
+    fleet.publish()
+    key = make_key("acme", concurrent_streams=1)
+    server, client, tenant_id = gateway_server, redis_client, key.tenant.pk
+    assert stream(server.url, key.secret).status_code == 200
+    before = month_tokens(client, tenant_id)
+
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions",
+        json={"model": MODEL, "stream": True, "max_tokens": 30,
+              "messages": [{"role": "user", "content": "tell me a story"}]},
+        headers={"Authorization": f"Bearer {key.secret}"}, timeout=30,
+    ) as reply:  # fmt: skip
+        lines = reply.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        proxy.go_down()  # Redis goes away mid-stream: the settle at the end cannot reach it
+        body = "\n".join(lines)
+    assert body.rstrip().endswith("data: [DONE]")
+    assert wait_until(lambda: server.gateway().limiter.deferred == 1)
+    assert leases(client, tenant_id) == 1  # still held: the settle is waiting
+
+    proxy.come_back()
+    # Retried within a refresh or two: the slot is released and the unused tokens refunded.
+    assert wait_until(lambda: leases(client, tenant_id) == 0)
+    assert wait_until(lambda: client.xlen(USAGE_STREAM) == 2)  # the spooled event, replayed
+    event = UsageEvent.from_json(client.xrange(USAGE_STREAM)[-1][1][b"e"])
+    used = event.prompt_tokens + event.completion_tokens
+    assert month_tokens(client, tenant_id) == before + used
     assert stream(server.url, key.secret).status_code == 200

@@ -143,3 +143,46 @@ async def test_a_release_after_a_normal_settle_gives_nothing_back_twice(
     assert await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=50)
     await limiter.release(admission.reservation)
     assert await held_tokens(aredis) == 150
+
+
+async def test_a_settle_while_redis_is_away_is_applied_once_it_is_back(
+    aredis: aioredis.Redis, proxy: RedisProxy
+) -> None:
+    flaky = aioredis.Redis.from_url(proxy.url, socket_timeout=1)
+    limiter = RateLimiter(flaky, timeout_s=0.5)
+    principal = principal_with(**ONE_STREAM)
+    admission = await limiter.admit(
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+    )
+    proxy.go_down()
+    settled = await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=20)
+    assert (settled, limiter.deferred) == (False, 1)
+    assert await limiter.retry_deferred() == 0  # still away: kept
+    assert (await leases(aredis), limiter.deferred) == (1, 1)
+
+    proxy.come_back()
+    assert await limiter.retry_deferred() == 1
+    assert limiter.deferred == 0
+    assert await leases(aredis) == 0
+    assert await held_tokens(aredis) == 120  # reserved 500, used 120: 380 refunded
+    await flaky.aclose()
+
+
+async def test_a_settle_whose_answer_was_lost_is_retried_without_refunding_twice(
+    aredis: aioredis.Redis, proxy: RedisProxy
+) -> None:
+    slow = aioredis.Redis.from_url(proxy.url, socket_timeout=5)
+    limiter = RateLimiter(slow, timeout_s=0.2)
+    await warmed_up(limiter, slow)
+    principal = principal_with(**ONE_STREAM)
+    admission = await limiter.admit(
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+    )
+    proxy.delay_s = 0.6  # the settle runs; its answer is late
+    settled = await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=20)
+    assert (settled, limiter.deferred) == (False, 1)
+    proxy.delay_s = 0.0
+    await limiter.retry_deferred()
+    assert limiter.deferred == 0
+    assert await held_tokens(aredis) == 120
+    await slow.aclose()
