@@ -203,10 +203,9 @@ class Exchange:
             # Nothing meets the SLO: wait for capacity in the bounded priority queue.
             queued_at = time.monotonic()
             try:
-                await gateway.wait_in_queue(self.tier)
+                decision = await gateway.wait_in_queue(self.tier, request, exclude)
             finally:
                 self.outcome.queue_s += time.monotonic() - queued_at
-            decision = gateway.choose(request, exclude)
             if decision.replica is None:
                 raise ApiError(503, "No replica is available right now.", code="no_capacity",
                                headers={"Retry-After": "2"})  # fmt: skip

@@ -200,6 +200,7 @@ class RoutingCache:
         self.snapshot = build_snapshot({})
         self.loaded = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        self._refreshed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -256,6 +257,14 @@ class RoutingCache:
                 telemetry_at=now_mono - max(0.0, now_wall - scraped_at),
                 adapters_loaded=frozenset(item.get("loras") or ()),
             )
+        # Wake whoever waits for fresh telemetry (requests queued for capacity), then arm
+        # a new event for the next refresh.
+        self._refreshed.set()
+        self._refreshed = asyncio.Event()
+
+    async def next_refresh(self) -> None:
+        """Return after the next telemetry refresh (about every `telemetry_interval_s`)."""
+        await self._refreshed.wait()
 
     async def _follow_updates(self) -> None:
         while True:

@@ -232,9 +232,31 @@ class Gateway:
         metrics.ROUTER_DECISIONS.labels(decision.policy, str(decision.reason)).inc()
         return decision
 
-    async def wait_in_queue(self, tier: str) -> float:
+    async def wait_in_queue(
+        self, tier: str, request: RouteRequest, exclude: frozenset[str]
+    ) -> Decision:
+        """Wait in the admission queue; return the decision to send the request with.
+
+        A request of this gateway finishing releases the best waiter. Capacity that appears
+        otherwise (requests of other gateway processes finishing, a replica added) shows
+        only in the telemetry, so on every telemetry refresh each waiter asks the router
+        again and leaves the queue as soon as it would be sent without queueing."""
+        slot = asyncio.ensure_future(
+            self.queue.wait_for_slot(tier, timeout_s=self.config.queue_timeout_s)
+        )
         try:
-            return await self.queue.wait_for_slot(tier, timeout_s=self.config.queue_timeout_s)
+            while True:
+                refreshed = asyncio.ensure_future(self.routing.next_refresh())
+                try:
+                    await asyncio.wait({slot, refreshed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    refreshed.cancel()
+                if slot.done():
+                    slot.result()  # QueueFull or TimeoutError
+                    return self.choose(request, exclude)
+                decision = self.choose(request, exclude)
+                if decision.replica is not None and not decision.queue_advised:
+                    return decision
         except QueueFull as full:
             raise ApiError(
                 429,
@@ -249,6 +271,10 @@ class Gateway:
                 code="no_capacity",
                 headers={"Retry-After": str(max(1, round(self.queue.retry_after_s())))},
             ) from None
+        finally:
+            # Leaving without the slot (capacity seen in telemetry, or the client left):
+            # the queue forgets this waiter, or hands a slot released meanwhile to the next.
+            slot.cancel()
 
     def request_started(self, replica_id: str, prefill_tokens: int) -> None:
         state = self.routing.snapshot.state

@@ -1,0 +1,66 @@
+"""The admission queue: a request held because nothing meets its SLO goes once capacity shows."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import orjson
+import pytest
+import redis
+
+from serving.gateway.routing import TELEMETRY_KEY
+from tests.gateway.conftest import (
+    MODEL,
+    EngineSim,
+    Fleet,
+    GatewayServer,
+    publish_catalog,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def report_load(client: redis.Redis, sim: EngineSim, *, running: int, waiting: int) -> None:
+    """The replica's telemetry as the control plane publishes it (here: as if the requests of
+    other gateway processes filled or left it)."""
+    row = {"running": running, "waiting": waiting, "kv": 0.95 if waiting else 0.0,
+           "scraped_at": time.time()}  # fmt: skip
+    client.hset(TELEMETRY_KEY, sim.replica_id, orjson.dumps(row))
+
+
+def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    sim = fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    http = httpx.Client(base_url=gateway_server.url, timeout=30,
+                        headers={"Authorization": f"Bearer {key.secret}"})  # fmt: skip
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200  # gateway started
+    gateway = gateway_server.gateway()
+    # Past the queue timeout a waiter gets a 503 whatever happens: keep a failure short.
+    gateway.config = dataclasses.replace(gateway.config, queue_timeout_s=10.0)
+
+    # Another gateway's requests fill the replica: nothing meets the SLO, so the next waits.
+    report_load(redis_client, sim, running=256, waiting=2000)
+    state = gateway.routing.snapshot.state
+    assert wait_until(lambda: state.replica(sim.replica_id).waiting == 2000)
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(http.post, "/v1/chat/completions", json=body)
+        assert wait_until(lambda: len(gateway.queue) == 1)
+
+        # Those requests finish there, not here: only the telemetry says so.
+        report_load(redis_client, sim, running=0, waiting=0)
+        freed_at = time.monotonic()
+        reply = queued.result(timeout=15)
+    assert reply.status_code == 200, reply.text
+    # Released at a telemetry refresh (every second), not at the queue timeout.
+    assert time.monotonic() - freed_at < 4
+    assert len(gateway.queue) == 0
+    http.close()
