@@ -276,14 +276,28 @@ class Exchange:
                 if stream is not None:
                     stream.close()
                 self._finish_on_replica(first_token_seen=False)
-                if error.status is not None and 400 <= error.status < 500:
+                not_loaded = error.status == 404
+                if not_loaded:
+                    # The engine does not know the name it was sent (vLLM: 404 "The model
+                    # `x` does not exist."): the adapter was unloaded or the replica restarted
+                    # without it, ahead of the routing table. Another replica may serve it;
+                    # this one is healthy, so no verdict for its breaker.
+                    gateway.abandon_probe(replica.replica_id)
+                    gateway.record_not_loaded(endpoint, self.adapter)
+                elif error.status is not None and 400 <= error.status < 500:
                     # The engine refused the request itself (e.g. longer than its context):
                     # the client's doing, not the replica's; no verdict for its breaker.
                     gateway.abandon_probe(replica.replica_id)
                     raise ApiError(400, str(error).split(": ", 1)[-1][:400],
                                    code="invalid_request") from error  # fmt: skip
-                gateway.record_failure(endpoint, error.kind)
+                else:
+                    gateway.record_failure(endpoint, error.kind)
                 tried.add(replica.replica_id)
+                if not_loaded and (
+                    attempt == 1
+                    or gateway.choose(self.route_request(), frozenset(tried)).replica is None
+                ):
+                    raise self._not_loaded() from error
                 if attempt == 1:
                     raise ApiError(502, "The model replica failed; please retry.",
                                    code="upstream_error", error_type="server_error") from error  # fmt: skip
@@ -296,6 +310,11 @@ class Exchange:
                 gateway.abandon_probe(replica.replica_id)
                 raise
         raise AssertionError("unreachable")
+
+    def _not_loaded(self) -> ApiError:
+        # Not the engine's 404: the model exists and the node agent is loading it again.
+        return ApiError(503, f"The model '{self.model}' is not loaded on a replica right now; "
+                        "retry shortly.", code="model_not_loaded", headers={"Retry-After": "2"})  # fmt: skip
 
     def _finish_on_replica(self, *, first_token_seen: bool) -> None:
         """Give back the replica's in-flight count, once per `request_started`."""

@@ -43,6 +43,10 @@ from tenants.limiter import LimiterUnavailable, RateLimiter
 
 log = logging.getLogger(__name__)
 
+# A replica that answered 404 for an adapter is not sent that adapter again for this long
+# (the node agent reloads adapters within a reconcile or two; the routing table follows).
+ADAPTER_MISS_S = 15.0
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -109,6 +113,8 @@ class Gateway:
         self.router_config = RouterConfig()
         self.queue = AdmissionQueue(config.queue_max, config.queue_aging_s)
         self.breakers: dict[str, CircuitBreaker] = {}
+        # (replica id, adapter) -> monotonic time until which the replica is not sent it
+        self._adapter_misses: dict[tuple[str, str], float] = {}
         self.spool = UsageSpool(config.spool_path)
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment]  # set in start
         self._policy: Any = None
@@ -214,6 +220,8 @@ class Gateway:
         return self._policy
 
     def choose(self, request: RouteRequest, exclude: frozenset[str]) -> Decision:
+        if request.adapter is not None and self._adapter_misses:
+            exclude = exclude | self._replicas_without(request.adapter)
         state = self.routing.snapshot.state
         hidden: list[tuple[str, float]] = []
         # Exclusion (a retry after a failure) reuses the breaker field: the router already
@@ -337,6 +345,24 @@ class Gateway:
         breaker = self._breaker(replica.replica_id)
         breaker.record_failure()
         self.routing.snapshot.state.set_breaker(replica.replica_id, breaker.blocked_until)
+
+    def record_not_loaded(self, replica: ReplicaEndpoint, adapter: str | None) -> None:
+        """The replica answered 404 for the model name it was sent: keep that adapter away
+        from it for a while (a base model missing is the routing table's to correct)."""
+        metrics.UPSTREAM_FAILURES.labels(replica.pool, "not_loaded").inc()
+        if adapter is not None:
+            until = time.monotonic() + ADAPTER_MISS_S
+            self._adapter_misses[(replica.replica_id, adapter)] = until
+
+    def _replicas_without(self, adapter: str) -> frozenset[str]:
+        now = time.monotonic()
+        missing: set[str] = set()
+        for (replica_id, name), until in list(self._adapter_misses.items()):
+            if until <= now:
+                del self._adapter_misses[(replica_id, name)]
+            elif name == adapter:
+                missing.add(replica_id)
+        return frozenset(missing)
 
     def record_success(self, replica: ReplicaEndpoint) -> None:
         breaker = self.breakers.get(replica.replica_id)

@@ -54,6 +54,11 @@ def stream(base: str, secret: str, max_tokens: int = 3) -> httpx.Response:
     )  # fmt: skip
 
 
+def events(client: redis.Redis) -> dict[str, UsageEvent]:
+    found = (UsageEvent.from_json(fields[b"e"]) for _, fields in client.xrange(USAGE_STREAM))
+    return {event.request_id: event for event in found}
+
+
 def leases(client: redis.Redis, tenant_id: int) -> int:
     return int(client.zcard(f"{tenant_tag(tenant_id)}:streams"))
 
@@ -88,10 +93,11 @@ def test_an_admission_that_timed_out_after_it_ran_holds_no_slot_for_the_next_str
 
 
 def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
-    settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    settings, tmp_path, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
     redis_client: redis.Redis,
 ) -> None:  # fmt: skip
     settings.REDIS_URL = proxy.url
+    settings.GATEWAY_SPOOL_PATH = str(tmp_path / "usage-spool.jsonl")
     publish_catalog(redis_client)
     fleet.start("L4-24GB", time_scale=1)  # ~76 ms a token: the stream outlasts the outage's start
     fleet.publish()
@@ -106,6 +112,7 @@ def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
               "messages": [{"role": "user", "content": "tell me a story"}]},
         headers={"Authorization": f"Bearer {key.secret}"}, timeout=30,
     ) as reply:  # fmt: skip
+        request_id = reply.headers["x-request-id"]
         lines = reply.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         proxy.go_down()  # Redis goes away mid-stream: the settle at the end cannot reach it
@@ -117,8 +124,8 @@ def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
     proxy.come_back()
     # Retried within a refresh or two: the slot is released and the unused tokens refunded.
     assert wait_until(lambda: leases(client, tenant_id) == 0)
-    assert wait_until(lambda: client.xlen(USAGE_STREAM) == 2)  # the spooled event, replayed
-    event = UsageEvent.from_json(client.xrange(USAGE_STREAM)[-1][1][b"e"])
+    assert wait_until(lambda: request_id in events(client))  # the spooled event, replayed
+    event = events(client)[request_id]
     used = event.prompt_tokens + event.completion_tokens
     assert month_tokens(client, tenant_id) == before + used
     assert stream(server.url, key.secret).status_code == 200
