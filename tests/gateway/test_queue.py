@@ -49,8 +49,9 @@ def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
 
     # Another gateway's requests fill the replica: nothing meets the SLO, so the next waits.
     report_load(redis_client, sim, running=256, waiting=2000)
-    state = gateway.routing.snapshot.state
-    assert wait_until(lambda: state.replica(sim.replica_id).waiting == 2000)
+    replica = gateway.routing.snapshot.state.replica(sim.replica_id)
+    assert replica is not None
+    assert wait_until(lambda: replica.waiting == 2000)
     with ThreadPoolExecutor(1) as pool:
         queued = pool.submit(http.post, "/v1/chat/completions", json=body)
         assert wait_until(lambda: len(gateway.queue) == 1)

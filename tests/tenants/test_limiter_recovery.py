@@ -140,6 +140,7 @@ async def test_a_release_after_a_normal_settle_gives_nothing_back_twice(
     admission = await limiter.admit(
         principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
     )
+    assert admission.reservation is not None
     assert await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=50)
     await limiter.release(admission.reservation)
     assert await held_tokens(aredis) == 150
@@ -154,6 +155,7 @@ async def test_a_settle_while_redis_is_away_is_applied_once_it_is_back(
     admission = await limiter.admit(
         principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
     )
+    assert admission.reservation is not None
     proxy.go_down()
     settled = await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=20)
     assert (settled, limiter.deferred) == (False, 1)
@@ -178,6 +180,7 @@ async def test_a_settle_whose_answer_was_lost_is_retried_without_refunding_twice
     admission = await limiter.admit(
         principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
     )
+    assert admission.reservation is not None
     proxy.delay_s = 0.6  # the settle runs; its answer is late
     settled = await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=20)
     assert (settled, limiter.deferred) == (False, 1)
