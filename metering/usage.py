@@ -12,6 +12,9 @@ their rows; the pool is the pool's name and the replica id is the router's strin
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import fnmatch
+import logging
 import os
 import threading
 from dataclasses import dataclass, fields
@@ -25,6 +28,11 @@ USAGE_STREAM = "usage:events"
 # for a long time, it never drops what the consumer group has not yet read at normal rates.
 USAGE_STREAM_MAXLEN = 5_000_000
 EVENT_FIELD = b"e"
+# The names the gateway gives its per-process spools (serving.gateway.service), which
+# `UsageSpool.adopt_orphans` looks for next to its own.
+SPOOL_FAMILY = "usage-spool-*.jsonl"
+
+log = logging.getLogger(__name__)
 
 Status = Literal["ok", "error", "client_cancelled", "upstream_failed"]
 STATUSES: tuple[str, ...] = ("ok", "error", "client_cancelled", "upstream_failed")
@@ -77,9 +85,13 @@ _FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in fields(UsageEvent))
 def add_usage_event(pipeline: Any, event: UsageEvent) -> None:
     """Queue the XADD of `event` on a redis-py (asyncio) pipeline: the gateway's settle sends
     it together with its refund and slot release in one round trip."""
+    _add_entry(pipeline, event.to_json())
+
+
+def _add_entry(pipeline: Any, raw_event: bytes) -> None:
     pipeline.xadd(
         USAGE_STREAM,
-        {EVENT_FIELD: event.to_json()},
+        {EVENT_FIELD: raw_event},
         maxlen=USAGE_STREAM_MAXLEN,
         approximate=True,
     )
@@ -93,20 +105,55 @@ class UsageSpool:
     fresh file), sends it in chunks, and after each chunk rewrites the aside file with what is
     left: a replay cut short resumes where it stopped, and resending a chunk is harmless
     because ingest keeps the first row per request id.
+
+    Ownership: each process spools to its own file (the gateway names it by pid) and, from its
+    first append or replay until it exits, holds an exclusive `flock` on `<spool>.lock`. The
+    kernel drops the lock when the process dies however it dies, so a lock that another
+    process can take means the owner is gone: `adopt_orphans` takes it, replays that spool
+    and removes it. A new process whose pid (so whose file name) was reused inherits what its
+    predecessor left and replays it as its own. Every path that opens a lock file checks after
+    locking that the name still points at the file it locked, because an adopter unlinks a
+    lock file once it is done. A spool written before locks existed has no lock file and
+    reads as ownerless. Locks are local: the spool directory must be a local filesystem, and a
+    child forked after the first append would share the parent's lock.
+
+    Where it lives: `PLATFORM_VAR_DIR`. On Kubernetes that is an emptyDir, one per pod: it
+    survives a container restart (the restarted gateway replays the file as its own when it
+    gets the same pid, as PID 1 in its container does, and adopts it otherwise) but is
+    deleted with the pod, and so is every event still spooled in it. What can be
+    lost is therefore bounded by the events a pod spooled and could not replay before it was
+    deleted, i.e. while Redis was still refusing them; the `UsageEventsSpooled` alert is the
+    signal not to scale the gateway down or roll it until the spool has replayed.
     """
 
     REPLAY_CHUNK = 500
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, family: str = SPOOL_FAMILY) -> None:
         self.path = Path(path)
-        self.replaying_path = self.path.with_name(self.path.name + ".replaying")
+        self.replaying_path = _replaying_path(self.path)
+        self.lock_path = _lock_path(self.path)
+        # Glob of the spool names in this directory that this process may adopt.
+        self.family = family
         self._lock = threading.Lock()
         self._replay_lock = asyncio.Lock()
+        self._owner_fd: int | None = None
+
+    def claim(self) -> None:
+        """Take the owner's lock, held until `release` or the process ends. Waits only while
+        another process adopts a spool of the same name that a dead process left."""
+        with self._lock:
+            self._claim()
+
+    def release(self) -> None:
+        with self._lock:
+            if self._owner_fd is not None:
+                os.close(self._owner_fd)
+                self._owner_fd = None
 
     def append(self, event: UsageEvent) -> None:
         line = event.to_json() + b"\n"
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._claim()
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
             try:
                 size = os.fstat(fd).st_size
@@ -129,49 +176,155 @@ class UsageSpool:
         )
 
     def pending(self) -> int:
-        return sum(len(self._read_lines(p)) for p in (self.replaying_path, self.path))
+        return sum(len(_read_lines(p)) for p in (self.replaying_path, self.path))
 
     async def replay(self, redis: Any) -> int:
         """Send spooled events to the stream; return how many were sent. Raises what Redis
         raises, leaving the unsent events spooled."""
         async with self._replay_lock:
-            with self._lock:
-                if not self.replaying_path.exists() and self.path.exists():
-                    os.replace(self.path, self.replaying_path)
-            lines = await asyncio.to_thread(self._read_lines, self.replaying_path)
-            sent = 0
-            while lines:
-                chunk, rest = lines[: self.REPLAY_CHUNK], lines[self.REPLAY_CHUNK :]
-                pipeline = redis.pipeline(transaction=False)
-                for line in chunk:
-                    add_usage_event(pipeline, UsageEvent.from_json(line))
-                await pipeline.execute()
-                sent += len(chunk)
-                lines = rest
-                await asyncio.to_thread(self._rewrite_replaying, lines)
-            return sent
+            await asyncio.to_thread(self.claim)
+            return await _replay(redis, self.path, self._lock, self.REPLAY_CHUNK)
 
-    def _rewrite_replaying(self, lines: list[bytes]) -> None:
-        if not lines:
-            self.replaying_path.unlink(missing_ok=True)
-            return
-        tmp = self.replaying_path.with_name(self.replaying_path.name + ".tmp")
-        with tmp.open("wb") as f:
-            f.write(b"".join(line + b"\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.replaying_path)
+    async def adopt_orphans(self, redis: Any) -> int:
+        """Replay and remove the spools in this directory whose owner has exited; return how
+        many events were sent. A spool whose owner is alive, or that another process is
+        adopting, is left alone. Raises what Redis raises, leaving the unsent events spooled
+        for the next attempt (by this process or another)."""
+        sent = 0
+        for name in await asyncio.to_thread(self._orphan_candidates):
+            path = self.path.with_name(name)
+            fd = _lock_file(_lock_path(path), wait=False)
+            if fd is None:
+                continue  # its owner is alive, or another process is adopting it
+            try:
+                count = await _replay(redis, path, threading.Lock(), self.REPLAY_CHUNK)
+                if count:
+                    log.warning("replayed %d usage events from %s, whose owner exited", count, name)
+                sent += count
+                # A leftover of a rewrite cut short (the aside file it was to replace is sent),
+                # then the lock file, unlinked while we still hold its lock.
+                _tmp_path(_replaying_path(path)).unlink(missing_ok=True)
+                _lock_path(path).unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+        return sent
 
-    @staticmethod
-    def _read_lines(path: Path) -> list[bytes]:
+    def _orphan_candidates(self) -> list[str]:
         try:
-            raw = path.read_bytes()
+            entries = os.listdir(self.path.parent)
         except FileNotFoundError:
             return []
-        # A crash mid-append can leave a torn last line without its newline: drop it, it was
-        # never acknowledged to the caller (append returns only after fsync of a full line).
-        # A torn line that a later append ended reads as one corrupt line: skip it.
-        return [line for line in raw.split(b"\n")[:-1] if _parses(line)]
+        names = set()
+        for entry in entries:
+            name = entry
+            for suffix in _SIDE_SUFFIXES:
+                if name.endswith(suffix):
+                    name = name[: -len(suffix)]
+                    break
+            if name != self.path.name and fnmatch.fnmatchcase(name, self.family):
+                names.add(name)
+        return sorted(names)
+
+    def _claim(self) -> None:
+        """Under self._lock."""
+        if self._owner_fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._owner_fd = _lock_file(self.lock_path, wait=True)
+
+
+_SIDE_SUFFIXES = (".lock", ".replaying.tmp", ".replaying")
+
+
+def _replaying_path(path: Path) -> Path:
+    return path.with_name(path.name + ".replaying")
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def _lock_file(path: Path, *, wait: bool) -> int | None:
+    """An open descriptor holding an exclusive flock on `path` (created if missing), or None
+    when `wait` is false and another open file holds the lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        locked = os.fstat(fd)
+        try:
+            current = os.stat(path)
+        except FileNotFoundError:
+            current = None
+        if current is not None and (current.st_dev, current.st_ino) == (
+            locked.st_dev,
+            locked.st_ino,
+        ):
+            return fd
+        # An adopter unlinked the file between our open and our lock: lock the new one.
+        os.close(fd)
+
+
+async def _replay(redis: Any, path: Path, rotate_lock: threading.Lock, chunk_size: int) -> int:
+    """Send the spool at `path`, its aside file first, until neither is left."""
+    replaying = _replaying_path(path)
+    sent = 0
+    while await asyncio.to_thread(_rotate, path, replaying, rotate_lock):
+        lines = await asyncio.to_thread(_read_lines, replaying)
+        while True:
+            chunk, lines = lines[:chunk_size], lines[chunk_size:]
+            if chunk:
+                pipeline = redis.pipeline(transaction=False)
+                for line in chunk:
+                    # As spooled: ingest validates, and sets aside an entry that does not parse.
+                    _add_entry(pipeline, line)
+                await pipeline.execute()
+                sent += len(chunk)
+            # Also when nothing was sent: a file of nothing but a torn line is done with.
+            await asyncio.to_thread(_rewrite_replaying, replaying, lines)
+            if not lines:
+                break
+    return sent
+
+
+def _rotate(path: Path, replaying: Path, rotate_lock: threading.Lock) -> bool:
+    """Whether an aside file is there to send, after moving the spool aside if there was none."""
+    with rotate_lock:
+        if replaying.exists():
+            return True
+        if not path.exists():
+            return False
+        os.replace(path, replaying)
+        return True
+
+
+def _rewrite_replaying(replaying: Path, lines: list[bytes]) -> None:
+    if not lines:
+        replaying.unlink(missing_ok=True)
+        return
+    tmp = _tmp_path(replaying)
+    with tmp.open("wb") as f:
+        f.write(b"".join(line + b"\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, replaying)
+
+
+def _read_lines(path: Path) -> list[bytes]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    # A crash mid-append can leave a torn last line without its newline: drop it, it was
+    # never acknowledged to the caller (append returns only after fsync of a full line).
+    # A torn line that a later append ended reads as one corrupt line: skip it.
+    return [line for line in raw.split(b"\n")[:-1] if _parses(line)]
 
 
 def _parses(line: bytes) -> bool:

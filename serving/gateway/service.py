@@ -168,6 +168,8 @@ class Gateway:
                 if self.spool.has_pending():
                     sent = await self.spool.replay(self.redis)
                     log.info("replayed %d spooled usage events", sent)
+                # Spools left next to ours by gateway processes that exited (crash, restart).
+                await self.spool.adopt_orphans(self.redis)
             except asyncio.CancelledError:
                 raise
             except Exception as error:
