@@ -40,6 +40,22 @@ TIERS = ("interactive", "standard", "batch")
 MAX_PREFIX_BLOCKS = 64
 
 
+# Engine statuses that say the request itself is wrong, passed on as they are; any other
+# 4xx from an engine reaches the client as a 400.
+CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
+
+
+def refused_by_engine(error: UpstreamError) -> ApiError:
+    """The engine's refusal of the request (longer than its context, a parameter it does
+    not accept) in OpenAI's shape, with the engine's own message and param."""
+    status = error.status if error.status in CLIENT_ERROR_STATUSES else 400
+    message = error.engine_message or (
+        f"The model engine refused the request with HTTP {error.status} and gave no reason; "
+        "check the request's parameters against the model's limits."
+    )
+    return ApiError(status, message, code="invalid_request", param=error.param)
+
+
 @dataclass(slots=True)
 class Outcome:
     """What happened, filled in as the exchange runs; settle reads it."""
@@ -288,8 +304,7 @@ class Exchange:
                     # The engine refused the request itself (e.g. longer than its context):
                     # the client's doing, not the replica's; no verdict for its breaker.
                     gateway.abandon_probe(replica.replica_id)
-                    raise ApiError(400, str(error).split(": ", 1)[-1][:400],
-                                   code="invalid_request") from error  # fmt: skip
+                    raise refused_by_engine(error) from error
                 else:
                     gateway.record_failure(endpoint, error.kind)
                 tried.add(replica.replica_id)

@@ -14,16 +14,55 @@ from typing import Any
 import aiohttp
 import orjson
 
+# An engine's error message longer than this is cut (vLLM's are a sentence or two).
+MAX_ENGINE_MESSAGE_CHARS = 1000
+
 
 class UpstreamError(Exception):
     """A replica failed: `kind` says how (connect, status, stream_broken), `status` carries
-    an HTTP error status. Whether a retry elsewhere is safe is the caller's to know (only
-    before the first chunk)."""
+    an HTTP error status, and `engine_message` and `param` what the engine said about it
+    when its error body was readable. Whether a retry elsewhere is safe is the caller's to
+    know (only before the first chunk)."""
 
-    def __init__(self, message: str, *, kind: str, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        status: int | None = None,
+        engine_message: str | None = None,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.kind = kind
         self.status = status
+        self.engine_message = engine_message
+        self.param = param
+
+
+def read_engine_error(body: bytes) -> tuple[str | None, str | None]:
+    """The message and param of an engine's error body, (None, None) if it has none.
+
+    vLLM answers errors with its `ErrorResponse`: flat in older versions
+    (`{"object": "error", "message", "type", "param", "code": 400}`), nested in newer ones
+    (`{"error": {"message", "type", "param", "code": 400}}`); an unknown route gets
+    FastAPI's `{"detail": "Not Found"}`. Anything else (a proxy's HTML page, plain text) has
+    no message the client could use."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(parsed, dict):
+        return None, None
+    nested = parsed.get("error")
+    fields = nested if isinstance(nested, dict) else parsed
+    message = fields.get("message")
+    if not isinstance(message, str):
+        detail = parsed.get("detail")
+        message = detail if isinstance(detail, str) else None
+    message = (message or "").strip()[:MAX_ENGINE_MESSAGE_CHARS] or None
+    param = fields.get("param")
+    return message, param if isinstance(param, str) and param else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,12 +127,17 @@ async def open_stream(
         raise UpstreamError(f"could not reach replica: {error!r}", kind="connect") from error
     if response.status != 200:
         try:
-            detail = (await response.read())[:500].decode(errors="replace")
+            body = await response.read()
         except (aiohttp.ClientError, TimeoutError):
-            detail = ""
+            body = b""
         finally:
             response.release()
+        engine_message, param = read_engine_error(body)
         raise UpstreamError(
-            f"replica answered {response.status}: {detail}", kind="status", status=response.status
+            f"replica answered {response.status}: {body[:500].decode(errors='replace')}",
+            kind="status",
+            status=response.status,
+            engine_message=engine_message,
+            param=param,
         )
     return UpstreamStream(response)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import openai
 import pytest
 import redis
 
-from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog, sample
+from tests.gateway.conftest import (
+    MODEL,
+    EngineSim,
+    Fleet,
+    GatewayServer,
+    TenantKey,
+    publish_catalog,
+    sample,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -183,3 +193,75 @@ def test_a_visible_model_without_a_deployment_is_a_404_not_a_retry(
             model="undeployed-model", messages=[{"role": "user", "content": "x"}], max_tokens=2
         )
     assert raised.value.code == "model_not_deployed"
+
+
+ShortContext = tuple[GatewayServer, EngineSim, openai.OpenAI]
+
+
+@pytest.fixture
+def short_context(
+    gateway_server: GatewayServer, fleet: Fleet, make_key: Callable[..., TenantKey],
+    redis_client: redis.Redis,
+) -> ShortContext:  # fmt: skip
+    """One engine with a 256-token context, so max_tokens within the key's cap can overflow it."""
+    sim = fleet.start(extra=("--max-model-len", "256"))
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    api = openai.OpenAI(base_url=f"{gateway_server.url}/v1", api_key=key.secret, max_retries=0)
+    return gateway_server, sim, api
+
+
+OVER_CONTEXT = "This model's maximum context length is 256 tokens. However, you requested"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_over_the_engines_context_raises_bad_request_with_the_engines_message(
+    short_context: ShortContext, stream: bool
+) -> None:
+    _, _, api = short_context
+    with pytest.raises(openai.BadRequestError) as raised:
+        # Streamed or not, the refusal comes before any event: `create` raises.
+        api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300,
+            stream=stream,
+        )  # fmt: skip
+    error = raised.value
+    assert error.status_code == 400
+    assert isinstance(error.body, dict)
+    assert error.body["message"].startswith(OVER_CONTEXT), error.body
+    assert error.message == f"Error code: 400 - {error.body['message']}"
+    assert error.type == "invalid_request_error"
+    assert error.param == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_completion_over_the_engines_context_raises_bad_request_with_the_engines_message(
+    short_context: ShortContext, stream: bool
+) -> None:
+    _, _, api = short_context
+    with pytest.raises(openai.BadRequestError) as raised:
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=300, stream=stream)
+    assert isinstance(raised.value.body, dict)
+    assert raised.value.body["message"].startswith(OVER_CONTEXT), raised.value.body
+    assert raised.value.param == "max_tokens"
+
+
+def test_requests_the_engine_refuses_leave_its_circuit_breaker_closed(
+    short_context: ShortContext,
+) -> None:
+    server, sim, api = short_context
+    refusals = 5
+    for _ in range(refusals):
+        with pytest.raises(openai.BadRequestError):
+            api.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300
+            )
+    assert refusals > server.gateway().config.breaker_failures
+    breaker = server.gateway().breakers.get(sim.replica_id)
+    assert breaker is None or breaker.blocked_until == 0
+    reply = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    assert reply.choices[0].message.content
+    assert sample(sim.metrics_text(), "vllm:request_success_total") == 1
