@@ -153,6 +153,8 @@ class GatewayApp:
         if "inference" not in principal.scopes:
             raise ApiError(403, "This API key has no 'inference' scope.", code="missing_scope")
         if kind in {"models", "model"}:
+            # Before the first load the list would be empty: not an answer to give.
+            gateway.check_loaded()
             servable = set(gateway.routing.snapshot.served_models)
             listing = gateway.catalog.listing(principal, servable)
             if kind == "models":

@@ -117,6 +117,7 @@ class Exchange:
         self.model = self.body.model
         entry = gateway.catalog.resolve(self.model, principal)
         if entry is None:
+            gateway.check_loaded()
             raise ApiError(
                 404,
                 f"The model '{self.model}' does not exist or you do not have access to it.",
@@ -125,6 +126,7 @@ class Exchange:
             )
         self.base_model, self.adapter = entry
         if self.base_model not in gateway.routing.snapshot.served_models:
+            gateway.check_loaded()
             raise ApiError(
                 404,
                 f"The model '{self.model}' is not deployed right now; GET /v1/models lists "

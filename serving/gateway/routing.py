@@ -238,8 +238,9 @@ class RoutingCache:
                 if old is not None and new is not None:
                     for name in CARRIED_ACROSS_VERSIONS:
                         setattr(new, name, getattr(old, name))
-        await self.refresh_telemetry()
+        # The table is read: which models it serves is known, even if telemetry is not yet.
         self.loaded.set()
+        await self.refresh_telemetry()
 
     async def refresh_telemetry(self) -> None:
         rows = await self.redis.hgetall(TELEMETRY_KEY)

@@ -210,6 +210,19 @@ class Gateway:
 
     # --- route ---------------------------------------------------------------------------
 
+    def check_loaded(self) -> None:
+        """A model absent from the catalog or the routing table is known to be absent only
+        once both were read from Redis at least once; until then (at start, or while Redis
+        has not answered since) the answer is a 503 to retry, not a 404."""
+        if self.catalog.loaded and self.routing.loaded.is_set():
+            return
+        raise ApiError(
+            503,
+            "The gateway has not loaded its model catalog and routing table yet; retry shortly.",
+            code="routing_not_loaded",
+            headers={"Retry-After": "2"},
+        )
+
     def policy(self) -> Any:
         snapshot = self.routing.snapshot
         if (

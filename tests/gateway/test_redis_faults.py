@@ -1,4 +1,5 @@
-"""The gateway when its Redis is slow or away: what an admission took is given back."""
+"""The gateway when its Redis is slow or away: what an admission took is given back, and a
+model is not called unknown before the gateway could read what is known."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import redis
 from django.conf import settings as django_settings
 
 from metering.usage import USAGE_STREAM, UsageEvent
+from serving.gateway.routing import ROUTING_TABLE_KEY
 from tenants.limiter import (
     ADMIT_SCRIPT,
     month_of,
@@ -129,3 +131,64 @@ def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
     used = event.prompt_tokens + event.completion_tokens
     assert month_tokens(client, tenant_id) == before + used
     assert stream(server.url, key.secret).status_code == 200
+
+
+def test_a_model_is_a_503_to_retry_not_a_404_until_the_routing_table_was_first_read(
+    settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    redis_client: redis.Redis,
+) -> None:  # fmt: skip
+    settings.REDIS_URL = proxy.url
+    publish_catalog(redis_client)
+    fleet.start()
+    fleet.publish()
+    key = make_key("acme")
+    server = gateway_server
+    proxy.go_down()  # the gateway starts (on the first request) while Redis is unreachable
+
+    refused = stream(server.url, key.secret)
+    assert refused.status_code == 503, refused.text
+    assert int(refused.headers["retry-after"]) >= 1
+    error = refused.json()["error"]
+    assert error["code"] == "routing_not_loaded"
+    assert error["type"] == "service_unavailable_error"
+    listing = httpx.get(f"{server.url}/v1/models",
+                        headers={"Authorization": f"Bearer {key.secret}"}, timeout=30)  # fmt: skip
+    assert listing.status_code == 503  # not an empty list
+    assert not server.gateway().routing.loaded.is_set()
+
+    proxy.come_back()
+    # The background refresh reads the table and the catalog within a second or two.
+    assert wait_until(lambda: stream(server.url, key.secret).status_code == 200, timeout_s=15)
+    unknown = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": f"Bearer {key.secret}"},
+        timeout=30,
+    )
+    assert unknown.status_code == 404  # once loaded, an unknown model is what it is
+    assert unknown.json()["error"]["code"] == "model_not_found"
+
+
+def test_a_served_model_is_a_503_not_model_not_deployed_while_the_routing_table_is_unread(
+    settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    redis_client: redis.Redis,
+) -> None:  # fmt: skip
+    settings.REDIS_URL = proxy.url
+    publish_catalog(redis_client)
+    fleet.start()
+    fleet.publish()
+    key = make_key("acme")
+    server = gateway_server
+    # Redis answers, but its answer to the routing table's read comes too late: the catalog
+    # loads, the routing table does not.
+    proxy.slow_for = ROUTING_TABLE_KEY.encode()
+    proxy.delay_s = 1.0
+
+    refused = stream(server.url, key.secret)
+    assert server.gateway().catalog.loaded
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "routing_not_loaded"
+    assert not server.gateway().routing.loaded.is_set()
+
+    proxy.delay_s = 0.0
+    assert wait_until(lambda: stream(server.url, key.secret).status_code == 200, timeout_s=15)
