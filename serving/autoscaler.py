@@ -16,8 +16,8 @@ Up is eager: a higher desired count applies at once (capped at `max_step_up_fact
 current count per decision, so one bad window cannot order the whole pool). Down is lazy: the
 count applied is the highest recommendation of the last `scale_down_stabilization_s` (the
 Kubernetes HPA's stabilization window), and only when it is below the current count by more
-than the hysteresis band, one `max_step_down` at a time, and never before recommendations
-cover the stabilization window. An optional forecast (the replicas
+than the hysteresis band, one `max_step_down` at a time, once per window (every sample in it
+taken at the current size), and never before recommendations cover the stabilization window. An optional forecast (the replicas
 the same time of day needed before, see `daily_forecast`) is a floor, so capacity is warm
 before a known peak. The result is clamped to the deployment's min and max and to what the
 pool has room for.
@@ -147,7 +147,16 @@ def recommend(
     # Lazy: only once recommendations cover (nearly) the whole stabilization window, so a
     # restarted loop with no memory does not shrink the fleet on its first quiet sample.
     covered = any(at <= horizon + config.window_s for at, _ in recent_raw)
-    if covered and stabilized < current * (1.0 - config.hysteresis) and stabilized < current:
+    # One step down per window: the signals must all have been taken at the current size,
+    # since the load a fleet shows depends on its size (fewer replicas, slower requests,
+    # more of them running at once) and a window from a larger fleet understates it.
+    settled = all(sample.replicas == current for sample in window)
+    if (
+        covered
+        and settled
+        and stabilized < current * (1.0 - config.hysteresis)
+        and stabilized < current
+    ):
         target = max(stabilized, current - config.max_step_down)
         return Recommendation(bounds.clamp(target), raw, f"down on {reason}", reactive)
     return Recommendation(bounds.clamp(current), raw, "hold", reactive)

@@ -68,6 +68,19 @@ def test_it_scales_down_a_step_at_a_time_once_the_window_is_quiet() -> None:
     assert decision.desired == 10 - CONFIG.max_step_down
 
 
+def test_after_a_step_down_it_waits_for_a_window_taken_at_the_new_size() -> None:
+    recent = [(100.0 - CONFIG.scale_down_stabilization_s - 1, 10)]
+    # Just stepped 10 -> 8: the window still holds samples of the larger fleet, whose
+    # requests ran faster, so its load understates what 8 replicas will see.
+    mixed = window(10, 5)[:3] + window(8, 6)[3:]
+    decision = recommend(mixed, now_s=100, current=8, bounds=WIDE, config=CONFIG, recent_raw=recent)
+    assert decision.desired == 8 and decision.reason == "hold"
+    settled = recommend(
+        window(8, 6), now_s=100, current=8, bounds=WIDE, config=CONFIG, recent_raw=recent
+    )
+    assert settled.desired == 8 - CONFIG.max_step_down
+
+
 def test_a_small_dip_inside_the_hysteresis_band_holds() -> None:
     # Load for 9.5 replicas with the buffer -> raw 10 of 11: within 10 %.
     recent = [(100.0 - CONFIG.scale_down_stabilization_s - 1, 10)]
