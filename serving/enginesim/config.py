@@ -41,6 +41,8 @@ class SimConfig:
     time_scale: float = 1.0
     crash_after_tokens: int | None = None
     error_rate: float = 0.0
+    error_status: int = 500
+    error_after_tokens: int | None = None
     hang: bool = False
     slow_start_s: float = 0.0
     fixed_ttft_ms: float | None = None
@@ -86,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-time-scale", type=float, default=1.0, help="10 = ten times faster")
     sim.add_argument("--sim-crash-after-tokens", type=int, default=None)
     sim.add_argument("--sim-error-rate", type=float, default=0.0)
+    sim.add_argument("--sim-error-status", type=int, default=500,
+                     help="HTTP status of the simulated errors")  # fmt: skip
+    sim.add_argument("--sim-error-after-tokens", type=int, default=None, metavar="N",
+                     help="fail every generation after N tokens, as vLLM does mid-stream")  # fmt: skip
     sim.add_argument("--sim-hang", action="store_true")
     sim.add_argument("--sim-slow-start", type=float, default=0.0, metavar="SECONDS")
     sim.add_argument("--sim-fixed-ttft-ms", type=float, default=None)
@@ -109,6 +115,10 @@ def parse_args(argv: list[str]) -> SimConfig:
         raise ConfigError("--sim-time-scale must be positive")
     if not 0.0 <= args.sim_error_rate <= 1.0:
         raise ConfigError("--sim-error-rate must be between 0 and 1")
+    if not 400 <= args.sim_error_status <= 599:
+        raise ConfigError("--sim-error-status must be an HTTP error status (400-599)")
+    if args.sim_error_after_tokens is not None and args.sim_error_after_tokens < 0:
+        raise ConfigError("--sim-error-after-tokens must be 0 or more")
     if (args.sim_fixed_ttft_ms is None) != (args.sim_fixed_itl_ms is None):
         raise ConfigError("--sim-fixed-ttft-ms and --sim-fixed-itl-ms go together")
     gpu = gpus[args.sim_gpu_class]
@@ -142,6 +152,8 @@ def parse_args(argv: list[str]) -> SimConfig:
         time_scale=args.sim_time_scale,
         crash_after_tokens=args.sim_crash_after_tokens,
         error_rate=args.sim_error_rate,
+        error_status=args.sim_error_status,
+        error_after_tokens=args.sim_error_after_tokens,
         hang=args.sim_hang,
         slow_start_s=args.sim_slow_start,
         fixed_ttft_ms=args.sim_fixed_ttft_ms,

@@ -138,9 +138,9 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
 
 
-def error_response(error: ApiError) -> web.Response:
+def _error_body(error: ApiError) -> dict[str, Any]:
     # vLLM's ErrorResponse: {"error": {"message", "type", "param", "code"}}.
-    body = {
+    return {
         "error": {
             "message": error.message,
             "type": error.err_type,
@@ -148,7 +148,27 @@ def error_response(error: ApiError) -> web.Response:
             "code": error.status,
         }
     }
-    return web.json_response(body, status=error.status, dumps=_dumps)
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(_error_body(error), status=error.status, dumps=_dumps)
+
+
+# vLLM's error types by status, for the simulated failures.
+SIMULATED_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFoundError",
+    429: "TooManyRequests",
+    503: "ServiceUnavailableError",
+}
+
+
+def simulated_error(config: SimConfig, message: str) -> ApiError:
+    status = config.error_status
+    fallback = "InternalServerError" if status >= 500 else "BadRequestError"
+    return ApiError(status, message, SIMULATED_ERROR_TYPES.get(status, fallback))
 
 
 def _dumps(obj: Any) -> str:
@@ -457,7 +477,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     if state.config.hang:
         await asyncio.Future()  # a wedged engine: the connection stays open, nothing comes
     if state.config.error_rate and state.rng.random() < state.config.error_rate:
-        return error_response(ApiError(500, "simulated engine failure", "InternalServerError"))
+        return error_response(simulated_error(state.config, "simulated engine failure"))
     if gen.stream:
         return await _stream(request, state, gen)
     return await _complete(state, gen)
@@ -470,9 +490,14 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation) -> 
     await response.prepare(request)
     created = int(time.time())
     reply = _Reply(gen)
+    fail_after = state.config.error_after_tokens
+    failed = False
     tokens = state.tokens(gen)
     try:
         async for emission in tokens:
+            if fail_after is not None and reply.completion_tokens >= fail_after:
+                failed = True
+                break
             if gen.kind == "chat" and reply.completion_tokens == 0:
                 role = {
                     "index": 0,
@@ -489,7 +514,17 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation) -> 
                 break
         _stop_early(state, gen, reply)
     finally:
-        await tokens.aclose()
+        await tokens.aclose()  # a generation that failed is aborted in the engine
+    if failed:
+        # What vLLM sends when generation fails after the 200: an error event, no usage
+        # chunk, then [DONE].
+        error = simulated_error(
+            state.config, f"simulated engine failure after {reply.completion_tokens} tokens"
+        )
+        await response.write(b"data: " + orjson.dumps(_error_body(error)) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
     if gen.include_usage:
         chunk = orjson.loads(_chunk(gen, created, None)[6:])
         chunk["usage"] = _usage(gen, reply.completion_tokens)
@@ -506,9 +541,14 @@ def _stop_early(state: ServerState, gen: Generation, reply: _Reply) -> None:
 
 async def _complete(state: ServerState, gen: Generation) -> web.Response:
     reply = _Reply(gen)
+    fail_after = state.config.error_after_tokens
     tokens = state.tokens(gen)
     try:
         async for emission in tokens:
+            if fail_after is not None and reply.completion_tokens >= fail_after:
+                return error_response(simulated_error(
+                    state.config, f"simulated engine failure after {reply.completion_tokens} tokens"
+                ))  # fmt: skip
             reply.add(emission)
             state.count_emitted(emission.tokens)
             if reply.finish_reason is not None:

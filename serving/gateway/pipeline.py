@@ -56,6 +56,24 @@ def refused_by_engine(error: UpstreamError) -> ApiError:
     return ApiError(status, message, code="invalid_request", param=error.param)
 
 
+def replica_at_fault(error: UpstreamError) -> bool:
+    """Whether the failure is the replica's (it counts toward its breaker), not the
+    request's: no status (unreachable, cut off) or a server error."""
+    return error.status is None or error.status >= 500
+
+
+def failed_in_engine(error: UpstreamError) -> ApiError:
+    """An error the engine reported in a stream it had already started, in OpenAI's shape
+    with the engine's own message."""
+    if not replica_at_fault(error):
+        return refused_by_engine(error)
+    message = error.engine_message or (
+        "The model engine failed mid-generation and gave no reason; the tokens received so "
+        "far are billed."
+    )
+    return ApiError(502, message, code="upstream_error", error_type="server_error")
+
+
 @dataclass(slots=True)
 class Outcome:
     """What happened, filled in as the exchange runs; settle reads it."""
@@ -388,13 +406,18 @@ class Exchange:
                         self.outcome.completion_tokens += 1 if not usage else 0
                     yield chunk
             except UpstreamError as error:
-                # The replica died mid-stream: the client gets an error event; what was
-                # delivered is still settled and metered.
-                self.outcome.status = "upstream_failed"
+                # The replica died mid-stream, or its engine sent an error event: the client
+                # gets an error event (the engine's own, if it sent one); what was delivered
+                # is still settled and metered.
+                at_fault = replica_at_fault(error)
+                self.outcome.status = "upstream_failed" if at_fault else "error"
                 self.outcome.error = str(error)
-                if self.outcome.replica is not None:
-                    gateway.record_failure(self.outcome.replica, "mid_stream")
+                if at_fault and self.outcome.replica is not None:
+                    kind = "mid_stream" if error.kind == "stream_broken" else error.kind
+                    gateway.record_failure(self.outcome.replica, kind)
                     verdict = True
+                if error.kind == "error_event":
+                    raise failed_in_engine(error) from error
                 raise
             if self.outcome.replica is not None:
                 gateway.record_success(self.outcome.replica)

@@ -19,10 +19,11 @@ MAX_ENGINE_MESSAGE_CHARS = 1000
 
 
 class UpstreamError(Exception):
-    """A replica failed: `kind` says how (connect, status, stream_broken), `status` carries
-    an HTTP error status, and `engine_message` and `param` what the engine said about it
-    when its error body was readable. Whether a retry elsewhere is safe is the caller's to
-    know (only before the first chunk)."""
+    """A replica failed: `kind` says how (connect, status, stream_broken, error_event),
+    `status` carries an HTTP error status (the code of an error event), and
+    `engine_message` and `param` what the engine said about it when its error body was
+    readable. Whether a retry elsewhere is safe is the caller's to know (only before the
+    first chunk)."""
 
     def __init__(
         self,
@@ -54,6 +55,10 @@ def read_engine_error(body: bytes) -> tuple[str | None, str | None]:
         return None, None
     if not isinstance(parsed, dict):
         return None, None
+    return _error_fields(parsed)
+
+
+def _error_fields(parsed: dict[str, Any]) -> tuple[str | None, str | None]:
     nested = parsed.get("error")
     fields = nested if isinstance(nested, dict) else parsed
     message = fields.get("message")
@@ -63,6 +68,36 @@ def read_engine_error(body: bytes) -> tuple[str | None, str | None]:
     message = (message or "").strip()[:MAX_ENGINE_MESSAGE_CHARS] or None
     param = fields.get("param")
     return message, param if isinstance(param, str) and param else None
+
+
+def error_event(chunk: Any) -> UpstreamError | None:
+    """The failure an engine reports inside a stream it already answered 200 for, or None
+    for an ordinary chunk.
+
+    vLLM's OpenAI server, when generation fails after the stream started, sends its error
+    as one more event and then `[DONE]`: `{"error": {"message", "type", "param", "code"}}`,
+    or in some versions the flat `{"object": "error", "message", ..., "code"}`. The code is
+    the HTTP status vLLM would have answered (500 for an engine fault, 400 for a request it
+    cannot finish); an event without a usable code is taken as the engine's fault."""
+    if not isinstance(chunk, dict):
+        return None
+    nested = chunk.get("error")
+    if nested:  # what the openai client raises on
+        fields = nested if isinstance(nested, dict) else {"message": str(nested)}
+    elif chunk.get("object") == "error":
+        fields = chunk
+    else:
+        return None
+    code = fields.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+    message, param = _error_fields(fields)
+    return UpstreamError(
+        f"replica sent an error event mid-stream: {orjson.dumps(fields)[:500].decode()}",
+        kind="error_event",
+        status=status,
+        engine_message=message,
+        param=param,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +142,11 @@ class UpstreamStream:
                         payload = line[5:].strip()
                         if payload == b"[DONE]":
                             return
-                        yield orjson.loads(payload)
+                        chunk = orjson.loads(payload)
+                        failure = error_event(chunk)
+                        if failure is not None:
+                            raise failure
+                        yield chunk
         except (aiohttp.ClientError, TimeoutError) as error:
             raise UpstreamError(f"replica stream broke: {error!r}", kind="stream_broken") from error
         raise UpstreamError("replica closed the stream before [DONE]", kind="stream_broken")

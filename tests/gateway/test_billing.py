@@ -71,6 +71,28 @@ def test_a_stream_cut_by_a_dying_replica_is_billed_for_the_tokens_delivered(pric
     assert event.price_charged_usd_micros == expected_charge(book, event) > 0
 
 
+def test_a_stream_the_engine_fails_mid_generation_is_billed_for_the_tokens_delivered(
+    priced,
+) -> None:
+    server, fleet, make_key, client, book = priced
+    fleet.start(extra=("--sim-error-after-tokens", "6"), time_scale=5)
+    fleet.publish()
+    key = make_key("acme")
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key.secret, max_retries=0)
+    delivered = 0
+    with pytest.raises(openai.APIError, match="simulated engine failure after 6 tokens"):
+        for chunk in api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a long answer please"}],
+            max_tokens=100, stream=True, stream_options={"include_usage": True},
+        ):  # fmt: skip
+            if chunk.choices and chunk.choices[0].delta.content:
+                delivered += 1
+    [event] = ingest_all(client, 1)
+    assert event.status == "upstream_failed"
+    assert event.completion_tokens == delivered == 6
+    assert event.price_charged_usd_micros == expected_charge(book, event) > 0
+
+
 def test_a_stream_cut_by_the_client_is_billed_for_the_tokens_delivered(priced) -> None:
     server, fleet, make_key, client, book = priced
     fleet.start(time_scale=1)

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
@@ -244,6 +245,61 @@ async def test_error_rate_one_fails_every_request_with_a_500() -> None:
     async with simulator(*FAST, "--sim-error-rate", "1") as base:
         with pytest.raises(openai.InternalServerError):
             await client(base).completions.create(model="llama8", prompt="x", max_tokens=2)
+
+
+async def test_the_error_status_sets_what_the_simulated_failures_answer() -> None:
+    async with simulator(*FAST, "--sim-error-rate", "1", "--sim-error-status", "401") as base:
+        with pytest.raises(openai.AuthenticationError) as raised:
+            await client(base).completions.create(model="llama8", prompt="x", max_tokens=2)
+    assert raised.value.body == {"message": "simulated engine failure", "type": "Unauthorized",
+                                 "param": None, "code": 401}  # fmt: skip
+
+
+async def test_a_stream_failing_after_n_tokens_ends_with_vllms_error_event() -> None:
+    body = {"model": "llama8", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with (
+        simulator(*FAST, "--sim-error-after-tokens", "3") as base,
+        aiohttp.ClientSession() as session,
+        session.post(base + "/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        events = [e for e in (await resp.text()).split("\n\n") if e]
+    # The role chunk, three tokens, the error (no usage chunk), [DONE].
+    assert len(events) == 6
+    assert events[-1] == "data: [DONE]"
+    error = orjson.loads(events[-2].removeprefix("data: "))
+    assert error == {"error": {"message": "simulated engine failure after 3 tokens",
+                               "type": "InternalServerError", "param": None, "code": 500}}  # fmt: skip
+
+
+async def test_the_openai_client_raises_on_the_mid_stream_error_event() -> None:
+    async with simulator(*FAST, "--sim-error-after-tokens", "2") as base:
+        stream = await client(base).completions.create(
+            model="llama8", prompt="x", max_tokens=20, stream=True
+        )
+        texts: list[str] = []
+        with pytest.raises(openai.APIError, match="simulated engine failure after 2 tokens"):
+            async for chunk in stream:
+                texts.append(chunk.choices[0].text)
+        metrics = await scrape(base)
+    assert len(texts) == 2
+    # The failed generation left the engine's batch.
+    assert sample(metrics, "vllm:num_requests_running") == 0
+
+
+async def test_a_non_streaming_generation_failing_after_n_tokens_is_an_error_status() -> None:
+    async with simulator(
+        *FAST, "--sim-error-after-tokens", "2", "--sim-error-status", "503"
+    ) as base:
+        with pytest.raises(openai.InternalServerError) as raised:
+            await client(base).completions.create(model="llama8", prompt="x", max_tokens=20)
+    assert raised.value.status_code == 503
+
+
+def test_an_error_status_outside_400_to_599_is_refused() -> None:
+    with pytest.raises(ValueError, match="--sim-error-status"):
+        parse_args([*BASE_FLAGS, "--sim-error-status", "200"])
 
 
 async def test_a_hung_engine_answers_health_but_never_generates() -> None:
