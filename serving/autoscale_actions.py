@@ -315,9 +315,12 @@ def do_autoscale_deployment(
         deployment.replicas_min, deployment.replicas_max, pool_capacity(deployment)
     )
     forecast = forecast_from(history, now_s, forecast_period_s) if forecast_period_s else None
+    starting = Replica.objects.filter(
+        deployment=deployment, state__in=(Replica.State.PENDING, Replica.State.STARTING)
+    ).count()
     decision = recommend(
         samples, now_s=now_s, current=current, bounds=bounds, config=config,
-        recent_raw=recent, forecast=forecast,
+        recent_raw=recent, forecast=forecast, starting=starting,
     )  # fmt: skip
     _write_memory(
         client, deployment.pk, now_s, decision.raw, decision.reactive, history, forecast_period_s

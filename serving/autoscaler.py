@@ -120,11 +120,13 @@ def recommend(
     config: AutoscalerConfig,
     recent_raw: Sequence[tuple[float, int]] = (),
     forecast: int | None = None,
+    starting: int = 0,
 ) -> Recommendation:
     """The replica count to set now.
 
     `samples`: telemetry samples (older ones than the window are ignored). `recent_raw`:
     (time, raw) of earlier recommendations, for the scale-down stabilization window.
+    `starting`: replicas ordered but not ready yet (cold starts in progress).
     """
     window = [s for s in samples if now_s - config.window_s <= s.at_s <= now_s]
     if not window:
@@ -132,8 +134,7 @@ def recommend(
     # While replicas are still starting, the TTFT seen is that of the fleet without them:
     # scaling on it again would order the same capacity twice (and overshoot to the
     # maximum during every cold start). Load and KV count the work, not the latency.
-    starting = current > window[-1].replicas
-    needed, reason = needed_replicas(window, config, latency=not starting)
+    needed, reason = needed_replicas(window, config, latency=starting == 0)
     raw = reactive = max(1, math.ceil(needed * (1.0 + config.warm_buffer) - 1e-9))
     if forecast is not None and forecast > raw:
         raw, reason = forecast, "forecast"
@@ -147,10 +148,12 @@ def recommend(
     # Lazy: only once recommendations cover (nearly) the whole stabilization window, so a
     # restarted loop with no memory does not shrink the fleet on its first quiet sample.
     covered = any(at <= horizon + config.window_s for at, _ in recent_raw)
-    # One step down per window: the signals must all have been taken at the current size,
+    # One step down per window: the signals must all have been taken at one fleet size,
     # since the load a fleet shows depends on its size (fewer replicas, slower requests,
-    # more of them running at once) and a window from a larger fleet understates it.
-    settled = all(sample.replicas == current for sample in window)
+    # more of them running at once) and a window from a larger fleet understates it. (One
+    # size, not necessarily `current`: a replica that never becomes ready must not pin the
+    # fleet at its size forever.)
+    settled = all(sample.replicas == window[-1].replicas for sample in window)
     if (
         covered
         and settled

@@ -354,6 +354,7 @@ class ClusterSimulator:
                 config=config,
                 recent_raw=list(raw_log),
                 forecast=forecast,
+                starting=sum(1 for r in live if r.ready_s > now_s),
             )
             raw_log.append((now_s, decision.raw))
             self._history[pool.name].append((now_s, decision.reactive))

@@ -44,12 +44,19 @@ def test_ttft_over_its_objective_scales_up_even_with_little_load() -> None:
 
 
 def test_ttft_does_not_order_more_while_the_replicas_it_ordered_are_starting() -> None:
-    # 4 ready, 8 wanted: the slow first tokens are those of the fleet without the other 4.
-    decision = recommend(window(4, 5, ttft=2.0), now_s=100, current=8, bounds=WIDE, config=CONFIG)
+    # 4 ready, 4 starting: the slow first tokens are those of the fleet without the other 4.
+    decision = recommend(
+        window(4, 5, ttft=2.0), now_s=100, current=8, bounds=WIDE, config=CONFIG, starting=4
+    )
     assert decision.desired == 8 and decision.reason == "hold"
     # Load still counts while they start: twice what 8 replicas carry asks for more.
-    busy = recommend(window(4, 200, ttft=2.0), now_s=100, current=8, bounds=WIDE, config=CONFIG)
+    busy = recommend(
+        window(4, 200, ttft=2.0), now_s=100, current=8, bounds=WIDE, config=CONFIG, starting=4
+    )
     assert busy.desired == 16 and busy.reason == "up on load"
+    # Once they are ready (or given up on: failed, never ready), the TTFT counts again.
+    stuck = recommend(window(4, 5, ttft=3.0), now_s=100, current=8, bounds=WIDE, config=CONFIG)
+    assert stuck.desired == 14 and stuck.reason == "up on ttft"
 
 
 def test_it_does_not_scale_down_within_the_stabilization_window() -> None:
@@ -79,6 +86,11 @@ def test_after_a_step_down_it_waits_for_a_window_taken_at_the_new_size() -> None
         window(8, 6), now_s=100, current=8, bounds=WIDE, config=CONFIG, recent_raw=recent
     )
     assert settled.desired == 8 - CONFIG.max_step_down
+    # A replica that never becomes ready does not pin the fleet: 7 of 8 ready, idle.
+    short = recommend(
+        window(7, 1), now_s=100, current=8, bounds=WIDE, config=CONFIG, recent_raw=recent
+    )
+    assert short.desired == 8 - CONFIG.max_step_down
 
 
 def test_a_small_dip_inside_the_hysteresis_band_holds() -> None:
