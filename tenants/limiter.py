@@ -266,6 +266,7 @@ class RateLimiter:
             token_budget,
             spend_budget,
             1 if limits.hard_budget else 0,
+            SETTLED_MARKER_TTL_S,
         ]
         for _, capacity, cost, kind in buckets:
             args += [max(1, capacity), cost, kind]

@@ -11,6 +11,8 @@
 -- ARGV[1] nb   ARGV[2] ns   ARGV[3] request id   ARGV[4] lease ttl (s)
 -- ARGV[5] tokens to reserve   ARGV[6] monthly token budget (-1 = none)
 -- ARGV[7] monthly spend budget, micro-USD (-1 = none)   ARGV[8] hard budget (1/0)
+-- ARGV[9] how long the request's 'held' state lives (s): as long as a deferred settle or
+--         release of it may still be retried, so that one always finds it
 -- then per bucket: capacity, cost, kind ("r" requests / "t" tokens)
 -- then per lease set: concurrent stream limit
 --
@@ -30,11 +32,12 @@ local reserve = tonumber(ARGV[5])
 local token_budget = tonumber(ARGV[6])
 local spend_budget = tonumber(ARGV[7])
 local hard = ARGV[8] == '1'
+local state_ttl = tonumber(ARGV[9])
 local WINDOW = 60
 
 local buckets = {}
 for i = 1, nb do
-  local base = 8 + (i - 1) * 3
+  local base = 9 + (i - 1) * 3
   local cap = tonumber(ARGV[base + 1])
   local b = { key = KEYS[3 + i], cap = cap, cost = tonumber(ARGV[base + 2]),
               kind = ARGV[base + 3], rate = cap / WINDOW }
@@ -112,7 +115,7 @@ end
 
 for j = 1, ns do
   local key = KEYS[3 + nb + j]
-  local limit = tonumber(ARGV[8 + nb * 3 + j])
+  local limit = tonumber(ARGV[9 + nb * 3 + j])
   -- leases of crashed holders have expired: drop them before counting
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   if redis.call('ZCARD', key) >= limit then
@@ -135,7 +138,7 @@ for j = 1, ns do
   redis.call('EXPIRE', key, lease_ttl + 60)
 end
 -- Marks the reservation as taken, so a release (sent when the answer was lost) gives it back.
-redis.call('SET', KEYS[3], 'held', 'EX', lease_ttl + 60)
+redis.call('SET', KEYS[3], 'held', 'EX', state_ttl)
 used_tokens = redis.call('INCRBY', KEYS[1], reserve)
 redis.call('EXPIRE', KEYS[1], 40 * 86400)
 return answer('1', '', '', '', true)

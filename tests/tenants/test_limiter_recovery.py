@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from tenants.limiter import (
+    DEFERRED_MAX_AGE_S,
     LimiterUnavailable,
     RateLimiter,
     Reservation,
@@ -130,6 +131,24 @@ async def test_a_release_that_arrives_before_its_admission_makes_it_take_nothing
     # The tombstone lives only as long as a late admission could: about the lease TTL.
     ttl = await aredis.ttl(request_state_key(principal.tenant_id, request_id))
     assert 0 < ttl <= limiter.lease_ttl_s + 60
+
+
+async def test_an_admissions_state_outlives_any_retry_of_its_settle_or_release(
+    aredis: aioredis.Redis,
+) -> None:
+    limiter = RateLimiter(aredis)
+    principal = principal_with(**ONE_STREAM)
+    request_id = uuid.uuid4().hex
+    admission = await limiter.admit(
+        principal, request_id=request_id, prompt_tokens=100, max_tokens=400, stream=True
+    )
+    assert admission.allowed and admission.reservation is not None
+    # A release retried a day later (Redis away all that time) must still find 'held'.
+    ttl = await aredis.ttl(request_state_key(principal.tenant_id, request_id))
+    assert ttl > DEFERRED_MAX_AGE_S
+    await aredis.delete(f"{tenant_tag(principal.tenant_id)}:streams")  # the lease expired
+    await limiter.release(admission.reservation)
+    assert await held_tokens(aredis) == 0
 
 
 async def test_a_release_after_a_normal_settle_gives_nothing_back_twice(
