@@ -36,6 +36,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
 from pathlib import Path
@@ -331,6 +332,12 @@ def main() -> int:
     parser.add_argument(
         "--gpus", default=",".join(load_gpu_specs()), help="GPU classes of the homogeneous search"
     )
+    parser.add_argument(
+        "--no-yield",
+        action="store_true",
+        help="cost-aware without yield_to_tighter_tiers (looser tiers take the least-bad "
+        "replica in overload, as before that rule)",
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     print("command: " + " ".join([".venv/bin/python", "bench/routing.py", *sys.argv[1:]]))
@@ -347,6 +354,8 @@ def main() -> int:
             router = with_interactive_ttft(args.mooncake_ttft)
             REQUESTS = load_mooncake(rate_multiplier=args.mooncake_rate)
             label = f"Mooncake x{args.mooncake_rate:g}, interactive TTFT {args.mooncake_ttft:g} s"
+        if args.no_yield:
+            router = replace(router, yield_to_tighter_tiers=False)
         # Forked after REQUESTS is set: workers inherit it.
         with get_context("fork").Pool(args.workers) as pool:
             verdicts += bench_trace(label, router, mixes, gpus, pool)
