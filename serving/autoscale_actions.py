@@ -61,8 +61,9 @@ SAMPLES_KEY = "autoscale:samples:{deployment_id}"
 RAW_KEY = "autoscale:raw:{deployment_id}"
 # The TTFT histogram's counters when the loop last read a p95: {"at_s": ..., "counts": {...}}.
 TTFT_MARK_KEY = "autoscale:ttft-mark:{deployment_id}"
-# Hash: field = the minute's index within the period, value = [minute start, highest reactive
-# raw recommendation of that minute]. At most period / 60 fields, whatever runs how often.
+# Hash: field = the minute's index within two periods (`history_slot`), value = [minute start,
+# highest reactive raw recommendation of that minute]. At most 2 x period / 60 fields,
+# whatever runs how often.
 HISTORY_KEY = "autoscale:history:{deployment_id}"
 KEEP_SAMPLES = 64
 KEEP_RAW = 256
@@ -200,17 +201,20 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _history_slot(at_s: float, period_s: float) -> str:
-    return str(int(at_s % period_s // HISTORY_STEP_S))
+def history_slot(at_s: float, period_s: float) -> str:
+    """A minute's field: minutes of two periods, so that writing today's minutes never
+    overwrites yesterday's around the same time of day before the forecast has read them."""
+    return str(int(at_s % (2 * period_s) // HISTORY_STEP_S))
 
 
 def history_fields(now_s: float, period_s: float) -> list[str]:
-    """The history's fields a beat reads: this minute's, then those near this time of day
-    plus a cold start (one extra step each way: a period of no whole minutes shifts by one)."""
-    target = now_s + COLD_START_S
+    """The history's fields a beat reads: this minute's, then those one period ago near this
+    time of day plus a cold start (one extra step each way: a period of no whole minutes
+    shifts by one)."""
+    target = now_s + COLD_START_S - period_s
     steps = int(FORECAST_SPREAD_S // HISTORY_STEP_S) + 1
-    near = (_history_slot(target + k * HISTORY_STEP_S, period_s) for k in range(-steps, steps + 1))
-    return list(dict.fromkeys([_history_slot(now_s, period_s), *near]))
+    near = (history_slot(target + k * HISTORY_STEP_S, period_s) for k in range(-steps, steps + 1))
+    return list(dict.fromkeys([history_slot(now_s, period_s), *near]))
 
 
 def forecast_from(history: dict[str, list[float]], now_s: float, period_s: float) -> int | None:
@@ -262,12 +266,12 @@ def _write_memory(
     pipe.expire(raw_key, KEY_TTL_S)
     if period_s:
         history_key = HISTORY_KEY.format(deployment_id=deployment_id)
-        field = _history_slot(now_s, period_s)
+        field = history_slot(now_s, period_s)
         minute = now_s - now_s % HISTORY_STEP_S
         known = history.get(field)
         if known is None or known[0] != minute or known[1] < reactive_raw:
             pipe.hset(history_key, field, orjson.dumps([minute, reactive_raw]))
-        pipe.expire(history_key, int(period_s + HISTORY_MARGIN_S))
+        pipe.expire(history_key, int(2 * period_s + HISTORY_MARGIN_S))
     pipe.execute()
 
 

@@ -15,6 +15,7 @@ from serving.autoscale_actions import (
     COLD_START_S,
     MIN_TTFT_REQUESTS,
     do_autoscale,
+    history_slot,
     observed_ttft_p95,
     target_running,
 )
@@ -181,9 +182,9 @@ def test_the_p95_reads_the_gateways_ttft_histogram_within_a_bucket(
 def seed_history(
     client: redis.Redis, deployment: Deployment, at_s: float, raw: int, period_s: float = 86400
 ) -> None:
-    """One point of the loop's history: field = minute of the period, value = [minute, raw]."""
+    """One point of the loop's history: field = the minute's slot, value = [minute, raw]."""
     minute = at_s - at_s % 60
-    field = str(int(minute % period_s // 60))
+    field = history_slot(minute, period_s)
     client.hset(f"autoscale:history:{deployment.pk}", field, orjson.dumps([minute, raw]))
 
 
@@ -201,6 +202,28 @@ def test_the_forecast_warms_replicas_ahead_of_yesterdays_peak(
     [outcome] = do_autoscale(redis_client, now_s=now)
     deployment.refresh_from_db()
     assert (deployment.replicas_desired, outcome.reason) == (4, "up on forecast")
+
+
+def test_todays_quiet_minutes_do_not_erase_yesterdays_peak_at_that_time(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    now = 10 * DAY + 9 * 3600
+    # Yesterday was busy from 08:50 to 09:00; today those minutes were quiet and the loop
+    # wrote its own points for them before 09:00.
+    for minute in range(-10, 1):
+        seed_history(redis_client, deployment, now - DAY + minute * 60, raw=6)
+    report(redis_client, replicas, running=2, kv=0.1)
+    for minute in range(-10, 0):
+        do_autoscale(redis_client, now_s=now + minute * 60)
+    history = redis_client.hgetall(f"autoscale:history:{deployment.pk}")
+    yesterday = [
+        orjson.loads(history[history_slot(now - DAY + m * 60, DAY).encode()]) for m in range(-10, 1)
+    ]
+    assert [raw for _, raw in yesterday] == [6] * 11
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_desired=2)
+    [outcome] = do_autoscale(redis_client, now_s=now)
+    assert (outcome.desired, outcome.reason) == (4, "up on forecast")
 
 
 def test_a_peak_at_another_time_of_day_is_not_forecast(
