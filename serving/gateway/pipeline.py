@@ -41,8 +41,12 @@ MAX_PREFIX_BLOCKS = 64
 
 
 # Engine statuses that say the request itself is wrong, passed on as they are; any other
-# 4xx from an engine reaches the client as a 400.
+# 4xx from an engine reaches the client as a 400, except these:
 CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
+# Engine statuses that refuse the gateway, not the request: the replica's API key is not the
+# one the gateway sends, or the engine's own rate limit. The replica's failure, like a 5xx:
+# the request goes to another replica, and the client never sees the engine's 401/403/429.
+REPLICA_REFUSALS = frozenset({401, 403, 429})
 
 
 def refused_by_engine(error: UpstreamError) -> ApiError:
@@ -58,8 +62,10 @@ def refused_by_engine(error: UpstreamError) -> ApiError:
 
 def replica_at_fault(error: UpstreamError) -> bool:
     """Whether the failure is the replica's (it counts toward its breaker), not the
-    request's: no status (unreachable, cut off) or a server error."""
-    return error.status is None or error.status >= 500
+    request's: no status (unreachable, cut off), a server error, or a refusal of the
+    gateway itself."""
+    status = error.status
+    return status is None or not 400 <= status < 500 or status in REPLICA_REFUSALS
 
 
 def failed_in_engine(error: UpstreamError) -> ApiError:
@@ -313,6 +319,7 @@ class Exchange:
                     stream.close()
                 self._finish_on_replica(first_token_seen=False)
                 not_loaded = error.status == 404
+                refused_gateway = error.status in REPLICA_REFUSALS
                 if not_loaded:
                     # The engine does not know the name it was sent (vLLM: 404 "The model
                     # `x` does not exist."): the adapter was unloaded or the replica restarted
@@ -320,19 +327,23 @@ class Exchange:
                     # this one is healthy, so no verdict for its breaker.
                     gateway.abandon_probe(replica.replica_id)
                     gateway.record_not_loaded(endpoint, self.adapter)
-                elif error.status is not None and 400 <= error.status < 500:
+                elif not replica_at_fault(error):
                     # The engine refused the request itself (e.g. longer than its context):
                     # the client's doing, not the replica's; no verdict for its breaker.
                     gateway.abandon_probe(replica.replica_id)
                     raise refused_by_engine(error) from error
                 else:
-                    gateway.record_failure(endpoint, error.kind)
+                    gateway.record_failure(endpoint, "refused" if refused_gateway else error.kind)
                 tried.add(replica.replica_id)
                 if not_loaded and (
                     attempt == 1
                     or gateway.choose(self.route_request(), frozenset(tried)).replica is None
                 ):
                     raise self._not_loaded() from error
+                if attempt == 1 and refused_gateway:
+                    raise ApiError(503, f"No replica of '{self.model}' accepted the request "
+                                   "right now; retry shortly.", code="no_capacity",
+                                   headers={"Retry-After": "2"}) from error  # fmt: skip
                 if attempt == 1:
                     raise ApiError(502, "The model replica failed; please retry.",
                                    code="upstream_error", error_type="server_error") from error  # fmt: skip
