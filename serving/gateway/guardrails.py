@@ -2,11 +2,13 @@
 
 A guardrail is any callable `(GuardrailInput) -> str | None`: None lets the request through,
 a string refuses it with a 400 carrying that message. The chain is configurable in settings
-(`GATEWAY_GUARDRAILS`, dotted paths), so an operator can add their own.
+(`GATEWAY_GUARDRAILS`, dotted paths), so an operator can add their own. On a large prompt the
+chain runs on a worker thread, so a guardrail must not touch the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,6 +29,11 @@ logger = logging.getLogger(__name__)
 # about 15 ns per prompt byte per instruction (measured), so one tenant's patterns together
 # may compile to at most this many instructions. A dozen PII and secret patterns take ~1,000.
 MAX_PATTERN_PROGRAM_SIZE = 2_000
+# On a prompt longer than this (in characters, so at least as many UTF-8 bytes) the chain runs
+# on a worker thread: the patterns above may take seconds on a prompt of megabytes, and RE2
+# releases the GIL while it matches, so the event loop goes on serving everyone else. Shorter
+# prompts take well under a millisecond, less than the hop to a thread.
+OFF_LOOP_PROMPT_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +156,20 @@ def load_chain(paths: Sequence[str]) -> list[Guardrail]:
     return chain
 
 
-def run_guardrails(chain: Sequence[Guardrail], item: GuardrailInput) -> None:
+def first_refusal(chain: Sequence[Guardrail], item: GuardrailInput) -> str | None:
     for guardrail in chain:
         refusal = guardrail(item)
         if refusal is not None:
-            raise ApiError(400, refusal, code="guardrail_refused", param="messages")
+            return refusal
+    return None
+
+
+async def run_guardrails(chain: Sequence[Guardrail], item: GuardrailInput) -> None:
+    """ApiError(400) with the first refusal of the chain; off the event loop for a large
+    prompt."""
+    if sum(len(text) for text in item.prompt_texts) > OFF_LOOP_PROMPT_CHARS:
+        refusal = await asyncio.to_thread(first_refusal, chain, item)
+    else:
+        refusal = first_refusal(chain, item)
+    if refusal is not None:
+        raise ApiError(400, refusal, code="guardrail_refused", param="messages")

@@ -181,7 +181,7 @@ class Exchange:
                 param="max_tokens",
             )
         self.max_tokens = requested or cap or gateway.config.default_max_tokens
-        run_guardrails(
+        await run_guardrails(
             gateway.guardrails,
             GuardrailInput(
                 tenant_slug=principal.tenant_slug,

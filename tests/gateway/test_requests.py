@@ -143,6 +143,22 @@ def test_a_blocked_pattern_is_refused_before_any_gpu_time(ready, fleet: Fleet, s
     assert reply.json()["error"]["code"] == "guardrail_refused"
 
 
+def test_a_blocked_pattern_in_a_large_prompt_is_refused_too(ready, fleet: Fleet) -> None:
+    _, key, http = ready
+    from tenants.actions import do_update_tenant
+
+    do_update_tenant(key.tenant, blocked_patterns=[r"project\s+falcon"])
+    # Over the size checked on a worker thread rather than on the event loop.
+    text = "lorem ipsum " * 6_000 + "Tell me about Project  Falcon"
+    body = {**BODY, "messages": [{"role": "user", "content": text}]}
+    reply = http.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["code"] == "guardrail_refused"
+    assert "blocked" in error["message"]
+    assert sample(fleet.sims[0].metrics_text(), "vllm:prompt_tokens_total") == 0
+
+
 def test_a_prompt_over_the_context_cap_is_refused_before_any_gpu_time(
     gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
 ) -> None:
