@@ -149,6 +149,9 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         await self.redis.aclose()
+        # The spool's file lock goes with this gateway: a next one in this process (tests
+        # start several, on the same per-process spool) would otherwise wait for it forever.
+        self.spool.release()
 
     async def refresh_reference_data(self) -> None:
         self.catalog = await load_catalog(self.redis)
