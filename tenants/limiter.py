@@ -358,16 +358,9 @@ class RateLimiter:
         keys, args = self._settle_call(
             reservation, prompt_tokens, completion_tokens, charged_usd_micros
         )
-        try:
-            applied = await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
-        except UNREACHABLE as error:
-            logger.error(
-                "Could not settle %s: Redis unreachable (%s); retrying later",
-                reservation.request_id,
-                error,
-            )
-            self._defer(reservation.request_id, keys, args)
-            return False
+        applied = await self._send_or_defer(
+            "settle", reservation.request_id, keys, args, logging.ERROR
+        )
         return bool(applied)
 
     def defer_settle(
@@ -395,15 +388,22 @@ class RateLimiter:
         """Give back all an admission took, if it ran; if it has not run yet, make it take
         nothing when it does. For an admission whose answer was lost; idempotent."""
         keys, args = self._settle_call(reservation, 0, 0, 0, release=True)
+        await self._send_or_defer("release", reservation.request_id, keys, args, logging.WARNING)
+
+    async def _send_or_defer(
+        self, what: str, request_id: str, keys: list[str], args: list[Any], level: int
+    ) -> Any:
+        """Run the settle script now; if Redis is unreachable, keep the call for
+        `retry_deferred` and answer None."""
         try:
-            await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
+            return await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
         except UNREACHABLE as error:
-            logger.warning(
-                "Could not release %s: Redis unreachable (%s); retrying later",
-                reservation.request_id,
-                error,
-            )
-            self._defer(reservation.request_id, keys, args)
+            logger.log(
+                level, "Could not %s %s: Redis unreachable (%s); retrying later",
+                what, request_id, error,
+            )  # fmt: skip
+            self._defer(request_id, keys, args)
+            return None
 
     def _defer(self, request_id: str, keys: list[str], args: list[Any]) -> None:
         self._deferred[request_id] = (keys, args, time.monotonic())
