@@ -103,7 +103,8 @@ def hopeless(summary: Summary) -> bool:
 def idle_misses(gpu: str, router: RouterConfig) -> float:
     """The share of interactive requests whose prefill alone, on an idle replica of this
     class, takes longer than the objective: no number of replicas brings them in."""
-    perf = homogeneous(gpu, 1).perf(homogeneous(gpu, 1).pools[0])
+    fleet = homogeneous(gpu, 1)
+    perf = fleet.perf(fleet.pools[0])
     limit = router.tier("interactive").ttft_s or float("inf")
     interactive = [r for r in REQUESTS if r.tier == "interactive"]
     slow = sum(1 for r in interactive if perf.ttft_s(r.prompt_tokens) > limit)
