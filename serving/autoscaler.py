@@ -17,10 +17,10 @@ current count per decision, so one bad window cannot order the whole pool). Down
 count applied is the highest recommendation of the last `scale_down_stabilization_s` (the
 Kubernetes HPA's stabilization window), and only when it is below the current count by more
 than the hysteresis band, one `max_step_down` at a time, once per window (every sample in it
-taken at the current size), and never before recommendations cover the stabilization window. An optional forecast (the replicas
-the same time of day needed before, see `daily_forecast`) is a floor, so capacity is warm
-before a known peak. The result is clamped to the deployment's min and max and to what the
-pool has room for.
+taken at one fleet size), and never before recommendations cover the stabilization window.
+An optional forecast (the replicas the same time of day needed before, see
+`daily_forecast`) is a floor, so capacity is warm before a known peak. The result is
+clamped to the deployment's min and max and to what the pool has room for.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class Recommendation:
     reason: str
     # The raw count from the signals alone, before any forecast: what the daily history
     # keeps, so that a forecast peak does not forecast itself the next day.
-    reactive: int = 0
+    reactive: int
 
 
 def needed_replicas(
