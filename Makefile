@@ -3,8 +3,11 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 STAMP := $(VENV)/.installed
+# vLLM's CPU build, for the real-engine tests and the demo's CPU node: never in .venv.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test bench lint clean
+.PHONY: run test test-vllm bench lint clean
 
 $(STAMP): requirements.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -12,11 +15,23 @@ $(STAMP): requirements.txt
 	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
 	@touch $(STAMP)
 
-run: $(STAMP)
+$(VLLM_STAMP): requirements-cpu-node.txt
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r requirements-cpu-node.txt
+	@# Built for another torch: they break `import transformers`, and text models need none.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $@
+
+run: $(STAMP) $(if $(filter vllm,$(PLATFORM_DEMO_ENGINE)),$(VLLM_STAMP))
 	$(VENV)/bin/python scripts/run.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python scripts/test.py $(ARGS)
+
+# The real-engine tests alone (marker real_vllm); ARGS go to pytest as with `make test`.
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/python scripts/test.py -m real_vllm $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy serving/engine serving/router

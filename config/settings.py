@@ -194,6 +194,13 @@ if GATEWAY_ROUTER_POLICY not in {"round_robin", "least_load", "weighted_scorer",
 GATEWAY_CONNECT_TIMEOUT_S = env_float("GATEWAY_CONNECT_TIMEOUT_S", 2.0)
 GATEWAY_READ_TIMEOUT_S = env_float("GATEWAY_READ_TIMEOUT_S", 30.0)
 
+# The demo fleet (`make run`): simulated GPU nodes only, or also one CPU node running real vLLM
+# (its CPU build, installed into VLLM_PYTHON's virtual environment) serving a tiny model.
+PLATFORM_DEMO_ENGINE = env_str("PLATFORM_DEMO_ENGINE", "simulator")
+if PLATFORM_DEMO_ENGINE not in {"simulator", "vllm"}:
+    raise ImproperEnvironment("PLATFORM_DEMO_ENGINE", PLATFORM_DEMO_ENGINE, "simulator or vllm")
+VLLM_PYTHON = env_str("VLLM_PYTHON", str(BASE_DIR / ".venv-vllm" / "bin" / "python"))
+
 # The autoscaler's forecast (serving/autoscale_actions.py): the period of the traffic pattern
 # it learns, in seconds (a day); 0 turns the forecast off.
 AUTOSCALER_FORECAST_PERIOD_S = env_int("AUTOSCALER_FORECAST_PERIOD_S", 86400, minimum=0)

@@ -107,6 +107,14 @@ def node_token(node: Node) -> str:
     return "nt_" + digest
 
 
+def engine_api_key(replica_id: int | str) -> str:
+    """The replica's engine key (vLLM's --api-key), rebuilt from the secret key: the agent
+    launches the engine with it, the gateways send it, and a caller without it is refused by
+    the engine itself. Nothing stores it in PostgreSQL."""
+    message = f"engine:{replica_id}".encode()
+    return "ek_" + hmac.new(settings.SECRET_KEY.encode(), message, hashlib.sha256).hexdigest()
+
+
 def authenticate_node(node_id: Any, bearer: str) -> Node | None:
     """The node this bearer token belongs to, or None (the caller answers 401)."""
     try:
@@ -391,6 +399,7 @@ def replica_spec(replica: Replica) -> dict[str, Any]:
             "model_spec": launch.model_spec,
             "time_scale": float(getattr(settings, "SERVING_SIM_TIME_SCALE", 1.0)),
         },
+        "api_key": engine_api_key(replica.pk),
     }
 
 

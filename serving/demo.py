@@ -1,5 +1,9 @@
 """The demo fleet: four pools in two regions, a stable join token per pool, simulated nodes,
-and (when the registry's demo has not put any on these pools) deployments of three models."""
+and (when the registry's demo has not put any on these pools) deployments of three models.
+
+With PLATFORM_DEMO_ENGINE=vllm a fifth pool joins: one CPU node whose agent runs real vLLM
+(its CPU build) serving the tiny model that scripts/build_tiny_model.py builds, as
+`demo-tiny`, with one LoRA adapter, `demo-tiny-pirate`."""
 
 from __future__ import annotations
 
@@ -33,6 +37,41 @@ DEMO_POOLS: tuple[DemoPool, ...] = (
     DemoPool("l4-eu-west", "L4-24GB", "eu-west", Decimal("0.7000"), 2, 1),
 )
 
+CPU_POOL = DemoPool("cpu-local", "CPU-X86-2C", "local", None, 1, 1)
+TINY_MODEL = "demo-tiny"
+TINY_ADAPTER = "demo-tiny-pirate"
+# The tiny Llama of scripts/build_tiny_model.py: 2 layers, hidden 256, 2 KV heads of 64.
+TINY_ARCHITECTURE: dict[str, Any] = {
+    "family": "llama",
+    "params_b": 0.01,  # 3.7 M parameters; the registry's smallest figure
+    "layers": 2,
+    "hidden": 256,
+    "kv_heads": 2,
+    "head_dim": 64,
+    "max_context": 2048,
+}
+TINY_ENGINE_ARGS: dict[str, Any] = {
+    "max_model_len": 2048,
+    "max_num_seqs": 16,
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_lora_rank": 8,
+}
+
+
+def demo_pools() -> tuple[DemoPool, ...]:
+    return (*DEMO_POOLS, CPU_POOL) if settings.PLATFORM_DEMO_ENGINE == "vllm" else DEMO_POOLS
+
+
+def var_dir() -> Path:
+    return Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var"))
+
+
+def tiny_model_dir() -> Path:
+    """Where `make run` builds the tiny model (base/ and adapters/ inside)."""
+    return var_dir() / "models" / "tiny-llama"
+
+
 # (served name = models.csv row, artifact, quantization, pool, TP): three models, four pools.
 DEMO_DEPLOYMENTS: tuple[tuple[str, str, str, str, int], ...] = (
     ("llama-3.1-70b", "hf://meta-llama/Llama-3.1-70B-Instruct", "fp8", "h100-us-east", 2),
@@ -45,7 +84,7 @@ DEMO_DEPLOYMENTS: tuple[tuple[str, str, str, str, int], ...] = (
 def seed(details: dict[str, Any]) -> None:
     fleet = details.setdefault("fleet", {})
     tokens: dict[str, str] = fleet.setdefault("join_tokens", {})
-    for demo in DEMO_POOLS:
+    for demo in demo_pools():
         pool, _ = GpuPool.objects.update_or_create(
             name=demo.name,
             defaults={
@@ -61,6 +100,50 @@ def seed(details: dict[str, Any]) -> None:
             do_create_join_token(pool, name="demo", secret=secret)
     details["extra"]["Join token (L4 pool)"] = tokens["l4-eu-west"]
     _seed_deployments()
+    if settings.PLATFORM_DEMO_ENGINE == "vllm":
+        seed_tiny_model(tiny_model_dir(), CPU_POOL.name)
+        details["extra"]["Real vLLM model"] = f"{TINY_MODEL} (adapter {TINY_ADAPTER}), CPU node"
+
+
+def seed_tiny_model(directory: Path, pool_name: str) -> Any:
+    """The tiny model, its adapter and its deployment on `pool_name`, all public; returns the
+    deployment. The registry refers to the built directory by its file:// URI."""
+    from registry.actions import do_create_deployment, publish_visibility
+    from registry.models import Adapter, Deployment, Model, ModelVersion, Visibility
+
+    model, _ = Model.objects.update_or_create(
+        name=TINY_MODEL, defaults={**TINY_ARCHITECTURE, "visibility": Visibility.PUBLIC}
+    )
+    version, _ = ModelVersion.objects.update_or_create(
+        model=model,
+        version="v1",
+        defaults={
+            "artifact_uri": (directory / "base").resolve().as_uri(),
+            "quantization": "bf16",
+            "status": ModelVersion.Status.APPROVED,
+        },
+    )
+    Adapter.objects.update_or_create(
+        name=TINY_ADAPTER,
+        defaults={
+            "base_version": version,
+            "rank": 8,
+            "artifact_uri": (directory / "adapters" / TINY_ADAPTER).resolve().as_uri(),
+            "visibility": Visibility.PUBLIC,
+        },
+    )
+    publish_visibility()
+    name = _deployment_name(TINY_MODEL, pool_name)
+    existing = Deployment.objects.filter(name=name).first()
+    if existing is not None:
+        return existing
+    return do_create_deployment(
+        name=name,
+        model_version=version,
+        pool=GpuPool.objects.get(name=pool_name),
+        tensor_parallel=1,
+        engine_args=TINY_ENGINE_ARGS,
+    )
 
 
 def _seed_deployments() -> None:
@@ -113,9 +196,9 @@ def _deployment_name(served: str, pool_name: str) -> str:
 def agent_commands(details: dict[str, Any], control_plane: str) -> list[dict[str, Any]]:
     """One node agent per demo node, as argv lists `make run` starts as child processes."""
     tokens = details.get("fleet", {}).get("join_tokens", {})
-    state_root = Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var")) / "agents"
+    state_root = var_dir() / "agents"
     commands = []
-    for demo in DEMO_POOLS:
+    for demo in demo_pools():
         if demo.name not in tokens:
             continue
         short = demo.name.split("-")[0]
@@ -128,11 +211,18 @@ def agent_commands(details: dict[str, Any], control_plane: str) -> list[dict[str
                         sys.executable, "-m", "serving.agent",
                         "--control-plane", control_plane,
                         "--token", tokens[demo.name],
-                        "--simulate-gpus", f"{demo.gpu_class}:{demo.gpus_per_node}",
+                        *_node_kind(demo),
                         "--node-name", name,
                         "--state-dir", str(state_root / name),
-                        "--sim-time-scale", "1",
                     ],
                 }
             )  # fmt: skip
     return commands
+
+
+def _node_kind(demo: DemoPool) -> list[str]:
+    if demo is CPU_POOL:
+        # vLLM's CPU build loads in 25 to 75 s on two cores: give it time.
+        return ["--cpu-slots", str(demo.gpus_per_node), "--vllm-python", settings.VLLM_PYTHON,
+                "--ready-timeout", "600"]  # fmt: skip
+    return ["--simulate-gpus", f"{demo.gpu_class}:{demo.gpus_per_node}", "--sim-time-scale", "1"]

@@ -1,4 +1,8 @@
-"""Keep the GpuClass table in step with the datasheet CSV shipped with the engine model."""
+"""Keep the GpuClass table in step with the datasheet CSVs shipped with the engine model.
+
+A pool's class is a GPU (gpus.csv) or a CPU slot (cpus.csv: a group of cores running vLLM's
+CPU build). CPU classes are kept out of the engine model's GPU list, so the roofline, the
+placement suggestions and the capacity planner never offer a CPU slot for a GPU's work."""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-GPUS_CSV = Path(__file__).resolve().parent / "engine" / "data" / "gpus.csv"
+DATA_DIR = Path(__file__).resolve().parent / "engine" / "data"
+GPUS_CSV = DATA_DIR / "gpus.csv"
+CPUS_CSV = DATA_DIR / "cpus.csv"
 
 
-def read_gpu_rows() -> list[dict[str, Any]]:
-    with GPUS_CSV.open(newline="") as handle:
+def read_gpu_rows(path: Path = GPUS_CSV) -> list[dict[str, Any]]:
+    with path.open(newline="") as handle:
         return [
             {
                 "name": row["gpu"],
@@ -28,8 +34,8 @@ def read_gpu_rows() -> list[dict[str, Any]]:
 
 
 def sync_gpu_classes(gpu_class_model: Any) -> int:
-    """Create or update one row per GPU in the CSV; works with historical models too."""
-    rows = read_gpu_rows()
+    """Create or update one row per GPU and CPU class; works with historical models too."""
+    rows = read_gpu_rows(GPUS_CSV) + read_gpu_rows(CPUS_CSV)
     for row in rows:
         name = row.pop("name")
         gpu_class_model.objects.update_or_create(name=name, defaults=row)

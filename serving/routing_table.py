@@ -117,12 +117,15 @@ def _ready_replicas() -> dict[int, list[Replica]]:
 
 
 def _replica_row(replica: Replica, launch: Any) -> dict[str, Any]:
+    from serving.actions import engine_api_key
+
     pool = replica.node.pool
     host = urlsplit(replica.node.agent_url).hostname or replica.node.hostname
     gpus = len(replica.gpu_indices)
     return {
         "replica_id": replica.replica_id,
         "endpoint": f"http://{host}:{replica.port}",
+        "api_key": engine_api_key(replica.pk),
         "node": replica.node.hostname,
         "pool": pool.name,
         "region": pool.region,

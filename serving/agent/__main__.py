@@ -11,15 +11,17 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .agent import AgentConfig, NodeAgent
-from .gpus import GpuInventory, NvmlGpus, SimulatedGpus, parse_simulated_gpus
-from .replica import Backoff, LaunchSettings, SupervisionTimings
+from .gpus import CpuSlots, GpuInventory, NvmlGpus, SimulatedGpus, parse_simulated_gpus
+from .launch import LaunchSettings
+from .replica import Backoff, SupervisionTimings
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m serving.agent", description="GPU node agent: runs and reports replicas."
+        prog="python -m serving.agent", description="Node agent: runs and reports replicas."
     )
     parser.add_argument("--control-plane", required=True, help="base URL of the control plane")
     # The environment keeps the join token out of `ps`; systemd passes it that way.
@@ -37,8 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--simulate-gpus", metavar="CLASS:COUNT", help="no NVML: simulate GPUs, e.g. L4-24GB:4"
     )
+    parser.add_argument(
+        "--cpu-slots",
+        type=int,
+        metavar="N",
+        help="a CPU node: no NVML, run vLLM's CPU build on the cores split into N slots",
+    )
+    parser.add_argument(
+        "--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache of each CPU replica"
+    )
     parser.add_argument("--sim-time-scale", type=float, default=1.0)
     parser.add_argument("--python", default=sys.executable, help="interpreter for the simulator")
+    parser.add_argument(
+        "--vllm-python",
+        default=sys.executable,
+        help="interpreter of the virtual environment vLLM is installed in (default: this one)",
+    )
+    parser.add_argument(
+        "--engine-host",
+        help="address engines listen on (default: the agent's own, from --listen or "
+        "--advertise-url); never all interfaces",
+    )
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds")
     parser.add_argument("--stop-grace", type=float, default=15.0, help="seconds before SIGKILL")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds")
@@ -55,6 +76,13 @@ def _listen_address(value: str) -> tuple[str, int]:
 
 
 def _inventory(args: argparse.Namespace) -> GpuInventory:
+    if args.simulate_gpus and args.cpu_slots:
+        raise SystemExit("--simulate-gpus and --cpu-slots exclude each other")
+    if args.cpu_slots:
+        try:
+            return CpuSlots(args.cpu_slots, args.node_name)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from exc
     if args.simulate_gpus:
         try:
             gpu_class, count = parse_simulated_gpus(args.simulate_gpus)
@@ -66,11 +94,29 @@ def _inventory(args: argparse.Namespace) -> GpuInventory:
     try:
         return NvmlGpus()
     except Exception as exc:  # pynvml raises its own NVMLError family, or ImportError
-        raise SystemExit(f"cannot read GPUs through NVML ({exc}); use --simulate-gpus") from exc
+        raise SystemExit(
+            f"cannot read GPUs through NVML ({exc}); use --cpu-slots or --simulate-gpus"
+        ) from exc
 
 
-def config_from_args(args: argparse.Namespace, sim_gpu_class: str | None) -> AgentConfig:
-    simulated = sim_gpu_class is not None
+def engine_host(args: argparse.Namespace, listen_host: str) -> str:
+    """Where engines listen: the node's own address, the one the control plane knows it by."""
+    if args.engine_host:
+        host = str(args.engine_host)
+    elif listen_host not in ("0.0.0.0", "::", ""):
+        host = listen_host
+    else:
+        host = urlsplit(args.advertise_url or "").hostname or ""
+    if host in ("0.0.0.0", "::", ""):
+        raise SystemExit(
+            "engines must listen on the node's address, not on all interfaces: "
+            "set --engine-host (or --advertise-url, or a specific --listen host)"
+        )
+    return host
+
+
+def config_from_args(args: argparse.Namespace, gpus: GpuInventory) -> AgentConfig:
+    sim_gpu_class = gpus.gpu_class if isinstance(gpus, SimulatedGpus) else None
     host, port = _listen_address(args.listen)
     return AgentConfig(
         control_plane=args.control_plane,
@@ -81,10 +127,15 @@ def config_from_args(args: argparse.Namespace, sim_gpu_class: str | None) -> Age
         listen_port=port,
         advertise_url=args.advertise_url,
         launch=LaunchSettings(
-            simulated=simulated,
+            simulated=gpus.simulated,
+            device="cpu" if isinstance(gpus, CpuSlots) else "gpu",
             python=args.python,
+            vllm_python=args.vllm_python,
             default_time_scale=args.sim_time_scale,
             sim_gpu_class=sim_gpu_class,
+            host=engine_host(args, host),
+            cpu_slots=gpus.slots if isinstance(gpus, CpuSlots) else (),
+            cpu_kv_cache_gib=args.cpu_kv_cache_gib,
         ),
         timings=SupervisionTimings(
             backoff=Backoff(cap_s=args.restart_backoff_cap),
@@ -114,8 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     gpus = _inventory(args)
-    sim_gpu_class = gpus.gpu_class if isinstance(gpus, SimulatedGpus) else None
-    agent = NodeAgent(config_from_args(args, sim_gpu_class), gpus)
+    agent = NodeAgent(config_from_args(args, gpus), gpus)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(agent))
 

@@ -25,9 +25,9 @@ from .control_plane import (
 )
 from .events import EventQueue
 from .gpus import GpuInventory
+from .launch import LaunchSettings
 from .replica import (
     STOPPED,
-    LaunchSettings,
     ReplicaSupervisor,
     SupervisionTimings,
     pick_free_port,

@@ -1,13 +1,19 @@
-"""What GPUs this node has and how busy they are: from NVML, or simulated where there are none.
+"""What accelerators this node has and how busy they are: GPUs from NVML, a CPU node's cores in
+slots, or GPUs simulated where there are none.
 
+A CPU node is inventoried as slots: its usable cores split into equal groups, each with an
+equal share of memory, reported in the shape of a GPU so that placement, reconcile, health,
+drain and telemetry treat a CPU pool like any other (a replica's `gpu_indices` name its slots).
 Simulated GPUs are the GPU classes of serving/engine/data/gpus.csv, with UUIDs derived from the
 node's identity so a restarted agent reports the same GPUs, and a load derived from the replicas
 placed on them so the console shows the fleet working."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from serving.engine.specs import load_gpu_specs
@@ -161,6 +167,91 @@ class SimulatedGpus:
             )
             for gpu in self._gpus
         ]
+
+
+class CpuSlots:
+    """A CPU node's cores in `slots` equal groups, measured from /proc (Linux)."""
+
+    simulated = False
+
+    def __init__(self, slots: int, node_identity: str, proc: Path = Path("/proc")) -> None:
+        cores = sorted(os.sched_getaffinity(0))
+        if not 1 <= slots <= len(cores):
+            raise ValueError(f"--cpu-slots must be between 1 and {len(cores)} (the usable cores)")
+        per_slot = len(cores) // slots
+        self.slots = tuple(tuple(cores[i * per_slot : (i + 1) * per_slot]) for i in range(slots))
+        self._proc = proc
+        self._busy_before: dict[int, tuple[int, int]] = {}
+        memory_mb = _meminfo_mb(proc, "MemTotal") // slots
+        name = _cpu_model(proc)
+        self._devices = [
+            GpuInfo(
+                index=index,
+                uuid="CPU-"
+                + str(uuid.uuid5(_SIMULATED_GPU_NAMESPACE, f"{node_identity}/cpu{index}")),
+                name=name,
+                memory_mb=memory_mb,
+            )
+            for index in range(slots)
+        ]
+
+    def inventory(self) -> list[GpuInfo]:
+        return list(self._devices)
+
+    def sample(self, loads: list[GpuLoad]) -> list[GpuSample]:
+        """Each slot's core utilization since the last sample, and its share of used memory.
+        Loads are ignored: the kernel measures them."""
+        times = _cpu_times(self._proc)
+        used_mb = (
+            _meminfo_mb(self._proc, "MemTotal") - _meminfo_mb(self._proc, "MemAvailable")
+        ) // len(self.slots)
+        samples = []
+        for device, cores in zip(self._devices, self.slots, strict=True):
+            busy = total = 0
+            for core in cores:
+                now = times.get(core, (0, 0))
+                before = self._busy_before.get(core, (0, 0))
+                busy += now[0] - before[0]
+                total += now[1] - before[1]
+                self._busy_before[core] = now
+            samples.append(
+                GpuSample(
+                    index=device.index,
+                    uuid=device.uuid,
+                    utilization_pct=round(100 * busy / total) if total > 0 else 0,
+                    memory_used_mb=used_mb,
+                    memory_total_mb=device.memory_mb,
+                    temperature_c=0,  # not measured on CPU nodes
+                )
+            )
+        return samples
+
+
+def _cpu_times(proc: Path) -> dict[int, tuple[int, int]]:
+    """Per core: (busy, total) jiffies from /proc/stat; idle and iowait are not busy."""
+    times: dict[int, tuple[int, int]] = {}
+    for line in (proc / "stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        values = [int(v) for v in fields]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        times[int(name[3:])] = (sum(values) - idle, sum(values))
+    return times
+
+
+def _meminfo_mb(proc: Path, field: str) -> int:
+    for line in (proc / "meminfo").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) // 1024
+    raise ValueError(f"/proc/meminfo has no {field}")
+
+
+def _cpu_model(proc: Path) -> str:
+    for line in (proc / "cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "CPU"
 
 
 def parse_simulated_gpus(value: str) -> tuple[str, int]:

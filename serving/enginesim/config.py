@@ -7,6 +7,7 @@ fail loudly here rather than pass silently in tests and break on a GPU node.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from serving.engine.placement import check_placement
@@ -48,6 +49,8 @@ class SimConfig:
     fixed_ttft_ms: float | None = None
     fixed_itl_ms: float | None = None
     seed: int = 0
+    # Bearer keys of /v1 (vLLM's --api-key, or VLLM_API_KEY); none means open, as in vLLM.
+    api_keys: tuple[str, ...] = ()
 
     @property
     def served_model_name(self) -> str:
@@ -67,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m serving.enginesim",
         description="A stand-in for `vllm serve MODEL` driven by the engine model.",
     )
-    p.add_argument("model")
+    # vLLM's api_server takes --model; `vllm serve` a positional model tag. Either works here.
+    p.add_argument("model_tag", nargs="?", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--api-key", action="append", default=None)
     p.add_argument("--served-model-name", nargs="+", default=None)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -104,6 +110,9 @@ def parse_args(argv: list[str]) -> SimConfig:
     """Parse and validate; argparse exits with status 2 on unknown flags, and a ConfigError
     names any value that makes no sense (as vLLM refuses to start)."""
     args = _parser().parse_args(argv)
+    args.model = args.model_tag or args.model
+    if not args.model:
+        raise ConfigError("name the model: --model PATH (or a positional model tag)")
     gpus = load_gpu_specs()
     if args.sim_gpu_class not in gpus:
         raise ConfigError(f"--sim-gpu-class {args.sim_gpu_class!r}: use one of {', '.join(gpus)}")
@@ -159,6 +168,7 @@ def parse_args(argv: list[str]) -> SimConfig:
         fixed_ttft_ms=args.sim_fixed_ttft_ms,
         fixed_itl_ms=args.sim_fixed_itl_ms,
         seed=args.sim_seed,
+        api_keys=tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key),
     )
 
 

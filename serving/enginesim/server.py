@@ -9,6 +9,8 @@ seconds, i.e. what the modelled GPU would show; at --sim-time-scale 1 that is wa
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import os
 import random
 import sys
@@ -188,6 +190,8 @@ class Generation:
     stream: bool
     include_usage: bool
     seed: int | None
+    # vLLM's per-request prefix-cache salt: equal prompts under other salts share no block.
+    cache_salt: str | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -279,6 +283,11 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (
+        not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= 1024
+    ):
+        raise bad_request("'cache_salt' must be a string of 1 to 1024 characters", "cache_salt")
     return Generation(
         kind=kind,
         model=model,
@@ -291,6 +300,7 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
         stream=bool(body.get("stream")),
         include_usage=bool(options.get("include_usage")),
         seed=seed,
+        cache_salt=cache_salt,
     )
 
 
@@ -305,7 +315,7 @@ async def engine_tokens(state: ServerState, gen: Generation) -> AsyncGenerator[E
         prompt_tokens=gen.prompt_tokens,
         max_tokens=gen.max_tokens,
         arrival_s=runner.now_s(),
-        block_hashes=prompt_block_hashes(gen.prompt_text, salt=gen.lora or ""),
+        block_hashes=prompt_block_hashes(gen.prompt_text, salt=_cache_salt(gen)),
         lora=gen.lora,
         stop_after=gen.stop_after,
     )
@@ -320,6 +330,12 @@ async def engine_tokens(state: ServerState, gen: Generation) -> AsyncGenerator[E
         if not finished:
             # The client left, or the reply stopped on a stop string: free the batch slot.
             runner.finish_early(gen.request_id, "abort")
+
+
+def _cache_salt(gen: Generation) -> str:
+    # Adapter weights change the KV of equal text, so the adapter is part of the salt too.
+    adapter = gen.lora or ""
+    return adapter if gen.cache_salt is None else f"{gen.cache_salt}\x00{adapter}"
 
 
 async def fixed_latency_tokens(
@@ -707,6 +723,23 @@ def runtime_lora_updating_allowed() -> bool:
 
 
 @web.middleware
+async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """vLLM's AuthenticationMiddleware: with keys set, every /v1 route but OPTIONS wants one
+    of them as a Bearer token; /health and /metrics stay open."""
+    keys = request.app[STATE].config.api_keys
+    if keys and request.path.startswith("/v1") and request.method != "OPTIONS":
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(presented.encode()).digest()
+        matched = False
+        for key in keys:
+            matched |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+        if scheme.lower() != "bearer" or not matched:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+@web.middleware
 async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Any unexpected failure becomes an OpenAI-shaped 500, never an HTML traceback."""
     try:
@@ -734,7 +767,9 @@ async def _start_engine(app: web.Application) -> AsyncIterator[None]:
 
 
 def build_app(config: SimConfig) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=64 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[require_api_key, openai_errors], client_max_size=64 * 1024 * 1024
+    )
     app[STATE] = ServerState(config)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

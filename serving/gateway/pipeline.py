@@ -49,6 +49,10 @@ CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
 REPLICA_REFUSALS = frozenset({401, 403, 429})
 
 
+def engine_cache_salt(tenant_id: object) -> str:
+    return f"tenant-{tenant_id}"
+
+
 def refused_by_engine(error: UpstreamError) -> ApiError:
     """The engine's refusal of the request (longer than its context, a parameter it does
     not accept) in OpenAI's shape, with the engine's own message and param."""
@@ -272,8 +276,11 @@ class Exchange:
         return max(0, self.prompt_estimate - cached)
 
     def upstream_payload(self, endpoint: ReplicaEndpoint) -> dict[str, Any]:
-        payload = self.body.model_dump(exclude_none=True, exclude={"stream_options", "n"})
+        payload = self.body.engine_fields()
         payload["model"] = self.adapter or endpoint.served_model_name
+        # The tenant's own prefix-cache namespace in the engine: one tenant's cached prompt is
+        # never another's hit (nor a timing oracle for it). Clients cannot send their own.
+        payload["cache_salt"] = engine_cache_salt(self.principal.tenant_id)
         payload["stream"] = True
         # Always ask for usage upstream, so tokens are counted even when the client did not ask.
         payload["stream_options"] = {"include_usage": True}
@@ -307,9 +314,12 @@ class Exchange:
             stream: UpstreamStream | None = None
             try:
                 stream = await open_stream(
-                    gateway.session, endpoint.endpoint, self.path,
+                    gateway.session,
+                    endpoint.endpoint,
+                    self.path,
                     self.upstream_payload(endpoint),
-                )  # fmt: skip
+                    api_key=endpoint.api_key,
+                )
                 chunks = stream.chunks()
                 first = await anext(chunks, None)
                 self._accepted = True

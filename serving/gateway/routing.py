@@ -74,6 +74,8 @@ class ReplicaEndpoint:
     version_id: str | None
     price_per_hour: float
     max_model_len: int = 0
+    # The replica's engine key, sent as its Bearer token (vLLM's --api-key).
+    api_key: str | None = field(default=None, repr=False)
 
 
 @dataclass(slots=True)
@@ -181,6 +183,7 @@ def build_snapshot(
                     ),
                     price_per_hour=replica.price_per_hour,
                     max_model_len=int(row.get("max_model_len") or 0),
+                    api_key=str(row["api_key"]) if row.get("api_key") else None,
                 )
     state = RouterState(
         routes, replicas, version=int(table.get("version", 0)), prefix_index=prefix_index

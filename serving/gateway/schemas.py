@@ -1,7 +1,13 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
-Known fields are type-checked; unknown fields are passed through to the engine untouched,
-as vLLM accepts its own sampling extensions (top_k, min_p, ...).
+What reaches the engine is an allowlist: the typed fields below, OpenAI's sampling and output
+parameters, and vLLM's documented sampling extensions (top_k, min_p, ...). Fields that steer
+the engine itself (its prefix-cache salt, KV transfer, chat template, structured-output backend,
+scheduling priority, extension arguments) are the platform's to set: a request carrying one is
+refused with a 400 that names it, as is any field neither OpenAI nor vLLM defines (OpenAI's own
+"Unrecognized request argument supplied"). A few OpenAI fields that mean nothing to a
+self-hosted engine (store, metadata, service_tier, ...) are accepted and not forwarded, so
+clients written for OpenAI work unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +48,39 @@ class ChatMessage(BaseModel):
         )
 
 
+# Forwarded to the engine as sent: OpenAI's parameters beyond the typed ones, and vLLM's
+# sampling extensions (vllm/entrypoints/openai/*/protocol.py, "extra sampling params").
+FORWARDED_FIELDS: frozenset[str] = frozenset({
+    "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "echo", "suffix",
+    "top_k", "min_p", "repetition_penalty", "length_penalty", "min_tokens", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "prompt_logprobs", "bad_words", "allowed_token_ids",
+    "add_generation_prompt", "continue_final_message", "truncate_prompt_tokens",
+})  # fmt: skip
+# OpenAI fields a self-hosted engine has no use for: accepted, never forwarded.
+IGNORED_FIELDS: frozenset[str] = frozenset(
+    {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+# The engine's own controls: the gateway sets some of them (cache_salt from the tenant, the
+# KV transfer of disaggregated serving); a tenant steers none of them.
+ENGINE_INTERNAL_FIELDS: frozenset[str] = frozenset({
+    "cache_salt", "kv_transfer_params", "chat_template", "chat_template_kwargs", "vllm_xargs",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "priority",
+    "request_id", "mm_processor_kwargs", "return_tokens_as_token_ids", "return_token_ids",
+    "prompt_embeds", "add_special_tokens", "documents", "media_io_kwargs", "logits_processors",
+})  # fmt: skip
+
+
+class RefusedField(ValueError):
+    """A body field that the gateway refuses, with the field's name for `param`."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = Field(min_length=1, max_length=256)
@@ -63,12 +102,31 @@ class _GenerationRequest(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def no_hidden_multiple_choices(self) -> _GenerationRequest:
-        # vLLM extensions pass through, but not ones that generate several sequences.
+    def only_allowed_fields(self) -> _GenerationRequest:
         extra = self.model_extra or {}
         if (extra.get("best_of") or 1) != 1 or extra.get("use_beam_search"):
             raise ValueError("best_of and beam search are not supported; send separate requests")
+        for name in extra:
+            if name in ENGINE_INTERNAL_FIELDS:
+                raise RefusedField(name, f"'{name}' is set by the platform, not by requests")
+            if (
+                name not in FORWARDED_FIELDS
+                and name not in IGNORED_FIELDS
+                and name
+                not in (
+                    "best_of",
+                    "use_beam_search",
+                )
+            ):
+                raise RefusedField(name, f"Unrecognized request argument supplied: {name}")
         return self
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The body as the engine may see it: typed fields and forwarded extras, no nulls."""
+        return self.model_dump(
+            exclude_none=True,
+            exclude={"stream_options", "n", "best_of", "use_beam_search", *IGNORED_FIELDS},
+        )
 
     @field_validator("stop")
     @classmethod
@@ -129,6 +187,15 @@ def parse_body(kind: type[_GenerationRequest], raw: bytes) -> Any:
         return kind.model_validate_json(raw)
     except ValidationError as error:
         first = error.errors()[0]
+        refused = first.get("ctx", {}).get("error")
+        if isinstance(refused, RefusedField):
+            internal = refused.field in ENGINE_INTERNAL_FIELDS
+            raise ApiError(
+                400,
+                f"{refused}.",
+                param=refused.field,
+                code="forbidden_parameter" if internal else "unknown_parameter",
+            ) from None
         if first["type"] == "model_type":
             raise ApiError(400, "The request body must be a JSON object.") from None
         # Drop pydantic's union-member tags ("str", "list[str]") from the parameter path.

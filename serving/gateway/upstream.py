@@ -157,11 +157,17 @@ class UpstreamStream:
 
 
 async def open_stream(
-    session: aiohttp.ClientSession, endpoint: str, path: str, payload: dict[str, Any]
+    session: aiohttp.ClientSession,
+    endpoint: str,
+    path: str,
+    payload: dict[str, Any],
+    api_key: str | None = None,
 ) -> UpstreamStream:
-    """POST a streaming generation; return once the replica answered with 200 headers."""
+    """POST a streaming generation with the replica's engine key; return once the replica
+    answered with 200 headers."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        response = await session.post(f"{endpoint}{path}", json=payload)
+        response = await session.post(f"{endpoint}{path}", json=payload, headers=headers)
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
         raise UpstreamError(f"could not reach replica: {error!r}", kind="connect") from error
     if response.status != 200:

@@ -15,51 +15,23 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import telemetry
-from serving.actions import do_mark_lost_nodes, do_reconcile
+from serving.actions import engine_api_key
 from serving.models import Node, Replica, ReplicaEvent
-from serving.routing_table import publish_routing_table
+from tests.live import ControlLoops, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def eventually(check: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
-class ControlLoops(threading.Thread):
-    """Beat stand-in: node health, reconcile and publish, once a second."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.halt = threading.Event()
-
-    def run(self) -> None:
-        try:
-            while not self.halt.is_set():
-                do_mark_lost_nodes()
-                do_reconcile()
-                publish_routing_table()
-                self.halt.wait(1.0)
-        finally:
-            connection.close()
 
 
 class Agents:
@@ -198,8 +170,10 @@ def _sim_metrics(endpoint: str) -> dict[str, float]:
     return values
 
 
-async def _load(endpoint: str, model: str, streams: int, max_tokens: int) -> None:
-    async with httpx.AsyncClient(timeout=120) as client:
+async def _load(endpoint: str, key: str, model: str, streams: int, max_tokens: int) -> None:
+    # The engine's own key, as the gateway sends it: the engine refuses callers without it.
+    headers = {"Authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient(timeout=120, headers=headers) as client:
         body = {
             "model": model,
             "prompt": "tell me a long story " * 20,
@@ -221,7 +195,8 @@ def test_telemetry_in_redis_matches_the_simulators_own_state_under_load(
     streams = 12
     before = _sim_metrics(endpoint)["vllm:generation_tokens_total"]  # the readiness probe's
     load = threading.Thread(
-        target=asyncio.run, args=(_load(endpoint, "llama-3.2-1b", streams, 1500),)
+        target=asyncio.run,
+        args=(_load(endpoint, engine_api_key(replica.pk), "llama-3.2-1b", streams, 1500),),
     )
     load.start()
 

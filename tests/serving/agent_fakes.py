@@ -14,7 +14,8 @@ from aiohttp import web
 
 from serving.agent.agent import AgentConfig, NodeAgent
 from serving.agent.gpus import SimulatedGpus
-from serving.agent.replica import Backoff, LaunchSettings, SupervisionTimings
+from serving.agent.launch import LaunchSettings
+from serving.agent.replica import Backoff, SupervisionTimings
 
 
 class FakeControlPlane:

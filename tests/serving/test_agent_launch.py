@@ -1,12 +1,24 @@
-"""The replica's command line: exactly DESIGN.md's vLLM flags, and the simulator takes them too."""
+"""The replica's command line: exactly DESIGN.md's vLLM flags on GPU and CPU nodes, the CPU
+build's environment, and the simulator takes the same flags too."""
 
 from __future__ import annotations
 
 import pytest
 
-from serving.agent.launch import build_launch_command
+from serving.agent.launch import LaunchSettings, build_launch_command, core_list, engine_path
 from serving.agent.specs import SpecError, parse_replica_spec
 from serving.enginesim import parse_args as parse_simulator_args
+
+GPU_NODE = LaunchSettings(simulated=False, vllm_python="/node/bin/python", host="10.0.0.7")
+SIMULATED = LaunchSettings(simulated=True, python="/venv/bin/python", host="127.0.0.1")
+CPU_NODE = LaunchSettings(
+    simulated=False,
+    device="cpu",
+    vllm_python="/opt/vllm-cpu/bin/python",
+    host="10.0.0.9",
+    cpu_slots=((0, 1), (2, 3)),
+    cpu_kv_cache_gib=2,
+)
 
 
 def _spec(**overrides: object) -> dict[str, object]:
@@ -29,17 +41,31 @@ def _spec(**overrides: object) -> dict[str, object]:
         "max_lora_rank": 32,
         "adapters": [{"name": "sql", "path": "/adapters/sql"}],
         "sim": {"gpu_class": "H100-SXM-80GB", "model_spec": "llama-3.1-70b", "time_scale": 20},
+        "api_key": "ek_secret",
     }
     raw.update(overrides)
     return raw
 
 
-def test_a_tp2_fp8_lora_deployment_gets_exactly_the_vllm_serve_argv() -> None:
-    argv, _ = build_launch_command(parse_replica_spec(_spec()), simulated=False, python="py")
+def _cpu_spec(**overrides: object) -> dict[str, object]:
+    cpu: dict[str, object] = {
+        "model": "file:///var/models/tiny/base",
+        "gpu_indices": [1],
+        "tensor_parallel_size": 1,
+        "quantization": None,
+        "kv_cache_dtype": "auto",
+    }
+    return _spec(**{**cpu, **overrides})
+
+
+def test_a_tp2_fp8_lora_deployment_gets_exactly_the_vllm_argv() -> None:
+    argv, _ = build_launch_command(parse_replica_spec(_spec()), GPU_NODE)
 
     assert argv == [
-        "vllm", "serve", "/models/llama-3.1-70b-fp8",
+        "/node/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/models/llama-3.1-70b-fp8",
         "--served-model-name", "llama-70b",
+        "--host", "10.0.0.7",
         "--port", "8123",
         "--tensor-parallel-size", "2",
         "--gpu-memory-utilization", "0.92",
@@ -52,10 +78,15 @@ def test_a_tp2_fp8_lora_deployment_gets_exactly_the_vllm_serve_argv() -> None:
     ]  # fmt: skip
 
 
-def test_the_replica_sees_only_its_gpus_and_may_load_adapters_at_run_time() -> None:
-    _, env = build_launch_command(parse_replica_spec(_spec()), simulated=False, python="py")
+def test_the_replica_sees_only_its_gpus_and_gets_its_engine_key_outside_the_argv() -> None:
+    argv, env = build_launch_command(parse_replica_spec(_spec()), GPU_NODE)
 
-    assert env == {"CUDA_VISIBLE_DEVICES": "2,3", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    assert env == {
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_API_KEY": "ek_secret",
+    }
+    assert not any("ek_secret" in arg for arg in argv)
 
 
 def test_an_unquantized_replica_without_lora_says_prefix_caching_is_off_out_loud() -> None:
@@ -67,25 +98,68 @@ def test_an_unquantized_replica_without_lora_says_prefix_caching_is_off_out_loud
             enable_prefix_caching=False,
             gpu_indices=[0],
             tensor_parallel_size=1,
+            api_key=None,
         )
     )
 
-    argv, env = build_launch_command(spec, simulated=False, python="py")
+    argv, env = build_launch_command(spec, GPU_NODE)
 
     assert argv[-1] == "--no-enable-prefix-caching"
     assert not {"--quantization", "--kv-cache-dtype", "--enable-lora", "--max-loras"} & set(argv)
     assert env == {"CUDA_VISIBLE_DEVICES": "0"}
 
 
+def test_a_cpu_replica_runs_the_same_flags_with_the_cpu_builds_environment() -> None:
+    spec = parse_replica_spec(_cpu_spec())
+    on_gpu, _ = build_launch_command(spec, GPU_NODE)
+
+    argv, env = build_launch_command(spec, CPU_NODE)
+
+    assert argv[0] == "/opt/vllm-cpu/bin/python"
+    assert argv[1:5] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/var/models/tiny/base",
+    ]
+    assert argv[argv.index("--host") + 1] == "10.0.0.9"
+    assert [a for a in argv if a.startswith("--")] == [a for a in on_gpu if a.startswith("--")]
+    assert env == {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "2-3",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        "VLLM_API_KEY": "ek_secret",
+    }
+
+
+def test_a_cpu_replica_on_a_slot_the_node_does_not_have_is_refused() -> None:
+    with pytest.raises(ValueError, match="CPU slot 5"):
+        build_launch_command(parse_replica_spec(_cpu_spec(gpu_indices=[5])), CPU_NODE)
+
+
+def test_core_lists_are_written_as_ranges() -> None:
+    assert core_list([3, 0, 1, 2, 7, 9, 8]) == "0-3,7-9"
+    assert core_list([4]) == "4"
+
+
+def test_artifact_uris_become_what_the_engine_loads() -> None:
+    assert engine_path("file:///var/models/tiny%20llama/base") == "/var/models/tiny llama/base"
+    assert engine_path("hf://meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert engine_path("/models/local") == "/models/local"
+
+
 def test_the_simulator_runs_with_the_same_engine_flags_plus_its_own() -> None:
     spec = parse_replica_spec(_spec())
-    real, _ = build_launch_command(spec, simulated=False, python="py")
+    real, _ = build_launch_command(spec, GPU_NODE)
 
-    simulated, _ = build_launch_command(spec, simulated=True, python="/venv/bin/python")
+    simulated, _ = build_launch_command(spec, SIMULATED)
 
-    assert simulated[:4] == ["/venv/bin/python", "-m", "serving.enginesim", spec.model]
-    assert simulated[4 : len(real) + 1] == real[3:]
-    assert simulated[len(real) + 1 :] == [
+    assert simulated[:3] == ["/venv/bin/python", "-m", "serving.enginesim"]
+    flags = [a for a in real[3:] if a != "10.0.0.7"]
+    assert [a for a in simulated[3 : len(real)] if a != "127.0.0.1"] == flags
+    assert simulated[len(real) :] == [
         "--sim-gpu-class", "H100-SXM-80GB",
         "--sim-model-spec", "llama-3.1-70b",
         "--sim-time-scale", "20",
@@ -93,7 +167,7 @@ def test_the_simulator_runs_with_the_same_engine_flags_plus_its_own() -> None:
 
 
 def test_the_simulator_accepts_every_flag_the_launcher_writes() -> None:
-    simulated, _ = build_launch_command(parse_replica_spec(_spec()), simulated=True, python="py")
+    simulated, _ = build_launch_command(parse_replica_spec(_spec()), SIMULATED)
 
     config = parse_simulator_args(simulated[3:])
 
@@ -103,22 +177,29 @@ def test_the_simulator_accepts_every_flag_the_launcher_writes() -> None:
         "fp8",
     )
     assert (config.enable_lora, config.max_loras, config.max_lora_rank) == (True, 4, 32)
-    assert config.port == 8123
+    assert (config.host, config.port, config.model) == (
+        "127.0.0.1",
+        8123,
+        "/models/llama-3.1-70b-fp8",
+    )
 
 
 def test_a_spec_without_a_sim_block_falls_back_to_the_nodes_gpu_class_and_time_scale() -> None:
     spec = parse_replica_spec(_spec(sim=None))
+    node = LaunchSettings(simulated=True, default_time_scale=50, sim_gpu_class="L4-24GB")
 
-    argv, _ = build_launch_command(
-        spec, simulated=True, python="py", default_time_scale=50, default_gpu_class="L4-24GB"
-    )
+    argv, _ = build_launch_command(spec, node)
 
     assert argv[-4:] == ["--sim-gpu-class", "L4-24GB", "--sim-time-scale", "50"]
 
 
 def test_a_replica_without_a_port_cannot_be_launched_yet() -> None:
     with pytest.raises(ValueError, match="no port"):
-        build_launch_command(parse_replica_spec(_spec(port=None)), simulated=False, python="py")
+        build_launch_command(parse_replica_spec(_spec(port=None)), GPU_NODE)
+
+
+def test_a_reported_spec_never_carries_the_engine_key() -> None:
+    assert parse_replica_spec(_spec()).to_json()["api_key"] == "***"
 
 
 def test_a_tensor_parallel_degree_that_does_not_match_the_gpus_is_refused() -> None:
