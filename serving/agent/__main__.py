@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a CPU node: no NVML, run vLLM's CPU build on the cores split into N slots",
     )
     parser.add_argument(
-        "--cpu-kv-cache-gib", type=float, default=1.0, help="KV cache of each CPU replica"
+        "--cpu-kv-cache-gib",
+        type=int,
+        default=1,
+        help="KV cache of each CPU replica, whole GiB (VLLM_CPU_KVCACHE_SPACE takes an integer)",
     )
     parser.add_argument("--sim-time-scale", type=float, default=1.0)
     parser.add_argument("--python", default=sys.executable, help="interpreter for the simulator")
@@ -79,6 +82,8 @@ def _inventory(args: argparse.Namespace) -> GpuInventory:
     if args.simulate_gpus and args.cpu_slots:
         raise SystemExit("--simulate-gpus and --cpu-slots exclude each other")
     if args.cpu_slots:
+        if args.cpu_kv_cache_gib < 1:
+            raise SystemExit("--cpu-kv-cache-gib must be at least 1")
         try:
             return CpuSlots(args.cpu_slots, args.node_name)
         except ValueError as exc:

@@ -39,10 +39,10 @@ class LaunchSettings:
     # The node's address: engines listen there and nowhere else (never 0.0.0.0).
     host: str = "127.0.0.1"
     # CPU nodes: the cores of each slot (a slot is what a GPU index names on a GPU node) and
-    # the KV cache each replica gets, in GiB (the CPU build sizes KV from this, not from
-    # --gpu-memory-utilization).
+    # the KV cache each replica gets, in whole GiB (the CPU build sizes KV from this, not from
+    # --gpu-memory-utilization, and reads it as an integer).
     cpu_slots: tuple[tuple[int, ...], ...] = ()
-    cpu_kv_cache_gib: float = 1.0
+    cpu_kv_cache_gib: int = 1
 
 
 def build_launch_command(
@@ -136,7 +136,7 @@ def _cpu_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
         cores += launch.cpu_slots[slot]
     return {
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": _number(launch.cpu_kv_cache_gib),
+        "VLLM_CPU_KVCACHE_SPACE": str(launch.cpu_kv_cache_gib),
         "VLLM_CPU_OMP_THREADS_BIND": core_list(cores),
         # A node serves what was copied to it; nothing is fetched at start-up.
         "HF_HUB_OFFLINE": "1",

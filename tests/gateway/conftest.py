@@ -241,6 +241,21 @@ def gateway_server(transactional_db: None, redis_client: redis.Redis) -> Iterato
     server.stop()
 
 
+@pytest.fixture
+def ready(gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis):
+    """A gateway with one engine simulator published, the catalog, and an acme key's client:
+    (server, key, httpx client)."""
+    fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    http = httpx.Client(
+        base_url=gateway_server.url, headers={"Authorization": f"Bearer {key.secret}"}, timeout=30
+    )
+    yield gateway_server, key, http
+    http.close()
+
+
 @dataclass
 class TenantKey:
     tenant: Any

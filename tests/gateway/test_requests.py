@@ -22,19 +22,6 @@ from tests.gateway.conftest import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def ready(gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis):
-    fleet.start()
-    fleet.publish()
-    publish_catalog(redis_client)
-    key = make_key("acme")
-    http = httpx.Client(
-        base_url=gateway_server.url, headers={"Authorization": f"Bearer {key.secret}"}, timeout=30
-    )
-    yield gateway_server, key, http
-    http.close()
-
-
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
