@@ -16,7 +16,8 @@ The same OUT_DIR, the same script and the same library versions give the same by
 fixed seeds, an embedded corpus (plus sentences generated from it with a seeded RNG), sorted JSON
 keys. If OUT_DIR/manifest.json already describes what this run would build (same recipe hash, and
 every listed file present with its sha256), the script exits at once without building: tests can
-call it every run. `--force` rebuilds regardless.
+call it every run. `--force` rebuilds regardless. Concurrent runs on one OUT_DIR serialise on
+OUT_DIR/.build.lock; a build goes to a scratch directory first and the manifest is written last.
 
 `base_model_name_or_path` in each adapter_config.json is the absolute path of OUT_DIR/base unless
 `--base-model-ref` says otherwise (vLLM's filesystem LoRA resolver, VLLM_LORA_RESOLVER_CACHE_DIR,
@@ -29,6 +30,7 @@ The model's text is noise; its token counts, timings, metrics and protocol under
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -577,7 +579,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.force and manifest_matches(out_dir, recipe):
         print(f"{out_dir}: up to date (manifest matches), nothing to do")
         return 0
-    manifest = build(out_dir, base_ref, recipe)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with (out_dir / ".build.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent callers: one builds, the others wait
+        if not args.force and manifest_matches(out_dir, recipe):
+            print(f"{out_dir}: up to date (built by a concurrent run), nothing to do")
+            return 0
+        manifest = build(out_dir, base_ref, recipe)
     m = manifest["model"]
     print(
         f"{out_dir}: built {NAME} ({m['parameters']:,} parameters, tokenizer vocab "

@@ -3,6 +3,8 @@
 Starts embedded PostgreSQL and Redis (unless DATABASE_URL / REDIS_URL are set), migrates,
 loads the demo data, then runs the ASGI server, a Celery worker, Celery beat and the demo
 fleet's node agents as child processes with prefixed logs. SIGINT or SIGTERM stops them all.
+With PLATFORM_DEMO_ENGINE=vllm it first builds the tiny model (scripts/build_tiny_model.py,
+in the vLLM virtual environment `make` set up), which the demo's CPU node serves.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ def main() -> int:
             supervisor.adopt("redis", redis.start(), is_data_service=True)
             env["REDIS_URL"] = redis.url
         ensure_database(env["DATABASE_URL"])
+        if env.get("PLATFORM_DEMO_ENGINE") == "vllm":
+            build_tiny_model(env, var)
         manage(env, "migrate", "--noinput", "-v", "0")
         manage(env, "seed_demo")
         supervisor.spawn(
@@ -206,6 +210,20 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         supervisor.stop_all()
+
+
+def build_tiny_model(env: dict[str, str], var: Path) -> None:
+    """The demo CPU node's model, built offline (seconds; nothing when it is up to date)."""
+    python = env.get("VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        raise StartupError(
+            f"PLATFORM_DEMO_ENGINE=vllm needs vLLM's CPU build at {python}: run it through "
+            "`make run`, which installs it (requirements-cpu-node.txt), or set VLLM_PYTHON"
+        )
+    subprocess.run(
+        [python, "scripts/build_tiny_model.py", str(var / "models" / "tiny-llama")],
+        cwd=ROOT, env=env, check=True,
+    )  # fmt: skip
 
 
 def demo_fleet_commands(env: dict[str, str]) -> list[tuple[str, list[str]]]:

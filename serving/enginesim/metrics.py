@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from serving.engine.core import Engine
 
 LABELS = ["model_name", "engine"]
+# The finished_reason values vLLM exports (vllm/v1/metrics/loggers.py), all created at start.
+FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram_quantile reads alike on both.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -36,10 +38,11 @@ class EngineMetrics:
         self.gpu_cache = Gauge(
             "vllm:gpu_cache_usage_perc", "KV cache usage, 0..1.", LABELS, registry=r
         )
+        # vLLM's has no model_name or engine label.
         self.lora_info = Gauge(
             "vllm:lora_requests_info",
             "Running stats on lora requests.",
-            [*LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
             registry=r,
         )
         self.prefix_queries = Counter(
@@ -60,6 +63,9 @@ class EngineMetrics:
         self.request_success = Counter(
             "vllm:request_success", "Finished requests.", [*LABELS, "finished_reason"], registry=r
         )
+        # vLLM creates every reason's series at 0 before the first request.
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(**self.labels, finished_reason=reason)
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "TTFT.", LABELS, buckets=TTFT_BUCKETS, registry=r
         )
@@ -81,6 +87,12 @@ class EngineMetrics:
             registry=r,
         )
         self._synced = {"queries": 0, "hits": 0, "prompt": 0, "generation": 0, "preemptions": 0}
+        # vLLM exports every series from the start, at zero, before the first request.
+        for family in (self.running, self.waiting, self.kv_usage, self.gpu_cache,
+                       self.prefix_queries, self.prefix_hits, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.ttft, self.itl, self.e2e,
+                       self.queue):  # fmt: skip
+            family.labels(**self.labels)
 
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.labels(**self.labels).observe(ttft_s)
@@ -102,11 +114,9 @@ class EngineMetrics:
         self.gpu_cache.labels(**self.labels).set(kv_usage)
 
     def set_loras(self, running: list[str], waiting: list[str]) -> None:
-        # One current series; its value is the time it was set, as vLLM does, so a reader that
-        # sees several picks the newest.
-        self.lora_info.clear()
+        # As vLLM: one series per combination ever seen, never removed, each valued at the
+        # time it was last set, so only the newest describes the engine now.
         self.lora_info.labels(
-            **self.labels,
             max_lora=str(self.max_loras),
             waiting_lora_adapters=",".join(waiting),
             running_lora_adapters=",".join(running),

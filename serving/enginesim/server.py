@@ -87,9 +87,11 @@ class EngineRunner:
         return tracked.queue
 
     def finish_early(self, request_id: str, reason: str) -> None:
-        """The client went away ("abort") or a stop string matched ("stop")."""
+        """The client went away ("abort") or a stop string matched ("stop"). vLLM 0.32 counts
+        no finish for an abandoned request (request_success_total{finished_reason="abort"} and
+        the e2e histogram stay as they were), so neither does the simulator."""
         tracked = self._tracked.pop(request_id, None)
-        if tracked is not None and self.engine.abort(request_id):
+        if tracked is not None and self.engine.abort(request_id) and reason != "abort":
             self.metrics.observe_finish(reason, self.now_s() - tracked.arrival_s)
 
     async def run(self) -> None:
@@ -233,9 +235,29 @@ def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise bad_request(f"'{name}' must be an integer >= {minimum}", name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise bad_request(f"'{name}' must be an integer", name)
+    if value < minimum:
+        # vLLM's wording (vllm/sampling_params.py), parameter and value appended.
+        raise bad_request(
+            f"{name} must be at least {minimum}, got {value}. (parameter={name}, value={value})",
+            name,
+        )
     return value
+
+
+def _check_temperature(body: dict[str, Any]) -> None:
+    value = body.get("temperature")
+    if value is None:
+        return
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise bad_request("'temperature' must be a number", "temperature")
+    if value < 0:
+        raise bad_request(
+            f"temperature must be non-negative, got {float(value)}. "
+            f"(parameter=temperature, value={float(value)})",
+            "temperature",
+        )
 
 
 def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
@@ -246,7 +268,13 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
     if model is None:
         model = config.served_model_name
     if model not in config.served_model_names and model not in state.loras:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        aliases = ", ".join(config.served_model_names)
+        raise ApiError(
+            404,
+            f"The model `{model}` does not exist. Valid aliases: {aliases}.",
+            "NotFoundError",
+            "model",
+        )
     lora = model if model in state.loras else None
     if kind == "chat":
         text = _chat_prompt(body)
@@ -260,21 +288,32 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
     if (_int_field(body, "n", 1) or 1) != 1:
         raise bad_request("the engine simulator supports n = 1 only", "n")
     seed = _int_field(body, "seed", -(2**63))
+    _check_temperature(body)
     limit = config.max_model_len - prompt_tokens
+    if limit <= 0:
+        over = config.max_model_len + 1
+        raise bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"your prompt contains at least {over} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={over})",
+            "input_tokens",
+        )
+    if max_tokens is not None and max_tokens > config.max_model_len:
+        raise bad_request(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len="
+            f"{config.max_model_len}. Please request fewer output tokens. "
+            f"(parameter=max_tokens, value={max_tokens})",
+            "max_tokens",
+        )
     stop_after: int | None = None
     if max_tokens is None:
         # vLLM's default is the rest of the context; EOS usually comes far earlier.
-        max_tokens = max(1, limit)
+        max_tokens = limit
         if not body.get("ignore_eos"):
             stop_after = eos_length(request_rng(seed, text), max_tokens)
-    if prompt_tokens + max_tokens > config.max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-            f"messages, {max_tokens} in the completion). Please reduce the length of the "
-            "messages or completion.",
-            "max_tokens",
-        )
+    # vLLM 0.32 clamps a max_tokens the context cannot hold to the room left, silently.
+    max_tokens = min(max_tokens, limit)
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
@@ -287,7 +326,10 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
     if cache_salt is not None and (
         not isinstance(cache_salt, str) or not 1 <= len(cache_salt) <= 1024
     ):
-        raise bad_request("'cache_salt' must be a string of 1 to 1024 characters", "cache_salt")
+        raise bad_request(
+            "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)",
+            "cache_salt",
+        )
     return Generation(
         kind=kind,
         model=model,
@@ -407,6 +449,8 @@ class ServerState:
 
 
 STATE = web.AppKey("state", ServerState)
+# vLLM's is "vllm-<version>-<hash>"; the simulator says what it is.
+SYSTEM_FINGERPRINT = "enginesim-vllm-0.32.0"
 
 
 def _chunk(gen: Generation, created: int, choice: dict[str, Any] | None) -> bytes:
@@ -420,13 +464,16 @@ def _chunk(gen: Generation, created: int, choice: dict[str, Any] | None) -> byte
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def _usage(gen: Generation, completion_tokens: int) -> dict[str, Any]:
-    return {
+def _usage(gen: Generation, completion_tokens: int, *, details: bool) -> dict[str, Any]:
+    """vLLM's usage block: the non-streamed one also names its (empty) details."""
+    usage: dict[str, Any] = {
         "prompt_tokens": gen.prompt_tokens,
         "total_tokens": gen.prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
     }
+    if details:
+        usage |= {"prompt_tokens_details": None, "completion_tokens_details": None}
+    return usage
 
 
 def _choice(
@@ -543,7 +590,8 @@ async def _stream(request: web.Request, state: ServerState, gen: Generation) -> 
         return response
     if gen.include_usage:
         chunk = orjson.loads(_chunk(gen, created, None)[6:])
-        chunk["usage"] = _usage(gen, reply.completion_tokens)
+        chunk["usage"] = _usage(gen, reply.completion_tokens, details=False)
+        chunk["system_fingerprint"] = SYSTEM_FINGERPRINT
         await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -595,7 +643,8 @@ async def _complete(state: ServerState, gen: Generation) -> web.Response:
         "created": int(time.time()),
         "model": gen.model,
         "choices": [choice],
-        "usage": _usage(gen, reply.completion_tokens),
+        "usage": _usage(gen, reply.completion_tokens, details=True),
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
     return web.json_response(body, dumps=_dumps)
 
@@ -691,7 +740,10 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
             raise bad_request("LoRA is not enabled; start the server with --enable-lora")
         if name in state.loras:
             raise ApiError(
-                400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput"
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
             )
     except ApiError as error:
         return error_response(error)

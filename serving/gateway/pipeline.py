@@ -478,10 +478,14 @@ class Exchange:
 
     @staticmethod
     def _has_content(choice: dict[str, Any]) -> bool:
+        """Whether the chunk carries a generated token. vLLM sends one chunk per token, and a
+        token that ends inside a UTF-8 sequence comes as empty text: it counts all the same
+        (a stream cut before its usage chunk is billed by these), as do tool-call and
+        reasoning deltas. A chat stream's opening role chunk carries none."""
         if "text" in choice:
-            return bool(choice["text"])
+            return choice["text"] is not None
         delta = choice.get("delta") or {}
-        return bool(delta.get("content"))
+        return "role" not in delta and bool(delta)
 
     def _labels(self) -> tuple[str, str, str]:
         pool = self.outcome.replica.pool if self.outcome.replica else ""

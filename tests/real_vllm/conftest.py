@@ -204,6 +204,8 @@ def real_fleet(
     agent: subprocess.Popen[bytes] | None = None
     with django_db_blocker.unblock():
         gateway.start()
+        # The gateway starts on its first /v1 request; the fleet waits on its routing view.
+        httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {keys['acme']}"})
         loops.start()
         try:
             with log.open("wb") as out:

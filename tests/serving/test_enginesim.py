@@ -131,7 +131,7 @@ async def test_an_unknown_model_is_a_404_in_openai_shape() -> None:
     async with simulator(*FAST) as base:
         with pytest.raises(openai.NotFoundError) as caught:
             await client(base).completions.create(model="nope", prompt="x", max_tokens=1)
-    assert caught.value.body["message"] == "The model `nope` does not exist."  # type: ignore[index]
+    assert caught.value.body["message"] == "The model `nope` does not exist. Valid aliases: llama8."  # type: ignore[index]
 
 
 async def test_bad_input_is_a_400_with_an_error_object_not_a_traceback() -> None:
@@ -146,10 +146,26 @@ async def test_bad_input_is_a_400_with_an_error_object_not_a_traceback() -> None
     assert body["error"]["type"] == "BadRequestError"
 
 
-async def test_a_request_longer_than_max_model_len_is_refused() -> None:
+async def test_a_max_tokens_over_max_model_len_is_refused() -> None:
     async with simulator(*FAST) as base:
-        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        with pytest.raises(openai.BadRequestError, match="cannot be greater than max_model_len"):
             await client(base).completions.create(model="llama8", prompt="x", max_tokens=9000)
+
+
+async def test_a_prompt_longer_than_max_model_len_is_refused() -> None:
+    async with simulator(*FAST, "--max-model-len", "256") as base:
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 256") as e:
+            await client(base).completions.create(model="llama8", prompt="x " * 400, max_tokens=1)
+    assert e.value.param == "input_tokens"
+
+
+async def test_a_max_tokens_the_prompt_leaves_no_room_for_is_clamped_as_vllm_does() -> None:
+    async with simulator(*FAST, "--max-model-len", "256") as base:
+        reply = await client(base).completions.create(
+            model="llama8", prompt="x " * 100, max_tokens=250, extra_body={"ignore_eos": True}
+        )
+    assert reply.usage is not None and reply.usage.total_tokens == 256
+    assert reply.choices[0].finish_reason == "length"
 
 
 async def test_metrics_use_vllm_names_and_labels() -> None:
@@ -202,7 +218,9 @@ async def test_a_client_disconnect_aborts_the_request_in_the_engine() -> None:
         after = await scrape(base)
     assert sample(during, "vllm:num_requests_running") == 1
     assert sample(after, "vllm:num_requests_running") == 0
-    assert sample(after, "vllm:request_success_total", finished_reason="abort") == 1
+    assert sample(after, "vllm:generation_tokens_total") < 2000
+    # vLLM 0.32 counts no finish for an abandoned request, and neither does the simulator.
+    assert sample(after, "vllm:request_success_total") == 0
 
 
 async def test_lora_adapters_load_list_serve_and_unload(monkeypatch: pytest.MonkeyPatch) -> None:
