@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a CPU node: no NVML, run vLLM's CPU build on the cores split into N slots",
     )
     parser.add_argument(
+        "--cpu-reserved-cores",
+        type=int,
+        default=1,
+        help="cores of a CPU node kept out of every slot, for the agent and the API servers",
+    )
+    parser.add_argument(
         "--cpu-kv-cache-gib",
         type=int,
         default=1,
@@ -85,7 +91,7 @@ def _inventory(args: argparse.Namespace) -> GpuInventory:
         if args.cpu_kv_cache_gib < 1:
             raise SystemExit("--cpu-kv-cache-gib must be at least 1")
         try:
-            return CpuSlots(args.cpu_slots, args.node_name)
+            return CpuSlots(args.cpu_slots, args.node_name, reserved=args.cpu_reserved_cores)
         except ValueError as exc:
             raise SystemExit(str(exc)) from exc
     if args.simulate_gpus:

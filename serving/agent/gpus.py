@@ -170,14 +170,27 @@ class SimulatedGpus:
 
 
 class CpuSlots:
-    """A CPU node's cores in `slots` equal groups, measured from /proc (Linux)."""
+    """A CPU node's cores in `slots` equal groups, measured from /proc (Linux).
+
+    `reserved` cores (the last ones) go to no slot: they are the node's own, for the agent,
+    the engines' API servers and tokenizers. vLLM's CPU build does the same when it binds its
+    threads itself (`VLLM_CPU_OMP_THREADS_BIND=auto` keeps one core back): engine threads that
+    spin on every core starve everything else on the node, heartbeats included."""
 
     simulated = False
 
-    def __init__(self, slots: int, node_identity: str, proc: Path = Path("/proc")) -> None:
-        cores = sorted(os.sched_getaffinity(0))
+    def __init__(
+        self, slots: int, node_identity: str, reserved: int = 1, proc: Path = Path("/proc")
+    ) -> None:
+        every = sorted(os.sched_getaffinity(0))
+        if not 0 <= reserved < len(every):
+            raise ValueError(f"--cpu-reserved-cores must be between 0 and {len(every) - 1}")
+        cores = every[: len(every) - reserved]
         if not 1 <= slots <= len(cores):
-            raise ValueError(f"--cpu-slots must be between 1 and {len(cores)} (the usable cores)")
+            raise ValueError(
+                f"--cpu-slots must be between 1 and {len(cores)} (the cores left after "
+                f"{reserved} reserved for the node)"
+            )
         per_slot = len(cores) // slots
         self.slots = tuple(tuple(cores[i * per_slot : (i + 1) * per_slot]) for i in range(slots))
         self._proc = proc

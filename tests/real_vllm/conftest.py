@@ -3,6 +3,10 @@ fleet for the whole package: the platform's ASGI app in uvicorn (control plane A
 gateway), a real node agent started with --cpu-slots that launches vLLM through the argv
 builder, and the control loops on a thread in place of Celery beat.
 
+One replica: a 2-core machine has one core for an engine once the node keeps one back for
+itself (the agent's --cpu-reserved-cores, 1 by default). Two engines, one per core, starve
+the node: heartbeats and Redis calls stalled for 20 s under load when that was tried.
+
 vLLM takes 25 to 75 s to start on two cores, so the fleet is started once per session and
 its rows are committed for real (a transactional test's flush would delete them): the tests here
 are marked `django_db` (each in a transaction that is rolled back, which sees the committed
@@ -28,13 +32,12 @@ import redis
 from django.conf import settings
 from django.core.management import call_command
 from django.db import close_old_connections
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving.actions import do_create_join_token, engine_api_key
 from serving.demo import TINY_ADAPTER, TINY_MODEL, seed_tiny_model
 from serving.gpu_classes import sync_gpu_classes
 from serving.models import GpuClass, GpuPool, Replica
-from tests.gateway.conftest import GatewayServer, free_port
+from tests.gateway.conftest import GatewayServer, free_port, sample
 from tests.live import ControlLoops, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,16 +67,6 @@ def tiny_model() -> Path:
     return MODEL_DIR
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples with these labels in a Prometheus exposition."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 @dataclass
 class Engine:
     """One replica's vLLM as a test sees it: its address and its own engine key."""
@@ -87,7 +80,7 @@ class Engine:
         return httpx.get(f"{self.url}/metrics", timeout=10).text
 
     def metric(self, name: str, **labels: str) -> float:
-        return metric(self.metrics(), name, **labels)
+        return sample(self.metrics(), name, **labels)
 
     def post(self, path: str, body: dict[str, Any], *, key: str | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key if key is not None else self.key}"}
@@ -187,9 +180,6 @@ def real_fleet(
         )
         _, join_token = do_create_join_token(pool, name="test")
         deployment = seed_tiny_model(tiny_model, POOL)
-        deployment.replicas_desired = 2
-        deployment.replicas_max = max(deployment.replicas_max, 2)
-        deployment.save(update_fields=["replicas_desired", "replicas_max"])
         admin = get_user_model().objects.create_user("real-vllm-admin", is_staff=True)
         keys = {}
         for slug in ("acme", "globex", "initech"):
@@ -211,7 +201,7 @@ def real_fleet(
             with log.open("wb") as out:
                 agent = subprocess.Popen(
                     [sys.executable, "-m", "serving.agent", "--control-plane", gateway.url,
-                     "--token", join_token, "--cpu-slots", "2", "--node-name", "cpu-test-1",
+                     "--token", join_token, "--cpu-slots", "1", "--node-name", "cpu-test-1",
                      "--vllm-python", settings.VLLM_PYTHON, "--state-dir", str(state),
                      "--ready-timeout", str(READY_TIMEOUT_S), "--restart-backoff-cap", "1",
                      "--stop-grace", "5", "--cpu-kv-cache-gib", "1"],
@@ -221,10 +211,10 @@ def real_fleet(
                     start_new_session=True,
                 )  # fmt: skip
             fleet = RealFleet(gateway, client, deployment.pk, agent, log, django_db_blocker, keys)
-            for engine in fleet.wait_ready(2):
+            for engine in fleet.wait_ready(1):
                 text = engine.metrics()
                 fleet.at_ready[engine.replica_id] = {
-                    name: metric(text, name)
+                    name: sample(text, name)
                     for name in ("vllm:request_success_total", "vllm:generation_tokens_total")
                 }
             yield fleet
@@ -252,4 +242,4 @@ def _stop(agent: subprocess.Popen[bytes]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
-__all__ = ["TINY_ADAPTER", "TINY_MODEL", "Engine", "RealFleet", "metric"]
+__all__ = ["TINY_ADAPTER", "TINY_MODEL", "Engine", "RealFleet", "sample"]

@@ -26,7 +26,7 @@ from serving.agent.launch import LaunchSettings, build_launch_command, engine_pa
 from serving.agent.specs import parse_replica_spec
 from serving.models import Replica
 from tests.live import eventually
-from tests.real_vllm.conftest import TINY_MODEL, RealFleet, metric
+from tests.real_vllm.conftest import TINY_MODEL, RealFleet, sample
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow, pytest.mark.django_db]
 
@@ -322,7 +322,7 @@ def test_the_metrics_the_platform_reads_have_vllms_names_types_and_labels(target
 def test_a_client_that_leaves_mid_stream_is_aborted_and_counted_as_no_finish(
     target: Target,
 ) -> None:
-    finished = metric(target.metrics(), "vllm:request_success_total")
+    finished = sample(target.metrics(), "vllm:request_success_total")
     body = {"model": TINY_MODEL, "prompt": "Go on", "max_tokens": 1500, "ignore_eos": True,
             "stream": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {target.key}"}
@@ -330,11 +330,11 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_counted_as_no_finish(
         for line in reply.iter_lines():
             if line.startswith("data: "):
                 break
-    eventually(lambda: metric(target.metrics(), "vllm:num_requests_running") == 0, 20, "the abort")
-    generated = metric(target.metrics(), "vllm:generation_tokens_total")
+    eventually(lambda: sample(target.metrics(), "vllm:num_requests_running") == 0, 20, "the abort")
+    generated = sample(target.metrics(), "vllm:generation_tokens_total")
     eventually(
-        lambda: metric(target.metrics(), "vllm:generation_tokens_total") == generated,
+        lambda: sample(target.metrics(), "vllm:generation_tokens_total") == generated,
         5,
         "generation stopped",
     )
-    assert metric(target.metrics(), "vllm:request_success_total") == finished
+    assert sample(target.metrics(), "vllm:request_success_total") == finished
