@@ -48,10 +48,10 @@ TINY_ARCHITECTURE: dict[str, Any] = {
     "hidden": 256,
     "kv_heads": 2,
     "head_dim": 64,
-    "max_context": 2048,
+    "max_context": 4096,
 }
 TINY_ENGINE_ARGS: dict[str, Any] = {
-    "max_model_len": 2048,
+    "max_model_len": 4096,
     "max_num_seqs": 16,
     "enable_lora": True,
     "max_loras": 2,

@@ -7,7 +7,7 @@ One replica: a 2-core machine has one core for an engine once the node keeps one
 itself (the agent's --cpu-reserved-cores, 1 by default). Two engines, one per core, starve
 the node: heartbeats and Redis calls stalled for 20 s under load when that was tried.
 
-vLLM takes 25 to 75 s to start on two cores, so the fleet is started once per session and
+vLLM takes 25 to 75 s to start on two cores, so the fleet is started once for the package and
 its rows are committed for real (a transactional test's flush would delete them): the tests here
 are marked `django_db` (each in a transaction that is rolled back, which sees the committed
 fleet), and the session ends by flushing the database and Redis it used, as a transactional
@@ -161,7 +161,9 @@ def _gateway_up() -> bool:
     return service._gateway is not None
 
 
-@pytest.fixture(scope="session")
+# The package's scope: the fleet (its control loops publish routing tables, its agent runs an
+# engine) must be gone before the rest of the suite runs against the same database and Redis.
+@pytest.fixture(scope="package")
 def real_fleet(
     tiny_model: Path, django_db_setup: None, django_db_blocker: Any, tmp_path_factory: Any
 ) -> Iterator[RealFleet]:

@@ -123,7 +123,7 @@ def test_models_lists_the_served_name_with_vllms_card(target: Target) -> None:
     assert set(card) == {"id", "object", "created", "owned_by", "root", "parent",
                          "max_model_len", "permission"}  # fmt: skip
     assert (card["object"], card["owned_by"], card["parent"]) == ("model", "vllm", None)
-    assert card["max_model_len"] == 2048
+    assert card["max_model_len"] == 4096
     assert card["permission"][0]["object"] == "model_permission"
 
 
@@ -198,15 +198,15 @@ def test_non_streamed_answers_carry_vllms_fields(target: Target) -> None:
          "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)"),
         ({"temperature": -1}, 400, "BadRequestError", "temperature",
          "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"),
-        ({"max_tokens": 2049}, 400, "BadRequestError", "max_tokens",
-         "max_tokens=2049 cannot be greater than max_model_len=2048. Please request fewer "
-         "output tokens. (parameter=max_tokens, value=2049)"),
+        ({"max_tokens": 4097}, 400, "BadRequestError", "max_tokens",
+         "max_tokens=4097 cannot be greater than max_model_len=4096. Please request fewer "
+         "output tokens. (parameter=max_tokens, value=4097)"),
         ({"model": "no-such-model"}, 404, "NotFoundError", "model",
          "The model `no-such-model` does not exist."),
         ({"cache_salt": ""}, 400, "BadRequestError", "cache_salt",
          "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"),
-        ({"prompt": "word " * 2100}, 400, "BadRequestError", "input_tokens",
-         "This model's maximum context length is 2048 tokens."),
+        ({"prompt": "word " * 4200}, 400, "BadRequestError", "input_tokens",
+         "This model's maximum context length is 4096 tokens."),
     ],
 )  # fmt: skip
 def test_bad_parameters_get_vllms_error_shape(
@@ -223,14 +223,14 @@ def test_bad_parameters_get_vllms_error_shape(
 
 def test_a_prompt_that_leaves_too_little_room_has_its_max_tokens_clamped(target: Target) -> None:
     # vLLM 0.32 answers 200 and stops at the context's end rather than refusing.
-    prompt = target.post("/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 1500,
+    prompt = target.post("/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 3000,
                                              "max_tokens": 1})  # fmt: skip
     used = prompt.json()["usage"]["prompt_tokens"]
-    reply = target.post("/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 1500,
-                                            "max_tokens": 2048 - used + 50, "ignore_eos": True})  # fmt: skip
+    reply = target.post("/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 3000,
+                                            "max_tokens": 4096 - used + 50, "ignore_eos": True})  # fmt: skip
 
     assert reply.status_code == 200
-    assert reply.json()["usage"]["total_tokens"] == 2048
+    assert reply.json()["usage"]["total_tokens"] == 4096
     assert reply.json()["choices"][0]["finish_reason"] == "length"
 
 
@@ -323,7 +323,7 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_counted_as_no_finish(
     target: Target,
 ) -> None:
     finished = sample(target.metrics(), "vllm:request_success_total")
-    body = {"model": TINY_MODEL, "prompt": "Go on", "max_tokens": 1500, "ignore_eos": True,
+    body = {"model": TINY_MODEL, "prompt": "Go on", "max_tokens": 4000, "ignore_eos": True,
             "stream": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {target.key}"}
     with httpx.stream("POST", f"{target.url}/v1/completions", json=body, headers=headers) as reply:
