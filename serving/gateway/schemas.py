@@ -58,6 +58,8 @@ FORWARDED_FIELDS: frozenset[str] = frozenset({
     "include_stop_str_in_output", "prompt_logprobs", "bad_words", "allowed_token_ids",
     "add_generation_prompt", "continue_final_message", "truncate_prompt_tokens",
 })  # fmt: skip
+# Several sequences per request: refused with their own message (see `only_allowed_fields`).
+MULTI_CHOICE_FIELDS: frozenset[str] = frozenset({"best_of", "use_beam_search"})
 # OpenAI fields a self-hosted engine has no use for: accepted, never forwarded.
 IGNORED_FIELDS: frozenset[str] = frozenset(
     {"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"}
@@ -71,6 +73,9 @@ ENGINE_INTERNAL_FIELDS: frozenset[str] = frozenset({
     "request_id", "mm_processor_kwargs", "return_tokens_as_token_ids", "return_token_ids",
     "prompt_embeds", "add_special_tokens", "documents", "media_io_kwargs", "logits_processors",
 })  # fmt: skip
+
+
+ACCEPTED_EXTRA_FIELDS = FORWARDED_FIELDS | IGNORED_FIELDS | MULTI_CHOICE_FIELDS
 
 
 class RefusedField(ValueError):
@@ -109,15 +114,7 @@ class _GenerationRequest(BaseModel):
         for name in extra:
             if name in ENGINE_INTERNAL_FIELDS:
                 raise RefusedField(name, f"'{name}' is set by the platform, not by requests")
-            if (
-                name not in FORWARDED_FIELDS
-                and name not in IGNORED_FIELDS
-                and name
-                not in (
-                    "best_of",
-                    "use_beam_search",
-                )
-            ):
+            if name not in ACCEPTED_EXTRA_FIELDS:
                 raise RefusedField(name, f"Unrecognized request argument supplied: {name}")
         return self
 
@@ -125,7 +122,7 @@ class _GenerationRequest(BaseModel):
         """The body as the engine may see it: typed fields and forwarded extras, no nulls."""
         return self.model_dump(
             exclude_none=True,
-            exclude={"stream_options", "n", "best_of", "use_beam_search", *IGNORED_FIELDS},
+            exclude={"stream_options", "n", *MULTI_CHOICE_FIELDS, *IGNORED_FIELDS},
         )
 
     @field_validator("stop")
