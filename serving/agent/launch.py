@@ -126,14 +126,24 @@ def _engine_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
     return env
 
 
-def _cpu_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
-    """The CPU build's environment: the device (its wheel's version string says nothing of
-    it), the KV cache size, and the cores of the replica's slots for its OpenMP threads."""
+def replica_cores(spec: ReplicaSpec, launch: LaunchSettings) -> list[int] | None:
+    """The cores of a CPU replica's slots (None on a GPU node). The agent confines all the
+    replica's processes to them: vLLM binds its worker's threads to the slot, but its engine
+    core's busy loop and its API server would otherwise run on every core of the node."""
+    if launch.device != "cpu":
+        return None
     cores: list[int] = []
     for slot in spec.gpu_indices:
         if not 0 <= slot < len(launch.cpu_slots):
             raise ValueError(f"replica {spec.replica_id} names CPU slot {slot}, not on this node")
         cores += launch.cpu_slots[slot]
+    return cores
+
+
+def _cpu_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
+    """The CPU build's environment: the device (its wheel's version string says nothing of
+    it), the KV cache size, and the cores of the replica's slots for its OpenMP threads."""
+    cores = replica_cores(spec, launch) or []
     return {
         "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": str(launch.cpu_kv_cache_gib),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from .gpus import GpuLoad
-from .launch import LaunchSettings, build_launch_command, engine_path
+from .launch import LaunchSettings, build_launch_command, engine_path, replica_cores
 from .metrics import parse_vllm_metrics
 from .specs import AdapterSpec, ReplicaSpec, with_port
 
@@ -137,6 +138,7 @@ class ReplicaSupervisor:
     async def _spawn(self, restart: bool, delay_note: int) -> asyncio.subprocess.Process | None:
         try:
             argv, extra_env = build_launch_command(self.spec, self._launch)
+            cores = replica_cores(self.spec, self._launch)
         except ValueError as exc:
             self.state = FAILED
             self.last_error = str(exc)
@@ -156,7 +158,7 @@ class ReplicaSupervisor:
                 stderr=asyncio.subprocess.STDOUT,
                 # Its own process group, so stopping it also stops vLLM's tensor-parallel workers.
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=functools.partial(_prepare_child, cores),
             )
         except OSError as exc:
             self.state = FAILED
@@ -419,8 +421,11 @@ if sys.platform.startswith("linux"):
         _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _die_with_parent() -> None:
+def _prepare_child(cores: list[int] | None) -> None:
     # Runs in the child before exec. If the agent is killed outright (no chance to stop its
-    # replicas), the engine dies too instead of holding GPUs nobody supervises.
+    # replicas), the engine dies too instead of holding GPUs nobody supervises. On a CPU node
+    # the engine and every process it starts stay on its slot's cores.
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if cores:
+        os.sched_setaffinity(0, cores)

@@ -10,8 +10,8 @@ the node: heartbeats and Redis calls stalled for 20 s under load when that was t
 vLLM takes 25 to 75 s to start on two cores, so the fleet is started once for the package and
 its rows are committed for real (a transactional test's flush would delete them): the tests here
 are marked `django_db` (each in a transaction that is rolled back, which sees the committed
-fleet), and the session ends by flushing the database and Redis it used, as a transactional
-test does.
+fleet), and the package ends by flushing the database and Redis it used, as a transactional
+test does, then reloading what the data migrations load (the GPU and CPU classes).
 """
 
 from __future__ import annotations
@@ -227,6 +227,8 @@ def real_fleet(
             gateway.stop()
             close_old_connections()
             call_command("flush", "--noinput", verbosity=0)
+            # What the data migrations loaded, which the tests after these expect as they found it.
+            sync_gpu_classes(GpuClass)
             client.flushdb()
             client.close()
 

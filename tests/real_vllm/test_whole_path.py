@@ -89,6 +89,8 @@ def test_the_agent_launches_vllm_with_exactly_the_argv_builders_command(
         assert {name: environ.get(name) for name in env} == env
         assert argv[argv.index("--host") + 1] == "127.0.0.1"
         assert environ["VLLM_TARGET_DEVICE"] == "cpu"
+        # The whole engine stays on its slot; the node's reserved core is left to the node.
+        assert os.sched_getaffinity(engine.pid) == set(node.cpu_slots[0])
 
 
 def test_readiness_was_a_real_one_token_generation(real_fleet: RealFleet) -> None:
@@ -307,10 +309,10 @@ def test_telemetry_from_the_real_metrics_reaches_redis_and_the_routers_view(
 ) -> None:
     gateway = real_fleet.gateway.gateway()
     engine = real_fleet.engines()[0]
-    body = {"model": TINY_MODEL, "prompt": "Go on and on", "max_tokens": 2000, "ignore_eos": True}
-    # A batch of long generations on one engine, so a heartbeat's scrape finds them running.
-    with ThreadPoolExecutor(4) as pool:
-        load = [pool.submit(engine.post, "/v1/completions", body) for _ in range(4)]
+    body = {"model": TINY_MODEL, "prompt": "Go on and on", "max_tokens": 4000, "ignore_eos": True}
+    # Long generations, so a heartbeat's scrape (every 2 s) finds them running.
+    with ThreadPoolExecutor(2) as pool:
+        load = [pool.submit(engine.post, "/v1/completions", body) for _ in range(2)]
 
         def busy() -> dict[str, Any] | None:
             latest = telemetry.read_replica(real_fleet.redis, engine.replica_id) or {}

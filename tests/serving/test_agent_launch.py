@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from serving.agent.launch import LaunchSettings, build_launch_command, core_list, engine_path
+from serving.agent.launch import (
+    LaunchSettings,
+    build_launch_command,
+    core_list,
+    engine_path,
+    replica_cores,
+)
 from serving.agent.specs import SpecError, parse_replica_spec
 from serving.enginesim import parse_args as parse_simulator_args
 
@@ -132,6 +138,11 @@ def test_a_cpu_replica_runs_the_same_flags_with_the_cpu_builds_environment() -> 
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         "VLLM_API_KEY": "ek_secret",
     }
+
+
+def test_a_cpu_replica_is_confined_to_its_slots_cores_and_a_gpu_replica_to_none() -> None:
+    assert replica_cores(parse_replica_spec(_cpu_spec()), CPU_NODE) == [2, 3]
+    assert replica_cores(parse_replica_spec(_spec()), GPU_NODE) is None
 
 
 def test_a_cpu_replica_on_a_slot_the_node_does_not_have_is_refused() -> None:
