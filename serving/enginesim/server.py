@@ -211,7 +211,11 @@ def _chat_prompt(body: dict[str, Any]) -> str:
             raise bad_request("each message needs a string 'role'", "messages")
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+            texts = [part.get("text", "") for part in content if isinstance(part, dict)]
+            if not all(isinstance(text, str) for text in texts):
+                # vLLM refuses it with a 400 (its message lists each part type's complaint).
+                raise bad_request("a text content part needs a string 'text'")
+            content = "".join(texts)
         if content is None:
             content = ""
         if not isinstance(content, str):

@@ -38,6 +38,21 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def parts_have_a_type_and_text_parts_text(
+        cls, value: str | list[dict[str, Any]] | None
+    ) -> str | list[dict[str, Any]] | None:
+        # The engine refuses these itself, but then the replica has spent the request; the
+        # client's mistake is found here, before admission.
+        if isinstance(value, list):
+            for part in value:
+                if not isinstance(part.get("type"), str):
+                    raise ValueError("each content part needs a string 'type'")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise ValueError("a text content part needs a string 'text'")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -81,9 +96,24 @@ ACCEPTED_EXTRA_FIELDS = FORWARDED_FIELDS | IGNORED_FIELDS | MULTI_CHOICE_FIELDS
 class RefusedField(ValueError):
     """A body field that the gateway refuses, with the field's name for `param`."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, code: str) -> None:
         super().__init__(message)
         self.field = field
+        self.code = code
+
+
+def _out_of_int64(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not -(2**63) <= value < 2**63
+    if isinstance(value, dict):
+        return any(_out_of_int64(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return any(_out_of_int64(item) for item in value)
+    if isinstance(value, BaseModel):
+        return any(_out_of_int64(item) for _, item in value)
+    return False
 
 
 class _GenerationRequest(BaseModel):
@@ -113,9 +143,22 @@ class _GenerationRequest(BaseModel):
             raise ValueError("best_of and beam search are not supported; send separate requests")
         for name in extra:
             if name in ENGINE_INTERNAL_FIELDS:
-                raise RefusedField(name, f"'{name}' is set by the platform, not by requests")
+                raise RefusedField(
+                    name, f"'{name}' is set by the platform, not by requests", "forbidden_parameter"
+                )
             if name not in ACCEPTED_EXTRA_FIELDS:
-                raise RefusedField(name, f"Unrecognized request argument supplied: {name}")
+                raise RefusedField(
+                    name, f"Unrecognized request argument supplied: {name}", "unknown_parameter"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def integers_fit_64_bits(self) -> _GenerationRequest:
+        """The body travels on as JSON that no engine reads past 64-bit integers."""
+        for name, value in [*self, *(self.model_extra or {}).items()]:
+            if _out_of_int64(value):
+                message = f"'{name}' holds an integer beyond the 64-bit range"
+                raise RefusedField(name, message, "invalid_value")
         return self
 
     def engine_fields(self) -> dict[str, Any]:
@@ -186,13 +229,7 @@ def parse_body(kind: type[_GenerationRequest], raw: bytes) -> Any:
         first = error.errors()[0]
         refused = first.get("ctx", {}).get("error")
         if isinstance(refused, RefusedField):
-            internal = refused.field in ENGINE_INTERNAL_FIELDS
-            raise ApiError(
-                400,
-                f"{refused}.",
-                param=refused.field,
-                code="forbidden_parameter" if internal else "unknown_parameter",
-            ) from None
+            raise ApiError(400, f"{refused}.", param=refused.field, code=refused.code) from None
         if first["type"] == "model_type":
             raise ApiError(400, "The request body must be a JSON object.") from None
         # Drop pydantic's union-member tags ("str", "list[str]") from the parameter path.

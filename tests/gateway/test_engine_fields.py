@@ -4,6 +4,7 @@ the gateway sets the tenant's prefix-cache salt itself."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -99,3 +100,40 @@ def test_chat_bodies_follow_the_same_allowlist() -> None:
     with pytest.raises(ApiError) as refused:
         parse_body(ChatCompletionRequest, orjson.dumps({**ok, "chat_template": "{{x}}"}))
     assert refused.value.param == "chat_template"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**BODY, "max_tokens": 2**63}, "max_tokens"),
+        ({**BODY, "seed": -(2**63) - 1}, "seed"),
+        ({**BODY, "logit_bias": {"5": 2**70}}, "logit_bias"),
+    ],
+)
+def test_an_integer_past_64_bits_is_a_400_naming_its_field(
+    body: dict[str, Any], param: str
+) -> None:
+    from serving.gateway.errors import ApiError
+
+    raw = json.dumps(body).encode()  # orjson cannot write integers past 64 bits either
+    with pytest.raises(ApiError) as refused:
+        parse_body(CompletionRequest, raw)
+    assert (refused.value.status, refused.value.param) == (400, param)
+    assert "64-bit" in str(refused.value)
+
+
+def test_a_text_part_without_string_text_is_refused_before_admission() -> None:
+    import orjson
+
+    from serving.gateway.errors import ApiError
+
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}],
+    }
+    with pytest.raises(ApiError) as refused:
+        parse_body(ChatCompletionRequest, orjson.dumps(body))
+    assert refused.value.status == 400
+    assert refused.value.param == "messages.0.content"
+    ok = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert parse_body(ChatCompletionRequest, orjson.dumps(ok)).prompt_text()

@@ -338,3 +338,12 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_counted_as_no_finish(
         "generation stopped",
     )
     assert sample(target.metrics(), "vllm:request_success_total") == finished
+
+
+def test_a_text_part_that_is_not_a_string_is_a_400_not_a_500(target: Target) -> None:
+    body = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 123}]}]}
+
+    reply = target.post("/v1/chat/completions", body)
+
+    assert reply.status_code == 400
+    assert reply.json()["error"]["type"] == "BadRequestError"
