@@ -29,6 +29,18 @@ def test_readyz_is_503_naming_redis_when_redis_is_unreachable(client: Client, se
 
 
 @pytest.mark.django_db
+def test_readyz_names_the_failed_service_but_not_its_error(
+    client: Client, settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings.REDIS_URL = "redis://127.0.0.1:1/0"
+    with caplog.at_level("WARNING", logger="config.health"):
+        body = client.get("/readyz").json()
+    assert body["errors"] == {"redis": "redis is unreachable; the server log has the error"}
+    # The driver's message (host, port, errno) reaches the log only.
+    assert "127.0.0.1:1" in caplog.text or "Connection" in caplog.text
+
+
+@pytest.mark.django_db
 def test_gateway_readiness_needs_redis_only(client: Client, monkeypatch) -> None:
     from config import health
 
