@@ -102,8 +102,7 @@ def prepare_platform(env: dict[str, str], upstream: str) -> str:
 
     from metering.models import PriceSheet
     from metering.prices import publish_price_book
-    from registry.actions import VISIBILITY_HASH
-    from serving.gateway.routing import ROUTING_TABLE_KEY, TELEMETRY_KEY
+    from serving.redis_contracts import ROUTING_TABLE_KEY, ROUTING_TELEMETRY_KEY, VISIBILITY_HASH
     from tenants.actions import do_create_api_key, do_create_tenant, do_update_quota
     from tenants.models import Tenant
 
@@ -133,7 +132,7 @@ def prepare_platform(env: dict[str, str], upstream: str) -> str:
                       "price_per_hour": 3.49, "tensor_parallel": 1, "max_num_seqs": 1024}]}]}}}  # fmt: skip
     client.set(ROUTING_TABLE_KEY, orjson.dumps(table))
     # Telemetry that never goes stale during the run: the router sees an idle, fresh replica.
-    client.hset(TELEMETRY_KEY, "bench-1", orjson.dumps(
+    client.hset(ROUTING_TELEMETRY_KEY, "bench-1", orjson.dumps(
         {"running": 0, "waiting": 0, "kv": 0.0, "scraped_at": time.time() + 3600}))  # fmt: skip
     return str(secret)
 

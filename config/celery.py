@@ -17,8 +17,8 @@ PLATFORM_APPS = ("tenants", "registry", "serving", "metering")
 
 app = Celery("config")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-# Task modules outside each app's tasks.py, which autodiscovery does not look into.
-app.conf.imports = ("config.tasks", "serving.console_tasks", "serving.autoscale_tasks")
+# The project's own tasks (config/tasks.py); each app's tasks.py is found by autodiscovery.
+app.conf.imports = ("config.tasks",)
 app.autodiscover_tasks()
 
 

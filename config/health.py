@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 
 import redis
-from django.conf import settings
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_GET
+
+from config.redis import redis_client
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +37,10 @@ def check_postgres() -> str | None:
 
 
 def check_redis() -> str | None:
-    client = redis.Redis.from_url(
-        settings.REDIS_URL,
-        socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
-        socket_connect_timeout=settings.REDIS_SOCKET_TIMEOUT_S,
-    )
     try:
-        client.ping()
+        redis_client().ping()
     except redis.RedisError as exc:
         return f"{type(exc).__name__}: {exc}".strip()
-    finally:
-        client.close()
     return None
 
 

@@ -2,8 +2,8 @@
 
 from django.urls import URLPattern, URLResolver, path
 
-from serving.console_consumers import FleetLiveConsumer
-from serving.consumers import ChatStreamConsumer
+from serving.console.consumers import FleetLiveConsumer
+from serving.gateway.websocket import ChatStreamConsumer
 
 websocket_urlpatterns: list[URLPattern | URLResolver] = [
     path("v1/chat/completions/ws", ChatStreamConsumer.as_asgi()),

@@ -182,6 +182,12 @@ CACHES = {
 # Every Redis call has a short timeout: an unreachable Redis must give a clear, fast error,
 # never a hung request.
 REDIS_SOCKET_TIMEOUT_S = env_float("REDIS_SOCKET_TIMEOUT_S", 0.5)
+# Background work (publishing tables, invoices, usage ingest) waits longer before it fails.
+REDIS_WORKER_TIMEOUT_S = env_float("REDIS_WORKER_TIMEOUT_S", 5.0)
+
+# Runtime files: embedded PostgreSQL and Redis, logs, the gateway's usage spool, the demo's
+# tiny model. On Kubernetes an emptyDir per pod.
+PLATFORM_VAR_DIR = Path(env_str("PLATFORM_VAR_DIR", str(BASE_DIR / "var"))).resolve()
 
 # The /v1 gateway (serving/gateway): routing policy and upstream timeouts.
 GATEWAY_ROUTER_POLICY = env_str("GATEWAY_ROUTER_POLICY", "cost_aware")
@@ -193,6 +199,17 @@ if GATEWAY_ROUTER_POLICY not in {"round_robin", "least_load", "weighted_scorer",
     )
 GATEWAY_CONNECT_TIMEOUT_S = env_float("GATEWAY_CONNECT_TIMEOUT_S", 2.0)
 GATEWAY_READ_TIMEOUT_S = env_float("GATEWAY_READ_TIMEOUT_S", 30.0)
+# Usage events that could not reach Redis wait here (one file per process when unset).
+GATEWAY_SPOOL_PATH = env_str("GATEWAY_SPOOL_PATH", "")
+# Guardrails run in order before admission: dotted paths of `(GuardrailInput) -> str | None`.
+GATEWAY_GUARDRAILS = env_list(
+    "GATEWAY_GUARDRAILS",
+    ["serving.gateway.guardrails.prompt_size", "serving.gateway.guardrails.blocked_patterns"],
+)
+# A stream's concurrency lease outlives a crashed gateway by at most this long.
+GATEWAY_STREAM_LEASE_TTL_S = env_int("GATEWAY_STREAM_LEASE_TTL_S", 600, minimum=1)
+# The engine simulator's clock: 1.0 is real time, larger runs simulated replicas faster.
+SERVING_SIM_TIME_SCALE = env_float("SERVING_SIM_TIME_SCALE", 1.0)
 
 # The demo fleet (`make run`): simulated GPU nodes only, or also one CPU node running real vLLM
 # (its CPU build, installed into VLLM_PYTHON's virtual environment) serving a tiny model.
@@ -201,7 +218,7 @@ if PLATFORM_DEMO_ENGINE not in {"simulator", "vllm"}:
     raise ImproperEnvironment("PLATFORM_DEMO_ENGINE", PLATFORM_DEMO_ENGINE, "simulator or vllm")
 VLLM_PYTHON = env_str("VLLM_PYTHON", str(BASE_DIR / ".venv-vllm" / "bin" / "python"))
 
-# The autoscaler's forecast (serving/autoscale_actions.py): the period of the traffic pattern
+# The autoscaler's forecast (serving/actions/autoscale.py): the period of the traffic pattern
 # it learns, in seconds (a day); 0 turns the forecast off.
 AUTOSCALER_FORECAST_PERIOD_S = env_int("AUTOSCALER_FORECAST_PERIOD_S", 86400, minimum=0)
 if 0 < AUTOSCALER_FORECAST_PERIOD_S < 3600:

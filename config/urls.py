@@ -24,7 +24,7 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/agent/v1/", include("serving.api.agent_urls")),
-    path("console/", include("serving.urls")),
+    path("console/", include("serving.console.urls")),
     path("console/", include("registry.urls")),
     path("console/", include("tenants.urls")),
     path("console/", include("metering.urls")),

@@ -9,6 +9,7 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.http import Http404
 
+from config.jobs import enqueue_on_commit
 from metering.invoices import do_build_invoice, do_close_month
 from metering.models import HourlyRollup, Invoice, PriceSheet, UsageEvent
 from tenants.actions import require_staff, tenants_for_user
@@ -18,9 +19,7 @@ __all__ = ["do_build_invoice", "do_close_month"]
 
 
 def _publish_after_commit() -> None:
-    from metering.tasks import publish_prices
-
-    transaction.on_commit(publish_prices.delay)
+    enqueue_on_commit("metering.publish_prices")
 
 
 def do_create_price_sheet(acting_user: Any, **fields: Any) -> PriceSheet:

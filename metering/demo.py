@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 
 from metering.models import PriceSheet
+from metering.prices import publish_price_book
 
 # USD per million tokens: input, cached input, output. Roughly what public APIs charge for
 # models of these sizes; cached input at a quarter of input.
@@ -37,8 +38,6 @@ def seed(details: dict) -> None:  # type: ignore[type-arg]
             },
         )
     try:
-        from metering.prices import publish_price_book
-
         publish_price_book()
     except Exception as error:  # Redis may not be up while seeding; beat republishes
         details.setdefault("extra", {})["Price book"] = f"not published yet ({error})"

@@ -5,8 +5,8 @@ from __future__ import annotations
 from decimal import Decimal
 
 import redis as redis_lib
-from django.conf import settings
 
+from config.redis import redis_client
 from metering.models import PriceSheet, TenantDiscount
 from metering.pricing import BASIS_POINTS, PRICE_BOOK_KEY, DiscountEntry, PriceBook, SheetEntry
 
@@ -48,13 +48,5 @@ def build_price_book() -> PriceBook:
 def publish_price_book(client: redis_lib.Redis | None = None) -> PriceBook:
     """Write the whole book to Redis for the gateway (at start and after every change)."""
     book = build_price_book()
-    owned = client is None
-    client = client or redis_lib.Redis.from_url(
-        settings.REDIS_URL, socket_timeout=settings.REDIS_SOCKET_TIMEOUT_S
-    )
-    try:
-        client.set(PRICE_BOOK_KEY, book.to_json())
-    finally:
-        if owned:
-            client.close()
+    (client or redis_client(worker=True)).set(PRICE_BOOK_KEY, book.to_json())
     return book

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-import redis as redis_lib
 from celery import shared_task
-from django.conf import settings
 from django.utils import timezone
 
+from config.redis import redis_client
 from metering import budgets, ingest, invoices, prices, rollups
 from tenants.models import Tenant
 
@@ -19,17 +18,13 @@ _consumer: ingest.Consumer | None = None
 INVOICE_CLOSE_GRACE = timedelta(days=1)
 
 
-def _redis() -> redis_lib.Redis:
-    return redis_lib.Redis.from_url(settings.REDIS_URL, socket_timeout=5)
-
-
 @shared_task(name="metering.ingest", ignore_result=True)
 def ingest_usage() -> int:
     """Beat runs this every second; each run drains for up to ~0.9 s. Several workers may run
     it at once: each is its own consumer in the group."""
     global _consumer
     if _consumer is None:
-        _consumer = ingest.Consumer(_redis(), ingest.consumer_name())
+        _consumer = ingest.Consumer(redis_client(worker=True), ingest.consumer_name())
     return _consumer.drain(max_seconds=0.9).inserted
 
 
@@ -63,7 +58,7 @@ def refresh_invoices() -> None:
 @shared_task(name="metering.check_budgets", ignore_result=True)
 def check_budgets() -> None:
     month = timezone.now().date().replace(day=1)
-    client = _redis()
+    client = redis_client(worker=True)
     try:
         for tenant in Tenant.objects.filter(quota__monthly_spend_budget_usd__isnull=False):
             budgets.check_tenant_budget(client, tenant, month)

@@ -9,8 +9,8 @@ is a 404 (Http404), never a 403 that would confirm it exists.
 
 After a change the gateway caches, once the transaction commits:
 - visibility: `publish_visibility()` rewrites the Redis hash `registry:visibility` (see below);
-- traffic weights: `serving.routing_table.request_publish()` republishes the routing table, so
-  a rollback reaches the gateways at once (guarded: the fleet code may not have landed yet).
+- traffic weights: the task `serving.publish_routing_table` is enqueued by name (the registry
+  never imports the fleet), so a rollback reaches the gateways at once.
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
-from functools import lru_cache
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from config.jobs import enqueue_on_commit
+from config.redis import redis_client
 from registry.models import (
     DEFAULT_ENGINE_ARGS,
     Adapter,
@@ -43,6 +43,7 @@ from registry.placement import check_deployment_placement
 from registry.rollout_metrics import RedisRolloutMetrics, RolloutMetricsSource
 from registry.rollout_policy import DEFAULT_STEPS, GateThresholds, validate_steps
 from serving.engine.specs import KV_BYTES_PER_ELEMENT
+from serving.redis_contracts import VISIBILITY_HASH, VISIBILITY_VERSION_KEY
 from tenants.actions import require_staff, tenants_for_user
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,6 @@ logger = logging.getLogger(__name__)
 # field = served name (model or adapter), value = JSON {"kind", "base_model", "public",
 # "tenants"}; for an adapter "public" means "to whoever sees its base model". The version
 # counter lets a gateway skip re-reading an unchanged hash.
-VISIBILITY_HASH = "registry:visibility"
-VISIBILITY_VERSION = "registry:visibility:version"
 
 
 # ---------------------------------------------------------------- visibility and access_*
@@ -167,17 +166,8 @@ def is_name_visible_to_tenant(name: str, tenant_id: int) -> bool:
 # ---------------------------------------------------------------- publishing to Redis
 
 
-@lru_cache(maxsize=4)
-def _redis_for(url: str, timeout_s: float) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-
-
-def control_redis() -> redis.Redis:
-    return _redis_for(settings.REDIS_URL, max(settings.REDIS_SOCKET_TIMEOUT_S, 2.0))
-
-
 def default_metrics_source() -> RolloutMetricsSource:
-    return RedisRolloutMetrics(control_redis())
+    return RedisRolloutMetrics(redis_client(worker=True))
 
 
 def visibility_entries() -> dict[str, dict[str, Any]]:
@@ -223,13 +213,13 @@ def published_name_visible(
 
 
 def publish_visibility(client: redis.Redis | None = None) -> int:
-    client = client or control_redis()
+    client = client or redis_client(worker=True)
     entries = visibility_entries()
     pipe = client.pipeline(transaction=True)
     pipe.delete(VISIBILITY_HASH)
     if entries:
         pipe.hset(VISIBILITY_HASH, mapping={name: json.dumps(e) for name, e in entries.items()})
-    pipe.incr(VISIBILITY_VERSION)
+    pipe.incr(VISIBILITY_VERSION_KEY)
     pipe.execute()
     return len(entries)
 
@@ -246,17 +236,8 @@ def _visibility_changed() -> None:
     transaction.on_commit(_publish_visibility_quietly)
 
 
-def _request_routing_publish() -> None:
-    try:
-        from serving.routing_table import request_publish
-    except ImportError:
-        # The fleet's routing table has not landed; its own periodic publish picks weights up.
-        return
-    request_publish()
-
-
 def _weights_changed() -> None:
-    transaction.on_commit(_request_routing_publish)
+    enqueue_on_commit("serving.publish_routing_table")
 
 
 # ---------------------------------------------------------------- models, versions, adapters

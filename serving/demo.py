@@ -16,7 +16,7 @@ from typing import Any
 
 from django.conf import settings
 
-from serving.actions import do_create_join_token, hash_token
+from serving.actions.credentials import do_create_join_token, hash_token
 from serving.models import GpuClass, GpuPool, JoinToken
 
 

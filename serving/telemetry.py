@@ -11,26 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import datetime
-from functools import cache
 from typing import Any
 
 import orjson
 import redis
-from django.conf import settings
+
+from serving.redis_contracts import ROUTING_TELEMETRY_KEY
 
 LATEST_TTL_S = 30
 SAMPLE_EVERY_S = 30
-ROUTING_TELEMETRY_KEY = "routing:telemetry"
-
-
-@cache
-def _client(url: str, timeout_s: float) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-
-
-def redis_client() -> redis.Redis:
-    """The shared client; every call has a short timeout so a dead Redis fails fast."""
-    return _client(settings.REDIS_URL, float(settings.REDIS_SOCKET_TIMEOUT_S))
 
 
 def replica_key(replica_id: str) -> str:

@@ -15,17 +15,16 @@ import hmac
 import logging
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
-from functools import lru_cache
 from typing import Any
 
 import redis
-from django.conf import settings
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.db.models import QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from config.redis import redis_client
 from tenants.keys import (
     KEY_EVENTS_CHANNEL,
     LAST_USED_HASH,
@@ -434,15 +433,6 @@ def principal_for_raw_key(raw_key: str) -> KeyPrincipal | None:
 # ---------------------------------------------------------------- Redis records
 
 
-@lru_cache(maxsize=4)
-def _redis_for(url: str, timeout_s: float) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-
-
-def control_redis() -> redis.Redis:
-    return _redis_for(settings.REDIS_URL, settings.REDIS_SOCKET_TIMEOUT_S)
-
-
 def republish_keys(key_ids: Iterable[int]) -> None:
     ids = list(key_ids)
     transaction.on_commit(lambda: write_key_records(ApiKey.objects.filter(pk__in=ids)))
@@ -469,7 +459,7 @@ def write_key_records(keys: Iterable[ApiKey], events: Sequence[str] | None = Non
 
 def _write_records(records: list[tuple[str, KeyPrincipal | None]], events: Sequence[str]) -> int:
     try:
-        pipe = control_redis().pipeline(transaction=False)
+        pipe = redis_client().pipeline(transaction=False)
         for secret_hash, principal in records:
             pipe.set(key_record_name(secret_hash), encode_key_record(secret_hash, principal))
         for event in events:
@@ -484,7 +474,7 @@ def _write_records(records: list[tuple[str, KeyPrincipal | None]], events: Seque
 
 def do_record_key_use() -> int:
     """Move the last-used times the gateways batched in Redis to PostgreSQL."""
-    pipe = control_redis().pipeline(transaction=True)
+    pipe = redis_client().pipeline(transaction=True)
     pipe.hgetall(LAST_USED_HASH)
     pipe.delete(LAST_USED_HASH)
     batch, _ = pipe.execute()

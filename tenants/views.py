@@ -25,9 +25,10 @@ from redis.exceptions import RedisError
 
 from config.views import staff_required
 from metering.console_queries import month_to_date
+from metering.models import PriceSheet
 from registry.actions import visible_adapters_for_tenant, visible_models_for_tenant
 from registry.models import Deployment
-from serving.routing_table import read_routing_table
+from serving.actions.routing_table import read_routing_table
 from tenants import actions
 from tenants.models import ApiKey, Role, Scope, Tenant
 
@@ -139,8 +140,6 @@ def revoke_key(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
 
 @login_required
 def models_page(request: HttpRequest, slug: str) -> HttpResponse:
-    from metering.models import PriceSheet
-
     tenant = portal_tenant(request, slug)
     models = list(visible_models_for_tenant(tenant.pk))
     now = timezone.now()

@@ -10,8 +10,9 @@ from typing import Any
 
 from django.db import connection
 
-from serving.actions import do_mark_lost_nodes, do_reconcile
-from serving.routing_table import publish_routing_table
+from serving.actions.nodes import do_mark_lost_nodes
+from serving.actions.reconcile import do_reconcile
+from serving.actions.routing_table import publish_routing_table
 
 
 def eventually(check: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.25) -> Any:

@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from serving import actions
+from serving.actions import credentials, nodes
 
 
 def _json(body: Any, status: int = 200) -> HttpResponse:
@@ -41,19 +41,19 @@ def register(request: HttpRequest) -> HttpResponse:
     if not isinstance(gpus, list) or not all(isinstance(g, dict) and "index" in g for g in gpus):
         return _error(400, "gpus must be a list of objects with an index")
     try:
-        node, token = actions.do_register_node(
+        node, token = nodes.do_register_node(
             str(body.get("join_token") or ""),
             str(body.get("hostname") or ""),
             str(body.get("agent_url") or ""),
             gpus,
         )
-    except actions.RegistrationRefused as refusal:
+    except nodes.RegistrationRefused as refusal:
         return _error(401, str(refusal))
     return _json(
         {
             "node_id": node.pk,
             "node_token": token,
-            "heartbeat_interval_s": actions.HEARTBEAT_INTERVAL_S,
+            "heartbeat_interval_s": nodes.HEARTBEAT_INTERVAL_S,
         }
     )
 
@@ -66,11 +66,11 @@ def heartbeat(request: HttpRequest) -> HttpResponse:
         return _error(400, "the body must be a JSON object")
     scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
     node = (
-        actions.authenticate_node(body.get("node_id"), bearer.strip())
+        credentials.authenticate_node(body.get("node_id"), bearer.strip())
         if scheme.lower() == "bearer"
         else None
     )
     if node is None:
         return _error(401, "unknown node or bad node token")
-    desired = actions.do_record_heartbeat(node, body)
+    desired = nodes.do_record_heartbeat(node, body)
     return _json({"desired_replicas": desired})

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rest_framework import serializers
 
+from serving.capacity.planner import PoolOption, default_pools
+from serving.engine.specs import QUANTIZATIONS, load_gpu_specs, load_model_specs
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica, ReplicaEvent
 
 
@@ -56,3 +60,50 @@ class ReplicaEventSerializer(serializers.ModelSerializer):
         model = ReplicaEvent
         fields = ["id", "replica", "kind", "message", "at", "source"]
         read_only_fields = fields
+
+
+class PoolOptionSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=64)
+    gpu_class = serializers.ChoiceField(choices=[])
+    usd_per_gpu_hour = serializers.FloatField(min_value=0, required=False, allow_null=True)
+    available_gpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    tensor_parallel = serializers.ChoiceField(choices=[1, 2, 4, 8], default=1)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["gpu_class"].choices = sorted(load_gpu_specs())
+
+
+class PlanRequestSerializer(serializers.Serializer):
+    users = serializers.IntegerField(min_value=1, max_value=1_000_000_000)
+    requests_per_user_s = serializers.FloatField(min_value=0.000001, max_value=1000)
+    prompt_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000)
+    output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000)
+    ttft_slo_s = serializers.FloatField(
+        min_value=0.001, required=False, allow_null=True, default=1.0
+    )
+    tpot_slo_s = serializers.FloatField(
+        min_value=0.001, required=False, allow_null=True, default=0.05
+    )
+    model = serializers.ChoiceField(choices=[], default="llama-3.1-8b")
+    quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="bf16")
+    # The textbook estimate alongside, when a measured per-GPU throughput is given.
+    tokens_per_s_per_gpu = serializers.FloatField(min_value=0.001, required=False)
+    pools = PoolOptionSerializer(many=True, required=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["model"].choices = sorted(load_model_specs())
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """Without `pools`, the fleet's own pools at their prices (the GPU classes at
+        reference prices when no pool exists yet)."""
+        if attrs.get("pools"):
+            attrs["pools"] = [PoolOption(**pool) for pool in attrs["pools"]]
+        else:
+            rows = GpuPool.objects.select_related("gpu_class").order_by("name")
+            pools = [
+                PoolOption(r.name, r.gpu_class.name, float(r.price_per_gpu_hour)) for r in rows
+            ]
+            attrs["pools"] = pools or default_pools()
+        return attrs

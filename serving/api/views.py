@@ -12,7 +12,7 @@ from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from serving import actions
+from serving.actions import nodes
 from serving.api.serializers import (
     GpuPoolSerializer,
     GpuSerializer,
@@ -46,17 +46,17 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def cordon(self, request: Request, pk: str | None = None) -> Response:
-        return self._act(actions.do_cordon_node)
+        return self._act(nodes.do_cordon_node)
 
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def uncordon(self, request: Request, pk: str | None = None) -> Response:
-        return self._act(actions.do_uncordon_node)
+        return self._act(nodes.do_uncordon_node)
 
     @extend_schema(request=None, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
-        return self._act(actions.do_drain_node)
+        return self._act(nodes.do_drain_node)
 
 
 class GpuViewSet(viewsets.ReadOnlyModelViewSet):

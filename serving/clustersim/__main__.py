@@ -18,7 +18,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from serving.autoscaler import AutoscalerConfig
+from serving.capacity.autoscaler import AutoscalerConfig
 from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, pool_name
 from serving.clustersim.report import format_summary, plot, summarize, write_csv
 from serving.clustersim.simulator import SimConfig, SimResult, simulate

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from serving.autoscaler import (
+from serving.capacity.autoscaler import (
     AutoscalerConfig,
     FleetSample,
     ReplicaBounds,

@@ -15,9 +15,9 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-log = logging.getLogger(__name__)
+from serving.redis_contracts import VISIBILITY_HASH
 
-VISIBILITY_HASH = "registry:visibility"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)

@@ -21,6 +21,11 @@ import redis.asyncio as aioredis
 
 from serving.engine.perf import PerfModel
 from serving.engine.specs import find_model_spec, load_gpu_specs
+from serving.redis_contracts import (
+    ROUTING_TABLE_KEY,
+    ROUTING_TELEMETRY_KEY,
+    ROUTING_UPDATES_CHANNEL,
+)
 from serving.router import (
     DeploymentRoute,
     ModelRoute,
@@ -33,9 +38,6 @@ from serving.router.coefficients import coefficients_from_perf
 
 log = logging.getLogger(__name__)
 
-ROUTING_TABLE_KEY = "routing:table"
-ROUTING_UPDATES_CHANNEL = "routing:updates"
-TELEMETRY_KEY = "routing:telemetry"
 
 # A conservative stand-in when a replica's GPU or model is unknown to the engine model.
 FALLBACK_PERF = ReplicaPerf(
@@ -246,7 +248,7 @@ class RoutingCache:
         await self.refresh_telemetry()
 
     async def refresh_telemetry(self) -> None:
-        rows = await self.redis.hgetall(TELEMETRY_KEY)
+        rows = await self.redis.hgetall(ROUTING_TELEMETRY_KEY)
         now_mono = time.monotonic()
         now_wall = time.time()
         state = self.snapshot.state

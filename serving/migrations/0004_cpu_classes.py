@@ -2,7 +2,7 @@ from django.db import migrations
 
 
 def load_classes(apps, schema_editor):
-    from serving.gpu_classes import sync_gpu_classes
+    from serving.actions.gpu_classes import sync_gpu_classes
 
     sync_gpu_classes(apps.get_model("serving", "GpuClass"))
 

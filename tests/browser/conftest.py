@@ -17,7 +17,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from serving.gpu_classes import sync_gpu_classes
+from serving.actions.gpu_classes import sync_gpu_classes
 from serving.models import GpuClass
 from tests.gateway.conftest import fleet, gateway_server  # noqa: F401  (fixtures)
 

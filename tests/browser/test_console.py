@@ -13,9 +13,9 @@ from playwright.sync_api import Page, expect
 
 from registry.actions import do_start_rollout
 from registry.models import Deployment, Rollout
-from serving import actions as serving_actions
 from serving import telemetry
-from serving.console_tasks import publish_fleet_snapshot
+from serving.actions import nodes as fleet_nodes
+from serving.console.live import publish_fleet_snapshot
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from tests.browser.conftest import in_thread, log_in, make_user, screenshot
 from tests.gateway.conftest import GatewayServer
@@ -82,7 +82,7 @@ def test_an_admin_sees_the_live_fleet_change_when_a_replica_stops(
     expect(page.locator("#replica-table tbody tr")).to_have_count(2)
 
     node, (kept, stopped) = serving_fleet["node"], serving_fleet["replicas"]
-    serving_actions.do_record_heartbeat(
+    fleet_nodes.do_record_heartbeat(
         node,
         {"gpus": [{"index": 0, "utilization_pct": 80.0}], "events": [], "replicas": [
             {"replica_id": kept.replica_id, "state": "Ready"},

@@ -11,7 +11,7 @@ import redis
 
 from registry.models import Deployment
 from registry.rollout_metrics import add_request
-from serving.autoscale_actions import (
+from serving.actions.autoscale import (
     COLD_START_S,
     MIN_TTFT_REQUESTS,
     do_autoscale,
@@ -19,7 +19,7 @@ from serving.autoscale_actions import (
     observed_ttft_p95,
     target_running,
 )
-from serving.gpu_classes import sync_gpu_classes
+from serving.actions.gpu_classes import sync_gpu_classes
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from serving.telemetry import ROUTING_TELEMETRY_KEY
 
@@ -113,7 +113,7 @@ def test_a_deployment_without_telemetry_is_left_alone(
 def test_the_celery_task_runs_the_loop(
     fleet: Callable[..., Any], redis_client: redis.Redis
 ) -> None:
-    from serving.autoscale_tasks import autoscale
+    from serving.tasks import autoscale
 
     deployment, replicas = fleet()
     report(redis_client, replicas, running=int(target_running(deployment) * 2), kv=0.9)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from serving.autoscaler import (
+from serving.capacity.autoscaler import (
     AutoscalerConfig,
     FleetSample,
     ReplicaBounds,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.autoscaler import AutoscalerConfig
+from serving.capacity.autoscaler import AutoscalerConfig
 from serving.clustersim import (
     AutoscaleBounds,
     FleetSpec,

@@ -6,9 +6,7 @@ import math
 
 import pytest
 
-from serving.engine.perf import PerfModel
-from serving.engine.specs import load_gpu_specs, load_model_specs
-from serving.planner import (
+from serving.capacity.planner import (
     Headroom,
     PoolOption,
     Workload,
@@ -16,6 +14,8 @@ from serving.planner import (
     slo_throughput,
     textbook_estimate,
 )
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs, load_model_specs
 
 
 def test_it_reproduces_the_textbook_example() -> None:

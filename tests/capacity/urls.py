@@ -3,7 +3,7 @@
 from django.urls import include, path
 
 from serving.api.planner import CapacityPlanView
-from serving.views_planner import capacity_planner
+from serving.console.planner import capacity_planner
 
 urlpatterns = [
     path("", include("config.urls")),

@@ -12,14 +12,14 @@ from django.utils import timezone
 
 from registry.models import Deployment
 from serving import telemetry
-from serving.console_queries import (
+from serving.actions.gpu_classes import sync_gpu_classes
+from serving.console.live import publish_fleet_snapshot
+from serving.console.queries import (
     HISTORY_POINTS,
     fleet_history,
     fleet_snapshot,
     record_fleet_history,
 )
-from serving.console_tasks import publish_fleet_snapshot
-from serving.gpu_classes import sync_gpu_classes
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from tenants.actions import do_create_api_key, do_create_tenant
 from tenants.models import ApiKey, Membership, Role, Tenant
@@ -253,7 +253,7 @@ def test_the_playground_offers_only_what_is_deployed_and_the_adapters_on_it(
     acme: Tenant, redis_client: redis.Redis
 ) -> None:
     from registry.models import Adapter
-    from serving.routing_table import TABLE_KEY
+    from serving.redis_contracts import ROUTING_TABLE_KEY
 
     deployed = make_model("llama-3.1-8b")
     make_model("llama-3.1-405b")  # visible, but nothing serves it
@@ -261,7 +261,7 @@ def test_the_playground_offers_only_what_is_deployed_and_the_adapters_on_it(
         name="acme-tone", base_version=approved_version(deployed, "v1", "bf16"), rank=8,
         artifact_uri="s3://adapters/acme-tone/", owner_tenant=acme,
     )  # fmt: skip
-    redis_client.set(TABLE_KEY, b'{"version": 1, "models": {"llama-3.1-8b": {}}}')
+    redis_client.set(ROUTING_TABLE_KEY, b'{"version": 1, "models": {"llama-3.1-8b": {}}}')
     page = client_for(member(acme, "dev", Role.DEVELOPER)).get("/portal/acme/playground/")
     options = page.content.decode()
     assert ">llama-3.1-8b<" in options and ">acme-tone<" in options

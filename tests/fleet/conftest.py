@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from serving import actions
-from serving.gpu_classes import sync_gpu_classes
+from serving.actions import credentials
+from serving.actions.gpu_classes import sync_gpu_classes
 from serving.models import GpuClass, GpuPool
 
 
@@ -32,7 +32,7 @@ def make_pool(gpu_classes: None) -> Callable[..., tuple[GpuPool, str]]:
         pool = GpuPool.objects.create(
             name=name, gpu_class=GpuClass.objects.get(name=gpu_class), region=region
         )
-        _, secret = actions.do_create_join_token(pool, name="test")
+        _, secret = credentials.do_create_join_token(pool, name="test")
         return pool, secret
 
     return make

@@ -8,7 +8,7 @@ import pytest
 from django.test import Client
 
 from serving import telemetry
-from serving.actions import do_reconcile
+from serving.actions.reconcile import do_reconcile
 from serving.models import Gpu, Node, Replica, ReplicaEvent, TelemetrySample
 
 from .conftest import replica_report, send_heartbeat

@@ -25,7 +25,7 @@ from django.db import close_old_connections
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving import telemetry
-from serving.actions import engine_api_key
+from serving.actions.credentials import engine_api_key
 from serving.models import Node, Replica, ReplicaEvent
 from tests.live import ControlLoops, eventually
 

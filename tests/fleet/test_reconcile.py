@@ -7,12 +7,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from serving.actions import (
-    do_cordon_node,
-    do_drain_node,
-    do_mark_lost_nodes,
-    do_reconcile,
-)
+from serving.actions.nodes import do_cordon_node, do_drain_node, do_mark_lost_nodes
+from serving.actions.reconcile import do_reconcile
 from serving.models import Node, Replica
 
 from .conftest import replica_report, send_heartbeat

@@ -5,9 +5,10 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from serving.actions import do_reconcile
+from serving.actions.reconcile import do_reconcile
+from serving.actions.routing_table import publish_routing_table, read_routing_table
 from serving.models import Replica
-from serving.routing_table import UPDATES_CHANNEL, publish_routing_table, read_routing_table
+from serving.redis_contracts import ROUTING_UPDATES_CHANNEL
 
 from .conftest import replica_report, send_heartbeat
 
@@ -62,7 +63,7 @@ def test_the_version_moves_only_when_the_content_changes(fleet, redis_client) ->
 
 def test_a_new_version_is_announced_on_the_updates_channel(fleet, redis_client) -> None:
     pubsub = redis_client.pubsub()
-    pubsub.subscribe(UPDATES_CHANNEL)
+    pubsub.subscribe(ROUTING_UPDATES_CHANNEL)
     pubsub.get_message(timeout=1)  # the subscribe confirmation
     version = publish_routing_table()
     message = pubsub.get_message(timeout=2)

@@ -32,8 +32,12 @@ from django.db import connections
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.gateway import service
-from serving.gateway.catalog import VISIBILITY_HASH
-from serving.gateway.routing import ROUTING_TABLE_KEY, ROUTING_UPDATES_CHANNEL, TELEMETRY_KEY
+from serving.redis_contracts import (
+    ROUTING_TABLE_KEY,
+    ROUTING_TELEMETRY_KEY,
+    ROUTING_UPDATES_CHANNEL,
+    VISIBILITY_HASH,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "llama-3.1-8b"
@@ -156,7 +160,7 @@ class Fleet:
         now = time.time()
         for sim in self.sims:
             self.redis.hset(
-                TELEMETRY_KEY,
+                ROUTING_TELEMETRY_KEY,
                 sim.replica_id,
                 orjson.dumps({"running": 0, "waiting": 0, "kv": 0.0, "scraped_at": now}),
             )

@@ -11,7 +11,7 @@ import orjson
 import pytest
 import redis
 
-from serving.gateway.routing import TELEMETRY_KEY
+from serving.redis_contracts import ROUTING_TELEMETRY_KEY
 from tests.gateway.conftest import (
     MODEL,
     EngineSim,
@@ -29,7 +29,7 @@ def report_load(client: redis.Redis, sim: EngineSim, *, running: int, waiting: i
     other gateway processes filled or left it)."""
     row = {"running": running, "waiting": waiting, "kv": 0.95 if waiting else 0.0,
            "scraped_at": time.time()}  # fmt: skip
-    client.hset(TELEMETRY_KEY, sim.replica_id, orjson.dumps(row))
+    client.hset(ROUTING_TELEMETRY_KEY, sim.replica_id, orjson.dumps(row))
 
 
 def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(

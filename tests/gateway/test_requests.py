@@ -223,7 +223,7 @@ def test_best_of_cannot_sneak_several_choices_past_n(ready) -> None:
 def test_settled_requests_time_to_first_token_reaches_the_autoscaler(
     ready, redis_client: redis.Redis
 ) -> None:
-    from serving.autoscale_actions import MIN_TTFT_REQUESTS, observed_ttft_p95
+    from serving.actions.autoscale import MIN_TTFT_REQUESTS, observed_ttft_p95
 
     _, _, http = ready
     deployment_id = 1  # the fleet's routing table

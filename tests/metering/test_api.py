@@ -29,6 +29,7 @@ from metering.models import (
 )
 from metering.pricing import PRICE_BOOK_KEY
 from metering.rollups import empty_buckets
+from config.jobs import Enqueue
 from metering.tasks import publish_prices
 from registry.models import Visibility
 from tenants.actions import do_create_api_key
@@ -489,7 +490,7 @@ def test_staff_create_a_price_sheet_and_the_price_book_is_republished(
         Decimal("0.4"),
         {"batch": "0.5"},
     )
-    assert on_commit == [publish_prices.delay]
+    assert on_commit == [Enqueue(publish_prices.name)]
 
 
 def test_staff_update_a_price_sheet_and_the_price_book_is_republished(
@@ -502,7 +503,7 @@ def test_staff_update_a_price_sheet_and_the_price_book_is_republished(
         response = session(staff).patch(url, {"output_usd_per_mtok": "2.25"}, format="json")
     assert response.status_code == 200
     assert PriceSheet.objects.get(pk=catalogue["public"].pk).output_usd_per_mtok == Decimal("2.25")
-    assert on_commit == [publish_prices.delay]
+    assert on_commit == [Enqueue(publish_prices.name)]
 
 
 def test_staff_delete_a_price_sheet_and_the_price_book_is_republished(
@@ -514,7 +515,7 @@ def test_staff_delete_a_price_sheet_and_the_price_book_is_republished(
     with django_capture_on_commit_callbacks() as on_commit:
         assert session(staff).delete(url).status_code == 204
     assert not PriceSheet.objects.filter(pk=catalogue["restricted"].pk).exists()
-    assert on_commit == [publish_prices.delay]
+    assert on_commit == [Enqueue(publish_prices.name)]
 
 
 def test_a_second_sheet_starting_at_the_same_time_is_a_400(

@@ -33,9 +33,9 @@ from django.conf import settings
 from django.core.management import call_command
 from django.db import close_old_connections
 
-from serving.actions import do_create_join_token, engine_api_key
+from serving.actions.credentials import do_create_join_token, engine_api_key
+from serving.actions.gpu_classes import sync_gpu_classes
 from serving.demo import TINY_ADAPTER, TINY_MODEL, seed_tiny_model
-from serving.gpu_classes import sync_gpu_classes
 from serving.models import GpuClass, GpuPool, Replica
 from tests.gateway.conftest import GatewayServer, free_port, sample
 from tests.live import ControlLoops, eventually

@@ -21,7 +21,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.actions import replica_spec
+from serving.actions.reconcile import replica_spec
 from serving.agent.launch import LaunchSettings, build_launch_command, engine_path
 from serving.agent.specs import parse_replica_spec
 from serving.models import Replica

@@ -23,7 +23,7 @@ import pytest
 
 from metering.usage import USAGE_STREAM, UsageEvent
 from serving import telemetry
-from serving.actions import replica_spec
+from serving.actions.reconcile import replica_spec
 from serving.agent.gpus import CpuSlots
 from serving.agent.launch import LaunchSettings, build_launch_command, engine_path
 from serving.agent.specs import parse_replica_spec

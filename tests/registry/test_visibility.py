@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from registry.actions import (
-    VISIBILITY_HASH,
     do_create_adapter,
     do_create_deployment,
     do_create_version,
@@ -21,6 +20,7 @@ from registry.actions import (
 )
 from registry.models import Adapter, Deployment, Model, Visibility
 from serving.models import GpuPool
+from serving.redis_contracts import VISIBILITY_HASH
 from tenants.models import Tenant
 from tests.registry.conftest import approved_version, client_for
 

@@ -6,10 +6,9 @@ import sys
 import time
 from typing import Any
 
-import redis as redis_lib
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
+from config.redis import redis_client
 from metering import ingest
 
 
@@ -40,7 +39,7 @@ class Command(BaseCommand):
             return hook
 
         consumer = ingest.Consumer(
-            redis_lib.Redis.from_url(settings.REDIS_URL, socket_timeout=10),
+            redis_client(worker=True),
             options["name"],
             batch_size=options["batch"],
             min_idle_ms=options["min_idle_ms"],

@@ -2,8 +2,8 @@
 
 from django.urls import URLPattern, URLResolver, path
 
-from serving import views
-from serving.views_planner import capacity_planner
+from serving.console import views
+from serving.console.planner import capacity_planner
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path("", views.overview, name="console-overview"),

@@ -8,14 +8,14 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from config.views import staff_required
-from serving import actions
-from serving.console_queries import GPU_STATES, fleet_history, fleet_snapshot
+from serving.actions import nodes
+from serving.console.queries import GPU_STATES, fleet_history, fleet_snapshot
 from serving.models import GpuPool, Node, Replica
 
 NODE_ACTIONS = {
-    "cordon": actions.do_cordon_node,
-    "uncordon": actions.do_uncordon_node,
-    "drain": actions.do_drain_node,
+    "cordon": nodes.do_cordon_node,
+    "uncordon": nodes.do_uncordon_node,
+    "drain": nodes.do_drain_node,
 }
 
 

@@ -24,8 +24,9 @@ Two levels:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs, load_model_specs
@@ -243,3 +244,27 @@ def plan_capacity(
             )
         )
     return CapacityPlan(workload, headroom.factor, demand, tuple(lines), infeasible, max(0.0, left))
+
+
+def plan_for(data: Mapping[str, Any]) -> CapacityPlan:
+    """The plan for a validated request: its workload fields and `pools` (PoolOption)."""
+    workload = Workload(
+        users=data["users"],
+        requests_per_user_s=data["requests_per_user_s"],
+        prompt_tokens=data["prompt_tokens"],
+        output_tokens=data["output_tokens"],
+        ttft_slo_s=data.get("ttft_slo_s"),
+        tpot_slo_s=data.get("tpot_slo_s"),
+        model=data.get("model", "llama-3.1-8b"),
+        quantization=data.get("quantization", "bf16"),
+    )
+    plan = plan_capacity(workload, list(data["pools"]))
+    if data.get("tokens_per_s_per_gpu"):
+        textbook = textbook_estimate(
+            workload.users,
+            workload.requests_per_user_s,
+            workload.output_tokens,
+            data["tokens_per_s_per_gpu"],
+        )
+        plan = replace(plan, textbook=textbook)
+    return plan

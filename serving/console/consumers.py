@@ -11,8 +11,8 @@ from typing import Any
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from serving.console_queries import fleet_snapshot
-from serving.console_tasks import FLEET_GROUP
+from serving.console.live import FLEET_GROUP
+from serving.console.queries import fleet_snapshot
 
 
 class FleetLiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]

@@ -15,8 +15,8 @@ Per deployment with room to scale (active, replicas_max > replicas_min), every b
 2. a forecast: the most replicas the traffic needed within `FORECAST_SPREAD_S` of this time of
    day plus a cold start (`COLD_START_S`), one period (`AUTOSCALER_FORECAST_PERIOD_S`, a day)
    ago, from a history of the loop's own reactive recommendations kept in Redis one point per
-   minute (`serving.autoscaler.daily_forecast`), so capacity is warm before a known peak;
-3. `serving.autoscaler.recommend` over the sample window, with the forecast as a floor, the
+   minute (`serving.capacity.autoscaler.daily_forecast`), so capacity is warm before a known peak;
+3. `serving.capacity.autoscaler.recommend` over the sample window, with the forecast as a floor, the
    deployment's bounds, the pool's free GPUs, and the raw recommendations of the scale-down
    stabilization window (also in Redis);
 4. when the count changes, `registry.actions.do_scale_deployment`, then a reconcile.
@@ -39,19 +39,21 @@ import orjson
 import redis
 from django.conf import settings
 
+from registry.actions import do_scale_deployment
 from registry.models import Deployment
 from registry.rollout_metrics import quantile_from_buckets, stats_key
-from serving.autoscaler import (
+from serving.actions.reconcile import request_reconcile
+from serving.capacity.autoscaler import (
     AutoscalerConfig,
     FleetSample,
     ReplicaBounds,
     daily_forecast,
     recommend,
 )
+from serving.capacity.planner import Workload, slo_throughput
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
 from serving.models import Gpu, Replica
-from serving.planner import Workload, slo_throughput
 from serving.router import DEFAULT_SLO_TIERS
 from serving.telemetry import read_routing_telemetry
 
@@ -294,9 +296,6 @@ def do_autoscale_deployment(
 ) -> ScalingOutcome:
     """One beat for one deployment. `forecast_period_s`: the traffic pattern's period; None
     or 0: no forecast."""
-    from registry.actions import do_scale_deployment
-    from serving.actions import request_reconcile
-
     tier = DEFAULT_SLO_TIERS.get(deployment.slo_tier)
     config = config or AutoscalerConfig(
         target_running_per_replica=target_running(deployment),

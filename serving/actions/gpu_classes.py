@@ -11,7 +11,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parent / "engine" / "data"
+from serving.engine.specs import DATA_DIR
+
 GPUS_CSV = DATA_DIR / "gpus.csv"
 CPUS_CSV = DATA_DIR / "cpus.csv"
 

@@ -15,18 +15,23 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from django.db import transaction
 from django.utils import timezone
 
-from serving import telemetry
+from config.redis import redis_client
+from registry.models import Rollout
+from serving.actions.credentials import engine_api_key
+from serving.actions.reconcile import Launch, deployment_launch, deployments_to_run
 from serving.models import Node, Replica
+from serving.redis_contracts import (
+    ROUTING_DIGEST_KEY,
+    ROUTING_TABLE_KEY,
+    ROUTING_TELEMETRY_KEY,
+    ROUTING_UPDATES_CHANNEL,
+    ROUTING_VERSION_KEY,
+)
 
 logger = logging.getLogger(__name__)
 
-TABLE_KEY = "routing:table"
-VERSION_KEY = "routing:version"
-DIGEST_KEY = "routing:digest"
-UPDATES_CHANNEL = "routing:updates"
 
 # Compare, bump, store and announce atomically. The document is the content with the version
 # and publish time spliced in front, so the stored JSON is one self-describing object.
@@ -43,8 +48,6 @@ return version
 
 def build_routing_table() -> dict[str, Any]:
     """The table's content (without version and publish time), from PostgreSQL."""
-    from serving.actions import deployment_launch, deployments_to_run
-
     ready = _ready_replicas()
     rollouts = _live_rollouts()
     models: dict[str, dict[str, Any]] = {}
@@ -81,8 +84,6 @@ def build_routing_table() -> dict[str, Any]:
 
 
 def _live_rollouts() -> dict[str, dict[str, Any]]:
-    from registry.models import Rollout
-
     return {
         rollout.model.name: {
             "rollout_id": rollout.pk,
@@ -116,9 +117,7 @@ def _ready_replicas() -> dict[int, list[Replica]]:
     return by_deployment
 
 
-def _replica_row(replica: Replica, launch: Any) -> dict[str, Any]:
-    from serving.actions import engine_api_key
-
+def _replica_row(replica: Replica, launch: Launch) -> dict[str, Any]:
     pool = replica.node.pool
     host = urlsplit(replica.node.agent_url).hostname or replica.node.hostname
     gpus = len(replica.gpu_indices)
@@ -151,19 +150,19 @@ def publish_routing_table() -> int:
     content = build_routing_table()
     body = orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
     digest = hashlib.sha256(body).hexdigest()
-    client = telemetry.redis_client()
+    client = redis_client()
     published_at = timezone.now().isoformat()
     version = int(
         client.eval(  # type: ignore[arg-type]
             _PUBLISH_SCRIPT,
             3,
-            TABLE_KEY,
-            VERSION_KEY,
-            DIGEST_KEY,
+            ROUTING_TABLE_KEY,
+            ROUTING_VERSION_KEY,
+            ROUTING_DIGEST_KEY,
             digest,
             body,
             published_at,
-            UPDATES_CHANNEL,
+            ROUTING_UPDATES_CHANNEL,
         )
     )
     _prune_telemetry(client)
@@ -181,28 +180,12 @@ def _prune_telemetry(client: Any) -> None:
         )
     }
     stale = [
-        key.decode()
-        for key in client.hkeys(telemetry.ROUTING_TELEMETRY_KEY)
-        if key.decode() not in live
+        key.decode() for key in client.hkeys(ROUTING_TELEMETRY_KEY) if key.decode() not in live
     ]
     if stale:
-        client.hdel(telemetry.ROUTING_TELEMETRY_KEY, *stale)
+        client.hdel(ROUTING_TELEMETRY_KEY, *stale)
 
 
 def read_routing_table(client: Any | None = None) -> dict[str, Any] | None:
-    raw = (client or telemetry.redis_client()).get(TABLE_KEY)
+    raw = (client or redis_client()).get(ROUTING_TABLE_KEY)
     return None if raw is None else orjson.loads(raw)
-
-
-def request_publish() -> None:
-    """Publish once the current transaction commits (the registry calls this after weights
-    change); a broker hiccup is logged, and the periodic publish catches up."""
-    from serving.tasks import publish_routing_table as task
-
-    def send() -> None:
-        try:
-            task.delay()
-        except Exception:
-            logger.warning("could not enqueue a routing table publish", exc_info=True)
-
-    transaction.on_commit(send)

@@ -32,6 +32,7 @@ import redis
 from django.db import connection
 from django.utils import timezone
 
+from config.redis import redis_client
 from serving import telemetry
 from serving.models import Gpu, Node, Replica
 
@@ -141,7 +142,7 @@ def _replica_row(replica: Replica, seen: dict[str, Any] | None) -> dict[str, Any
 def fleet_snapshot(client: redis.Redis | None = None, *, rate: bool = True) -> dict[str, Any]:
     """The overview's numbers, as plain JSON. `rate=False` leaves the token-rate memory alone
     (a page render must not steal the broadcaster's previous totals)."""
-    client = client or telemetry.redis_client()
+    client = client or redis_client()
     now = time.time()
     replicas = _live_replicas()
     seen = _replica_telemetry(client, [r.replica_id for r in replicas])
@@ -186,7 +187,7 @@ def record_fleet_history(client: redis.Redis, snapshot: dict[str, Any]) -> None:
 
 def fleet_history(client: redis.Redis | None = None) -> dict[str, list[Any]]:
     """The recent chart points as columns (uPlot's layout), oldest first."""
-    client = client or telemetry.redis_client()
+    client = client or redis_client()
     points = sorted(
         (orjson.loads(raw) for raw in client.lrange(HISTORY_KEY, 0, -1)),
         key=lambda point: point["at"],

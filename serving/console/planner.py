@@ -6,7 +6,8 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from serving.api.planner import PlanRequestSerializer, plan_from
+from serving.api.serializers import PlanRequestSerializer
+from serving.capacity.planner import plan_for
 
 DEFAULTS = {
     "users": 10_000,
@@ -31,5 +32,5 @@ def capacity_planner(request: HttpRequest) -> HttpResponse:
     form = PlanRequestSerializer(data={k: v for k, v in request.POST.items() if v != ""})
     if not form.is_valid():
         return render(request, "serving/planner_result.html", {"errors": form.errors}, status=400)
-    plan = plan_from(form.validated_data)
+    plan = plan_for(form.validated_data)
     return render(request, "serving/planner_result.html", {"plan": plan})

@@ -1,0 +1,26 @@
+"""The control plane's synchronous Redis client: one factory, one pool per timeout.
+
+Two timeouts, both declared in settings: `REDIS_SOCKET_TIMEOUT_S` (default) for everything on
+or near a request's path, so a dead Redis fails fast; `REDIS_WORKER_TIMEOUT_S` for background
+work (publishing tables, invoices, ingest) that would rather wait a little than fail.
+The gateway's asyncio client is its own (serving/gateway/service.py): it runs in another
+process with its own pool.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import redis
+from django.conf import settings
+
+
+@cache
+def _client(url: str, timeout_s: float) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+
+
+def redis_client(*, worker: bool = False) -> redis.Redis:
+    """The shared client for this process (connections pooled, thread-safe)."""
+    timeout = settings.REDIS_WORKER_TIMEOUT_S if worker else settings.REDIS_SOCKET_TIMEOUT_S
+    return _client(settings.REDIS_URL, float(timeout))

@@ -1,0 +1,340 @@
+"""Nodes joining, reporting and leaving: registration, heartbeats (states, events and
+telemetry), loss of a silent node, cordon and drain. Views and tasks call these `do_*`
+functions; nothing else writes node rows."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from config.redis import redis_client
+from serving import telemetry
+from serving.actions.credentials import hash_token, node_token
+from serving.actions.reconcile import (
+    desired_replica_specs,
+    request_publish,
+    request_reconcile,
+    stop_replicas,
+)
+from serving.models import Gpu, JoinToken, Node, Replica, ReplicaEvent, TelemetrySample
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 2
+# Three missed heartbeats plus slack for a slow network or a busy control plane.
+NODE_LOST_AFTER_S = 3 * HEARTBEAT_INTERVAL_S + 2
+
+# What the agent reports, mapped onto our states. Unknown words count as starting.
+AGENT_STATES: dict[str, str] = {
+    "pending": Replica.State.STARTING,
+    "starting": Replica.State.STARTING,
+    "launching": Replica.State.STARTING,
+    "restarting": Replica.State.STARTING,
+    "backoff": Replica.State.FAILED,
+    "crashed": Replica.State.FAILED,
+    "failed": Replica.State.FAILED,
+    "ready": Replica.State.READY,
+    "running": Replica.State.READY,
+    "stopping": Replica.State.DRAINING,
+    "stopped": Replica.State.STOPPED,
+    "exited": Replica.State.STOPPED,
+}
+
+
+class RegistrationRefused(Exception):
+    """A join token that is unknown, revoked or expired, or a malformed registration."""
+
+
+@transaction.atomic
+def do_register_node(
+    join_secret: str, hostname: str, agent_url: str, gpus: list[dict[str, Any]]
+) -> tuple[Node, str]:
+    """Admit an agent into the join token's pool; the same hostname re-uses its node."""
+    join = (
+        JoinToken.objects.select_related("pool")
+        .filter(token_hash=hash_token(join_secret), revoked=False)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
+        .first()
+    )
+    if join is None:
+        raise RegistrationRefused("unknown, revoked or expired join token")
+    if not hostname or not agent_url:
+        raise RegistrationRefused("hostname and agent_url are required")
+    node, _ = Node.objects.select_for_update().get_or_create(
+        pool=join.pool, hostname=hostname, defaults={"agent_url": agent_url}
+    )
+    node.agent_url = agent_url
+    node.token_nonce = secrets.token_hex(16)
+    token = node_token(node)
+    node.token_hash = hash_token(token)
+    node.health = Node.Health.READY
+    node.last_heartbeat_at = timezone.now()
+    node.save()
+    _replace_inventory(node, gpus)
+    # Replicas placed here stay: the next heartbeat answer tells the agent what to run, so an
+    # agent that restarted without its processes relaunches them and one that kept them goes on.
+    request_publish()
+    logger.info("node %s registered in pool %s (%d GPUs)", hostname, join.pool.name, len(gpus))
+    return node, token
+
+
+def _replace_inventory(node: Node, gpus: list[dict[str, Any]]) -> None:
+    node.gpus.all().delete()
+    Gpu.objects.bulk_create(
+        Gpu(
+            node=node,
+            index=int(gpu["index"]),
+            uuid=str(gpu.get("uuid") or ""),
+            name=str(gpu.get("name") or ""),
+            memory_mb=int(gpu.get("memory_mb") or 0),
+        )
+        for gpu in gpus
+    )
+
+
+# --- heartbeats ---------------------------------------------------------------------------
+
+
+def do_record_heartbeat(node: Node, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Take one heartbeat: state changes and events to PostgreSQL, telemetry to Redis, a
+    sample to history; answer with the node's desired replicas."""
+    now = timezone.now()
+    reports = {str(r.get("replica_id")): r for r in payload.get("replicas") or []}
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(last_heartbeat_at=now, health=Node.Health.READY)
+        came_back = node.health != Node.Health.READY
+        node.health, node.last_heartbeat_at = Node.Health.READY, now
+        replicas = {
+            r.replica_id: r
+            for r in Replica.objects.filter(node=node, pk__in=_int_ids(reports))
+            .exclude(state=Replica.State.STOPPED)
+            .select_related("deployment")
+        }
+        changed = _apply_replica_reports(replicas, reports, now)
+        changed |= _retire_vanished_drains(node, set(reports), now)
+        _record_agent_events(node, payload.get("events") or [])
+        if changed or came_back:
+            request_publish()
+    _store_telemetry(node, payload, replicas, reports, now)
+    return desired_replica_specs(node)
+
+
+def _int_ids(reports: dict[str, Any]) -> list[int]:
+    return [int(rid) for rid in reports if rid.isdigit()]
+
+
+def _apply_replica_reports(
+    replicas: dict[str, Replica], reports: dict[str, dict[str, Any]], now: datetime
+) -> bool:
+    changed = False
+    for replica_id, replica in replicas.items():
+        report = reports[replica_id]
+        reported = AGENT_STATES.get(str(report.get("state") or "").lower(), Replica.State.STARTING)
+        fields = _report_fields(replica, report)
+        new_state = _next_state(replica.state, reported)
+        if new_state != replica.state:
+            ReplicaEvent.objects.get_or_create(
+                replica=replica,
+                kind=f"state_{new_state}",
+                at=now,
+                defaults={
+                    "message": f"{replica.state} -> {new_state}",
+                    "source": ReplicaEvent.Source.AGENT,
+                },
+            )
+            replica.state = new_state
+            fields["state"] = new_state
+            if new_state == Replica.State.STOPPED:
+                fields["stopped_at"] = replica.stopped_at = now
+            changed = True
+        if fields:
+            for name, value in fields.items():
+                setattr(replica, name, value)
+            replica.save(update_fields=[*fields, "updated_at"])
+    return changed
+
+
+def _next_state(current: str, reported: str) -> str:
+    # Draining is ours to end: the agent only confirms it by reporting the process stopped.
+    if current == Replica.State.DRAINING:
+        return Replica.State.STOPPED if reported == Replica.State.STOPPED else current
+    if reported == Replica.State.DRAINING:
+        return current
+    return reported
+
+
+def _report_fields(replica: Replica, report: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    wanted = {
+        "port": report.get("port"),
+        "pid": report.get("pid"),
+        "restarts": int(report.get("restarts") or 0),
+        "last_error": str(report.get("last_error") or ""),
+        "started_at": _parse_time(report.get("started_at")),
+        "ready_at": _parse_time(report.get("ready_at")),
+    }
+    for name, value in wanted.items():
+        if value is not None and getattr(replica, name) != value:
+            fields[name] = value
+    return fields
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, int | float):
+        return datetime.fromtimestamp(value, tz=UTC)
+    parsed = parse_datetime(str(value))
+    if parsed is not None and timezone.is_naive(parsed):
+        parsed = timezone.make_aware(parsed, UTC)
+    return parsed
+
+
+def _retire_vanished_drains(node: Node, reported_ids: set[str], now: datetime) -> bool:
+    """A draining replica the agent no longer reports has stopped."""
+    gone = [
+        r
+        for r in node.replicas.filter(state=Replica.State.DRAINING)
+        if r.replica_id not in reported_ids
+    ]
+    if gone:
+        stop_replicas(gone, "stopped", "the agent stopped the process")
+    return bool(gone)
+
+
+def _record_agent_events(node: Node, events: Iterable[dict[str, Any]]) -> None:
+    rows = []
+    known = set(
+        node.replicas.filter(
+            pk__in=[int(e["replica_id"]) for e in events if _is_id(e)]
+        ).values_list("pk", flat=True)
+    )
+    for event in events:
+        at = _parse_time(event.get("at"))
+        if not _is_id(event) or int(event["replica_id"]) not in known or at is None:
+            continue
+        rows.append(
+            ReplicaEvent(
+                replica_id=int(event["replica_id"]),
+                kind=str(event.get("kind") or "agent")[:64],
+                message=str(event.get("message") or ""),
+                at=at,
+                source=ReplicaEvent.Source.AGENT,
+            )
+        )
+    # Replays carry the same (replica, kind, at): the unique constraint drops them.
+    ReplicaEvent.objects.bulk_create(rows, ignore_conflicts=True)
+
+
+def _is_id(event: dict[str, Any]) -> bool:
+    return str(event.get("replica_id") or "").isdigit()
+
+
+def _store_telemetry(
+    node: Node,
+    payload: dict[str, Any],
+    replicas: dict[str, Replica],
+    reports: dict[str, dict[str, Any]],
+    now: datetime,
+) -> None:
+    gpus = list(payload.get("gpus") or [])
+    scraped = [
+        (rid, {**reports[rid]["telemetry"], "loaded_lora_adapters": reports[rid].get("adapters")})
+        for rid, replica in replicas.items()
+        if reports[rid].get("telemetry") and replica.state != Replica.State.STOPPED
+    ]
+    client = redis_client()
+    telemetry.store_latest(client, node.pk, gpus, scraped, now)
+    due = telemetry.claim_sample_slots(client, [rid for rid, _ in scraped])
+    if due:
+        utilization = _mean_utilization(gpus)
+        TelemetrySample.objects.bulk_create(
+            _sample(replicas[rid], dict(scraped)[rid], now, utilization) for rid in due
+        )
+
+
+def _mean_utilization(gpus: list[dict[str, Any]]) -> float | None:
+    values = [float(g["utilization_pct"]) for g in gpus if g.get("utilization_pct") is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _sample(
+    replica: Replica, t: dict[str, Any], now: datetime, utilization: float | None
+) -> TelemetrySample:
+    return TelemetrySample(
+        replica=replica,
+        at=now,
+        running=int(t.get("num_requests_running") or 0),
+        waiting=int(t.get("num_requests_waiting") or 0),
+        kv_cache_usage=float(t.get("kv_cache_usage_perc") or 0.0),
+        prompt_tokens_total=int(t.get("prompt_tokens_total") or 0),
+        generation_tokens_total=int(t.get("generation_tokens_total") or 0),
+        prefix_cache_hits_total=int(t.get("prefix_cache_hits_total") or 0),
+        prefix_cache_queries_total=int(t.get("prefix_cache_queries_total") or 0),
+        preemptions_total=int(t.get("num_preemptions_total") or 0),
+        gpu_utilization_pct=utilization,
+    )
+
+
+# --- replica specs ------------------------------------------------------------------------
+
+
+def do_mark_lost_nodes(now: datetime | None = None) -> list[int]:
+    """Nodes silent for three heartbeats become NotReady; their replicas stop counting at once
+    (out of the routing table), so the next reconcile places them elsewhere."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=NODE_LOST_AFTER_S)
+    lost: list[int] = []
+    with transaction.atomic():
+        silent = Node.objects.select_for_update(skip_locked=True).filter(
+            health=Node.Health.READY, last_heartbeat_at__lt=cutoff
+        )
+        for node in silent:
+            node.health = Node.Health.NOT_READY
+            node.save(update_fields=["health"])
+            stop_replicas(
+                node.replicas.filter(state__in=Replica.HOLDING_STATES),
+                "node_lost",
+                f"node {node.hostname} missed 3 heartbeats",
+            )
+            lost.append(node.pk)
+            logger.warning(
+                "node %s is NotReady: no heartbeat since %s", node, node.last_heartbeat_at
+            )
+        if lost:
+            request_publish()
+            request_reconcile()
+    return lost
+
+
+def do_cordon_node(node: Node) -> Node:
+    """No new replicas on this node; the ones there keep serving."""
+    return _set_scheduling(node, Node.Scheduling.CORDONED)
+
+
+def do_uncordon_node(node: Node) -> Node:
+    return _set_scheduling(node, Node.Scheduling.ACTIVE)
+
+
+def do_drain_node(node: Node) -> Node:
+    """Move every replica off: replacements are placed elsewhere first, then these drain."""
+    node = _set_scheduling(node, Node.Scheduling.DRAINING)
+    request_reconcile()
+    return node
+
+
+def _set_scheduling(node: Node, scheduling: str) -> Node:
+    Node.objects.filter(pk=node.pk).update(scheduling=scheduling)
+    node.scheduling = scheduling
+    logger.info("node %s is now %s", node.hostname, scheduling)
+    return node
+
+
+# --- enqueueing ---------------------------------------------------------------------------

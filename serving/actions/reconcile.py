@@ -1,0 +1,387 @@
+"""Placement: desired replica counts against the replicas that exist, then place, drain and
+retire; the replica specs each agent is told to run. Level-triggered, one reconcile at a time
+fleet-wide (a PostgreSQL advisory lock)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.utils import timezone
+
+from config.jobs import enqueue_on_commit
+from config.redis import redis_client
+from registry.models import Deployment
+from serving import telemetry
+from serving.actions.credentials import engine_api_key
+from serving.engine.placement import fits
+from serving.engine.specs import (
+    ModelSpec,
+    find_model_spec,
+    load_gpu_specs,
+    normalize_quantization,
+)
+from serving.models import Gpu, Node, Replica, ReplicaEvent
+
+logger = logging.getLogger(__name__)
+
+# A draining replica the agent never confirms stopped is written off after this long.
+DRAIN_TIMEOUT_S = 30
+RECONCILE_LOCK_ID = 0x5E271C  # pg advisory lock: one reconcile at a time, fleet-wide
+# vLLM's --quantization for each of the registry's weight formats.
+VLLM_QUANTIZATION: dict[str, str | None] = {"bf16": None, "fp8": "fp8", "awq-int4": "awq"}
+
+
+def desired_replica_specs(node: Node) -> list[dict[str, Any]]:
+    """What the agent of `node` should be running, in the agent's spec format."""
+    replicas = (
+        Replica.objects.filter(node=node, state__in=Replica.DESIRED_STATES)
+        .select_related(*registry_related("deployment__"), "node__pool__gpu_class")
+        .prefetch_related("deployment__model_version__adapters")
+        .order_by("pk")
+    )
+    return [replica_spec(replica) for replica in replicas]
+
+
+def replica_spec(replica: Replica) -> dict[str, Any]:
+    launch = deployment_launch(replica.deployment)
+    return {
+        "replica_id": replica.replica_id,
+        "deployment_id": str(replica.deployment_id),
+        "model": launch.artifact,
+        "served_model_name": launch.served_model_name,
+        "gpu_indices": list(replica.gpu_indices),
+        "port": replica.port,
+        "tensor_parallel_size": launch.tensor_parallel,
+        "quantization": VLLM_QUANTIZATION.get(launch.quantization),
+        "kv_cache_dtype": launch.kv_cache_dtype,
+        "max_model_len": launch.max_model_len,
+        "max_num_seqs": launch.max_num_seqs,
+        "gpu_memory_utilization": launch.gpu_memory_utilization,
+        "enable_prefix_caching": launch.enable_prefix_caching,
+        "enable_lora": launch.enable_lora,
+        "max_loras": launch.max_loras,
+        "max_lora_rank": launch.max_lora_rank,
+        "adapters": [{"name": name, "path": path} for name, path in launch.adapters],
+        "sim": {
+            "gpu_class": replica.node.pool.gpu_class.name,
+            "model_spec": launch.model_spec,
+            "time_scale": float(getattr(settings, "SERVING_SIM_TIME_SCALE", 1.0)),
+        },
+        "api_key": engine_api_key(replica.pk),
+    }
+
+
+# --- what a deployment asks for (the one place that reads registry fields) -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A deployment's launch settings, read once from the registry."""
+
+    deployment_id: int
+    pool_id: int
+    active: bool
+    desired: int
+    artifact: str
+    served_model_name: str
+    model_spec: str | None
+    architecture: ModelSpec
+    version_label: str
+    quantization: str
+    tensor_parallel: int
+    kv_cache_dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    enable_prefix_caching: bool
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    adapters: tuple[tuple[str, str], ...]
+    slo_tier: str
+    traffic_weight: int
+
+
+def registry_related(prefix: str = "") -> list[str]:
+    return [f"{prefix}model_version__model", f"{prefix}pool__gpu_class"]
+
+
+def deployments_to_run() -> list[Any]:
+    """Every deployment that is not stopped: active ones want replicas, draining ones are
+    listed so that their replicas are drained (and never routed to)."""
+    return list(
+        Deployment.objects.exclude(status=Deployment.Status.STOPPED)
+        .select_related(*registry_related())
+        .prefetch_related("model_version__adapters")
+        .order_by("pk")
+    )
+
+
+def deployment_launch(deployment: Any) -> Launch:
+    version = deployment.model_version
+    model = version.model
+    args: dict[str, Any] = deployment.effective_engine_args()
+    quantization = normalize_quantization(version.quantization or "bf16")
+    # The simulator knows the models of models.csv; the registry's name usually contains one.
+    catalogued = find_model_spec(model.name) or find_model_spec(model.family)
+    adapters = tuple((adapter.name, adapter.artifact_uri) for adapter in version.adapters.all())
+    return Launch(
+        deployment_id=deployment.pk,
+        pool_id=deployment.pool_id,
+        active=deployment.status == "active",
+        desired=int(deployment.replicas_desired) if deployment.status == "active" else 0,
+        artifact=version.artifact_uri,
+        served_model_name=model.name,
+        model_spec=catalogued.name if catalogued else None,
+        architecture=model.spec(),
+        version_label=version.version,
+        quantization=quantization,
+        tensor_parallel=int(deployment.tensor_parallel),
+        kv_cache_dtype=str(args.get("kv_cache_dtype") or "auto"),
+        max_model_len=int(args.get("max_model_len") or min(8192, model.max_context)),
+        max_num_seqs=int(args.get("max_num_seqs") or 256),
+        gpu_memory_utilization=float(args.get("gpu_memory_utilization") or 0.9),
+        enable_prefix_caching=bool(args.get("enable_prefix_caching", True)),
+        enable_lora=bool(args.get("enable_lora", False)) or bool(adapters),
+        # vLLM needs at least one LoRA slot once LoRA is on.
+        max_loras=max(1, int(args.get("max_loras") or min(len(adapters), 4))),
+        max_lora_rank=int(args.get("max_lora_rank") or 16),
+        adapters=adapters,
+        slo_tier=str(deployment.slo_tier),
+        traffic_weight=int(deployment.traffic_weight),
+    )
+
+
+# --- reconcile ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRoom:
+    """A schedulable node's free GPUs, for the placement choice."""
+
+    node_id: int
+    pool_id: int
+    gpu_class: str
+    free: tuple[int, ...]
+    gpu_memory_mb: dict[int, int]
+    same_deployment: int
+
+
+def choose_node(rooms: list[NodeRoom], launch: Launch) -> tuple[NodeRoom, tuple[int, ...]] | None:
+    """Where a new replica of `launch` goes: a node of its pool with enough free GPUs whose
+    memory holds the model at its TP degree. Spread replicas of one deployment over nodes
+    first (a node loss takes fewer down), then pack onto the fullest node (keep big holes)."""
+    candidates = []
+    for room in rooms:
+        if room.pool_id != launch.pool_id or len(room.free) < launch.tensor_parallel:
+            continue
+        gpus = room.free[: launch.tensor_parallel]
+        if not _memory_fits(launch, room.gpu_class, min(room.gpu_memory_mb[i] for i in gpus)):
+            continue
+        candidates.append((room.same_deployment, len(room.free), room.node_id, room, gpus))
+    if not candidates:
+        return None
+    _, _, _, room, gpus = min(candidates, key=lambda c: c[:3])
+    return room, gpus
+
+
+def _memory_fits(launch: Launch, gpu_class: str, memory_mb: int) -> bool:
+    base = load_gpu_specs().get(gpu_class)
+    if base is None:
+        return True  # a GPU class without datasheet figures: trust the registry's check
+    # The node's own GPUs decide (MiB as NVML reports them), not the class's datasheet.
+    gpu = replace(base, memory_gb=memory_mb * 1.048576 / 1000.0) if memory_mb else base
+    return fits(
+        gpu,
+        launch.architecture,
+        launch.quantization,
+        launch.tensor_parallel,
+        max_model_len=launch.max_model_len,
+        gpu_memory_utilization=launch.gpu_memory_utilization,
+    )
+
+
+@dataclass
+class ReconcileReport:
+    placed: int = 0
+    drained: int = 0
+    stopped: int = 0
+    unplaceable: int = 0
+
+
+def do_reconcile() -> ReconcileReport:
+    """Desired replica counts vs replicas that exist: place, drain, retire. Level-triggered:
+    running it twice in a row changes nothing the second time."""
+    report = ReconcileReport()
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [RECONCILE_LOCK_ID])
+            if not cursor.fetchone()[0]:
+                return report  # another worker is reconciling right now
+        report.stopped += _retire_overdue_drains()
+        launches = [deployment_launch(d) for d in deployments_to_run()]
+        rooms = _node_rooms()
+        for launch in launches:
+            _reconcile_deployment(launch, rooms, report)
+        report.drained += _drain_orphans({launch.deployment_id for launch in launches})
+        if report.placed or report.drained or report.stopped:
+            request_publish()
+    return report
+
+
+def _node_rooms() -> dict[int, NodeRoom]:
+    nodes = Node.objects.filter(
+        health=Node.Health.READY, scheduling=Node.Scheduling.ACTIVE
+    ).select_related("pool__gpu_class")
+    memory: dict[int, dict[int, int]] = {}
+    for gpu in Gpu.objects.filter(node__in=nodes):
+        memory.setdefault(gpu.node_id, {})[gpu.index] = gpu.memory_mb
+    used: dict[int, set[int]] = {}
+    for node_id, indices in Replica.objects.filter(
+        node__in=nodes, state__in=Replica.HOLDING_STATES
+    ).values_list("node_id", "gpu_indices"):
+        used.setdefault(node_id, set()).update(indices)
+    return {
+        node.pk: NodeRoom(
+            node_id=node.pk,
+            pool_id=node.pool_id,
+            gpu_class=node.pool.gpu_class.name,
+            free=tuple(sorted(set(memory.get(node.pk, {})) - used.get(node.pk, set()))),
+            gpu_memory_mb=memory.get(node.pk, {}),
+            same_deployment=0,
+        )
+        for node in nodes
+    }
+
+
+def _reconcile_deployment(
+    launch: Launch, rooms: dict[int, NodeRoom], report: ReconcileReport
+) -> None:
+    live = list(
+        Replica.objects.filter(deployment_id=launch.deployment_id, state__in=Replica.DESIRED_STATES)
+        .select_related("node")
+        .order_by("pk")
+    )
+    # Replicas on a draining node do not count: their replacements are placed first.
+    staying = [r for r in live if r.node.scheduling != Node.Scheduling.DRAINING]
+    leaving = [r for r in live if r.node.scheduling == Node.Scheduling.DRAINING]
+    missing = launch.desired - len(staying)
+    per_node = Counter(r.node_id for r in live)
+    for _ in range(max(0, missing)):
+        views = [replace(room, same_deployment=per_node[room.node_id]) for room in rooms.values()]
+        choice = choose_node(views, launch)
+        if choice is None:
+            report.unplaceable += 1
+            logger.warning("no room for a replica of deployment %s", launch.deployment_id)
+            break
+        room, gpus = choice
+        _place(launch, room.node_id, gpus)
+        per_node[room.node_id] += 1
+        rooms[room.node_id] = replace(room, free=tuple(i for i in room.free if i not in gpus))
+        report.placed += 1
+    if missing < 0:
+        report.drained += _drain(_scale_down_victims(staying, -missing), "scaled_down")
+    # A draining node's replicas leave once their replacements serve, so capacity never dips;
+    # a drain with no room elsewhere waits (as a PodDisruptionBudget would) until staff act.
+    ready_elsewhere = sum(1 for r in staying if r.state == Replica.State.READY)
+    if leaving and ready_elsewhere >= launch.desired:
+        report.drained += _drain(leaving, "node_draining")
+
+
+def _scale_down_victims(replicas: list[Replica], count: int) -> list[Replica]:
+    # The ones not serving yet go first, then the newest.
+    order = sorted(replicas, key=lambda r: (r.state == Replica.State.READY, r.pk))
+    return order[:count]
+
+
+def _place(launch: Launch, node_id: int, gpus: tuple[int, ...]) -> Replica:
+    replica = Replica.objects.create(
+        deployment_id=launch.deployment_id,
+        node_id=node_id,
+        gpu_indices=list(gpus),
+        state=Replica.State.PENDING,
+    )
+    _control_plane_event(replica, "placed", f"on node {node_id}, GPUs {list(gpus)}")
+    return replica
+
+
+def _drain_orphans(deployment_ids: set[int]) -> int:
+    orphans = Replica.objects.filter(state__in=Replica.DESIRED_STATES).exclude(
+        deployment_id__in=deployment_ids
+    )
+    return _drain(list(orphans), "deployment_gone")
+
+
+def _drain(replicas: Iterable[Replica], reason: str) -> int:
+    now = timezone.now()
+    count = 0
+    for replica in replicas:
+        replica.state = Replica.State.DRAINING
+        replica.draining_since = now
+        replica.save(update_fields=["state", "draining_since", "updated_at"])
+        _control_plane_event(replica, "draining", reason)
+        count += 1
+    return count
+
+
+def _retire_overdue_drains() -> int:
+    overdue = Replica.objects.filter(
+        state=Replica.State.DRAINING,
+        draining_since__lt=timezone.now() - timedelta(seconds=DRAIN_TIMEOUT_S),
+    )
+    return stop_replicas(overdue, "stopped", "the agent did not confirm the stop in time")
+
+
+def stop_replicas(replicas: Iterable[Replica], kind: str, message: str) -> int:
+    now = timezone.now()
+    stopped = []
+    for replica in replicas:
+        replica.state = Replica.State.STOPPED
+        replica.stopped_at = now
+        replica.save(update_fields=["state", "stopped_at", "updated_at"])
+        _control_plane_event(replica, kind, message)
+        stopped.append(replica.replica_id)
+    if stopped:
+        transaction.on_commit(lambda: _forget_quietly(stopped))
+    return len(stopped)
+
+
+def _forget_quietly(replica_ids: list[str]) -> None:
+    try:
+        telemetry.forget_replicas(redis_client(), replica_ids)
+    except Exception:  # the routing table excludes them anyway; stale telemetry expires
+        logger.warning("could not drop the telemetry of stopped replicas", exc_info=True)
+
+
+def _control_plane_event(replica: Replica, kind: str, message: str) -> None:
+    try:
+        with transaction.atomic():
+            ReplicaEvent.objects.create(
+                replica=replica,
+                kind=kind,
+                message=message,
+                at=timezone.now(),
+                source=ReplicaEvent.Source.CONTROL_PLANE,
+            )
+    except IntegrityError:  # the same event in the same microsecond: already recorded
+        pass
+
+
+# --- node health, cordon, drain -----------------------------------------------------------
+
+
+def request_publish() -> None:
+    """Republish the routing table once the current transaction commits."""
+    enqueue_on_commit("serving.publish_routing_table")
+
+
+def request_reconcile() -> None:
+    """Reconcile once the current transaction commits."""
+    enqueue_on_commit("serving.reconcile")
