@@ -9,11 +9,30 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: run test test-vllm bench lint clean
 
-$(STAMP): requirements.txt
+# The lock files pin every package with its hashes: requirements.txt the runtime dependencies of
+# pyproject.toml, requirements-dev.txt those at the same versions plus the dev and sim extras.
+$(STAMP): requirements.txt requirements-dev.txt
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -r requirements.txt
+	$(VENV)/bin/python -m pip install --quiet --require-hashes -r requirements.txt -r requirements-dev.txt
 	@touch $(STAMP)
+
+# After editing the dependencies in pyproject.toml: `make lock` rewrites both lock files, keeping
+# every pin it can (UPGRADE=--upgrade, or --upgrade-package NAME, to move them). It runs:
+#   pip-compile --allow-unsafe --generate-hashes --no-emit-find-links --no-emit-index-url \
+#     --strip-extras --output-file=requirements.txt pyproject.toml
+#   pip-compile ... --extra=dev --extra=sim --constraint=requirements.txt \
+#     --output-file=requirements-dev.txt pyproject.toml
+LOCK_VENV := var/pip-tools
+PIP_COMPILE = $(LOCK_VENV)/bin/pip-compile --quiet --allow-unsafe --generate-hashes \
+	--no-emit-find-links --no-emit-index-url --strip-extras $(UPGRADE)
+.PHONY: lock
+lock:
+	@test -x $(LOCK_VENV)/bin/pip-compile || { $(PYTHON) -m venv $(LOCK_VENV) && \
+		$(LOCK_VENV)/bin/python -m pip install --quiet pip-tools==7.6.2; }
+	$(PIP_COMPILE) --output-file=requirements.txt pyproject.toml
+	$(PIP_COMPILE) --extra=dev --extra=sim --constraint=requirements.txt \
+		--output-file=requirements-dev.txt pyproject.toml
 
 $(VLLM_STAMP): requirements-cpu-node.txt
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
