@@ -238,6 +238,22 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_RESULT_BACKEND = None
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Two queues by latency class. `realtime`: loops measured in seconds (usage ingest every
+# second, the routing table, reconcile, node health, the console's live feed, rollout ticks,
+# the key, price and visibility publishes). `batch`: work measured in minutes (rollups,
+# invoices, budgets, key last-used flushes), so a long invoice run never delays an ingest.
+# Each worker command (scripts/run.py, platform/) names the queue it serves.
+CELERY_TASK_DEFAULT_QUEUE = "realtime"
+CELERY_TASK_ROUTES = {
+    name: {"queue": "batch"}
+    for name in (
+        "metering.rollup_recent_hours",
+        "metering.rollup_hour",
+        "metering.refresh_invoices",
+        "metering.check_budgets",
+        "tenants.flush_key_last_used",
+    )
+}
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}

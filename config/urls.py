@@ -26,7 +26,9 @@ urlpatterns = [
     path("api/agent/v1/", include("serving.api.agent_urls")),
     path("console/", include("serving.console.urls")),
     path("console/", include("registry.urls")),
-    path("console/", include("tenants.urls")),
     path("console/", include("metering.urls")),
+    # The tenant portal: each app renders its own pages in the portal's frame (tenants/views.py).
     path("portal/", include("tenants.portal_urls")),
+    path("portal/", include("metering.portal_urls")),
+    path("portal/", include("serving.console.portal_urls")),
 ]

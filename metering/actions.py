@@ -5,7 +5,6 @@ from __future__ import annotations
 from datetime import date
 from typing import Any
 
-from django.db import transaction
 from django.db.models import QuerySet
 from django.http import Http404
 

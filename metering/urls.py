@@ -7,4 +7,6 @@ from metering import views
 urlpatterns: list[URLPattern | URLResolver] = [
     path("billing/", views.billing, name="console-billing"),
     path("router/", views.router, name="console-router"),
+    path("tenants/", views.tenants_page, name="console-tenants"),
+    path("tenants/<slug:slug>/", views.tenant_detail, name="console-tenant"),
 ]

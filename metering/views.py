@@ -1,4 +1,5 @@
-"""Console pages of billing and routing (staff) and the portal's usage and invoices."""
+"""Console pages of billing, routing and tenants' spend (staff), and the portal's usage,
+invoices and models with their prices (members)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ from metering.console_queries import (
     daily_series,
     decisions_by_reason,
     margin_by_model_and_pool,
+    month_to_date,
     router_saving,
 )
-from tenants.views import budget_figures, portal_context, portal_tenant
+from metering.models import PriceSheet
+from registry.actions import visible_models_for_tenant
+from registry.models import Deployment
+from tenants import actions as tenant_actions
+from tenants.models import Tenant
+from tenants.views import portal_context, portal_tenant
 
 WINDOW = timedelta(days=30)
 RECENT_REQUESTS = 50
@@ -102,3 +109,67 @@ def portal_invoices(request: HttpRequest, slug: str) -> HttpResponse:
     return render(
         request, "portal/invoices.html", portal_context(request, tenant, invoices=invoices)
     )
+
+
+def budget_figures(tenant: Tenant) -> dict[str, Any]:
+    quota = getattr(tenant, "quota", None)
+    usage = month_to_date(tenant.pk)
+    budget = (
+        float(quota.monthly_spend_budget_usd) if quota and quota.monthly_spend_budget_usd else None
+    )
+    token_budget = quota.monthly_token_budget if quota else None
+    return {
+        "usage": usage,
+        "spend_budget": budget,
+        "spend_pct": usage.spend_usd / budget * 100 if budget else None,
+        "token_budget": token_budget,
+        "token_pct": usage.tokens / token_budget * 100 if token_budget else None,
+    }
+
+
+@staff_required
+def tenants_page(request: HttpRequest) -> HttpResponse:
+    rows = [
+        {"tenant": tenant, **budget_figures(tenant)}
+        for tenant in Tenant.objects.select_related("quota")
+    ]
+    return render(request, "console/tenants.html", {"rows": rows})
+
+
+@staff_required
+def tenant_detail(request: HttpRequest, slug: str) -> HttpResponse:
+    tenant = tenant_actions.access_tenant_for_user(request.user, slug)
+    context = {
+        "tenant": tenant,
+        "quota": tenant_actions.access_quota(request.user, tenant),
+        "members": tenant.memberships.select_related("user"),
+        "keys": tenant.api_keys.all()[:50],
+        **budget_figures(tenant),
+    }
+    return render(request, "console/tenant.html", context)
+
+
+@login_required
+def portal_models(request: HttpRequest, slug: str) -> HttpResponse:
+    tenant = portal_tenant(request, slug)
+    models = list(visible_models_for_tenant(tenant.pk))
+    now = timezone.now()
+    prices: dict[str, PriceSheet] = {}
+    for sheet in PriceSheet.objects.filter(adapter="", effective_from__lte=now).order_by(
+        "effective_from"
+    ):
+        if sheet.tenant_id in (None, tenant.pk):
+            # Later sheets win; the tenant's own sheet wins over the list price.
+            current = prices.get(sheet.model)
+            if current is None or current.tenant_id is None or sheet.tenant_id is not None:
+                prices[sheet.model] = sheet
+    tiers: dict[str, set[str]] = {}
+    for model_name, tier in Deployment.objects.filter(
+        status=Deployment.Status.ACTIVE, traffic_weight__gt=0
+    ).values_list("model_version__model__name", "slo_tier"):
+        tiers.setdefault(model_name, set()).add(tier)
+    rows = [
+        {"model": m, "price": prices.get(m.name), "tiers": sorted(tiers.get(m.name, ()))}
+        for m in models
+    ]
+    return render(request, "portal/models.html", portal_context(request, tenant, rows=rows))

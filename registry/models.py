@@ -6,6 +6,8 @@ name in the routing table, which splits traffic between them by `Deployment.traf
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
@@ -324,3 +326,12 @@ class RolloutTransition(models.Model):
 
     def __str__(self) -> str:
         return f"{self.rollout_id}: {self.from_state} -> {self.to_state} by {self.actor_label}"
+
+
+def pools() -> models.QuerySet[Any]:
+    """The fleet's GPU pools, the rows a deployment is placed onto (`Deployment.pool`, with
+    their GPU class). The registry sits below the fleet: it reaches pools through this
+    relation, never by importing serving's models, so the fleet may import the registry."""
+    pool_model = Deployment._meta.get_field("pool").related_model
+    assert isinstance(pool_model, type) and issubclass(pool_model, models.Model)
+    return pool_model._default_manager.select_related("gpu_class")

@@ -8,16 +8,29 @@ only turns rows into specs and adds the pools where the deployment would fit as 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from decimal import Decimal
+from typing import Any, Protocol
 
+from registry.models import pools
 from serving.engine.placement import PlacementResult, check_placement
 from serving.engine.specs import GpuSpec
-from serving.models import GpuClass, GpuPool
 
 ENGINE_OVERHEAD_GB = 3.0
 
 
-def gpu_spec(gpu_class: GpuClass, usd_per_hour: float | None = None) -> GpuSpec:
+class GpuClassRow(Protocol):
+    """A GPU class as the fleet stores it (serving's GpuClass row)."""
+
+    name: str
+    memory_gb: float
+    mem_bandwidth_gbs: float
+    bf16_tflops: float
+    fp8_tflops: float | None
+    tdp_w: int
+    default_usd_per_hour: Decimal
+
+
+def gpu_spec(gpu_class: GpuClassRow, usd_per_hour: float | None = None) -> GpuSpec:
     return GpuSpec(
         name=gpu_class.name,
         memory_gb=gpu_class.memory_gb,
@@ -50,9 +63,9 @@ def check_deployment_placement(deployment: Any) -> PlacementResult:
     )
     if result.ok:
         return result
-    pools = [
+    fitting = [
         pool.name
-        for pool in GpuPool.objects.select_related("gpu_class").exclude(pk=deployment.pool_id)
+        for pool in pools().exclude(pk=deployment.pool_id)
         if check_placement(
             gpu_spec(pool.gpu_class),
             model,
@@ -61,7 +74,7 @@ def check_deployment_placement(deployment: Any) -> PlacementResult:
             **settings,
         ).ok
     ]
-    if pools:
-        where = f" Pools where it fits as it stands: {', '.join(pools)}."
+    if fitting:
+        where = f" Pools where it fits as it stands: {', '.join(fitting)}."
         return replace(result, message=result.message + where)
     return result

@@ -13,9 +13,8 @@ from django.views.decorators.http import require_POST
 
 from config.views import staff_required
 from registry import actions
-from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, SloTier
+from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, SloTier, pools
 from registry.placement import check_deployment_placement
-from serving.models import GpuPool
 
 ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
     "pause": actions.do_pause_rollout,
@@ -41,7 +40,7 @@ def _int(data: QueryDict, name: str, default: int) -> int:
 def _deployment_from(data: QueryDict) -> Deployment:
     """An unsaved deployment from the form, for the placement check and for saving."""
     version = ModelVersion.objects.select_related("model").filter(pk=data.get("model_version"))
-    pool = GpuPool.objects.select_related("gpu_class").filter(pk=data.get("pool"))
+    pool = pools().filter(pk=data.get("pool"))
     if not version.exists() or not pool.exists():
         raise ValidationError("Choose a model version and a pool.")
     engine_args: dict[str, Any] = {"max_model_len": _int(data, "max_model_len", 8192)}
@@ -69,7 +68,7 @@ def models_page(request: HttpRequest) -> HttpResponse:
         "approved_versions": ModelVersion.objects.filter(
             status=ModelVersion.Status.APPROVED
         ).select_related("model"),
-        "pools": GpuPool.objects.select_related("gpu_class"),
+        "pools": pools(),
         "slo_tiers": SloTier.choices,
     }
     return render(request, "console/models.html", context)

@@ -175,8 +175,14 @@ def main() -> int:
         )  # fmt: skip
         supervisor.spawn(
             "worker",
-            [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--concurrency", "2",
-             "-n", "worker@%h"],
+            [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--queues", "realtime",
+             "--concurrency", "2", "-n", "realtime@%h"],
+            env,
+        )  # fmt: skip
+        supervisor.spawn(
+            "worker-batch",
+            [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--queues", "batch",
+             "--concurrency", "1", "-n", "batch@%h"],
             env,
         )  # fmt: skip
         supervisor.spawn(

@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aiohttp import web
 
+from .control_plane import NodeCredentials
 from .specs import SpecError
 
-if TYPE_CHECKING:
-    from .agent import NodeAgent
 
-AGENT_KEY: web.AppKey[NodeAgent] = web.AppKey("agent")
+class ServedAgent(Protocol):
+    """What the API needs of the agent (serving/agent/agent.py's NodeAgent)."""
+
+    credentials: NodeCredentials | None
+    last_heartbeat_ok_at: float | None
+
+    @property
+    def node_token(self) -> str | None: ...
+
+    async def apply_desired_json(self, raw: Any) -> None: ...
+
+    def replica_states(self) -> list[dict[str, Any]]: ...
+
+
+AGENT_KEY: web.AppKey[ServedAgent] = web.AppKey("agent")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -64,7 +77,7 @@ async def healthz(request: web.Request) -> web.Response:
     )
 
 
-def build_agent_app(agent: NodeAgent) -> web.Application:
+def build_agent_app(agent: ServedAgent) -> web.Application:
     app = web.Application(middlewares=[require_node_token])
     app[AGENT_KEY] = agent
     app.router.add_put("/v1/replicas", put_replicas)
