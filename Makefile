@@ -53,7 +53,7 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/python scripts/test.py -m real_vllm $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(VENV)/bin/mypy serving/engine serving/router
+	$(VENV)/bin/python scripts/test.py --static-only
 
 clean:
 	rm -rf var/test staticfiles

@@ -1,4 +1,5 @@
-"""`make test`: lint, format check, then the full pytest suite on real PostgreSQL and Redis.
+"""`make test`: lint, format check, mypy over the tree, the import contracts, then the full
+pytest suite on real PostgreSQL and Redis. `--static-only` (`make lint`) stops before pytest.
 
 Uses the servers named by DATABASE_URL / REDIS_URL, otherwise starts embedded ones under
 ./var/test/ for the length of the run. Extra arguments go to pytest.
@@ -28,8 +29,31 @@ def test_environment(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def static_checks() -> list[list[str]]:
+    """Lint, format, types over the whole tree, import contracts (.importlinter): each must
+    pass before the suite runs."""
+    return [
+        [venv_bin("ruff"), "check", "."],
+        [venv_bin("ruff"), "format", "--check", "."],
+        [venv_bin("mypy"), "."],
+        [venv_bin("lint-imports"), "--no-cache"],
+    ]
+
+
+def run_static_checks(env: dict[str, str]) -> bool:
+    for step in static_checks():
+        print("$", " ".join(step), flush=True)
+        if subprocess.run(step, cwd=ROOT, env=env).returncode != 0:
+            return False
+    return True
+
+
 def main(argv: list[str]) -> int:
     env = test_environment(dict(os.environ))
+    if argv[:1] == ["--static-only"]:  # `make lint`
+        return 0 if run_static_checks(env) else 1
+    if not run_static_checks(env):
+        return 1
     started: list[subprocess.Popen[bytes]] = []
     var = var_dir() / "test"
     try:
@@ -43,13 +67,6 @@ def main(argv: list[str]) -> int:
             redis = EmbeddedRedis(var / "redis", int(env.get("PLATFORM_TEST_REDIS_PORT", "63809")))
             started.append(redis.start())
             env["REDIS_URL"] = redis.url
-        for step in (
-            [venv_bin("ruff"), "check", "."],
-            [venv_bin("ruff"), "format", "--check", "."],
-        ):
-            print("$", " ".join(step), flush=True)
-            if subprocess.run(step, cwd=ROOT, env=env).returncode != 0:
-                return 1
         pytest = [sys.executable, "-m", "pytest", *argv]
         print("$", " ".join(pytest), flush=True)
         return subprocess.run(pytest, cwd=ROOT, env=env).returncode
