@@ -123,6 +123,106 @@ def make_session(timeouts: UpstreamTimeouts) -> aiohttp.ClientSession:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ServerSentEvent:
+    data: str
+    event: str = "message"
+    id: str = ""
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class SSEDecoder:
+    """An incremental decoder of a `text/event-stream`, as the WHATWG HTML standard
+    interprets one (html.spec.whatwg.org/multipage/server-sent-events.html, "Interpreting an
+    event stream"): feed it the body's bytes as they arrive, split anywhere, and it returns
+    the events each piece completed.
+
+    Lines end in CRLF, LF or CR (a CR ending one piece and an LF starting the next are one
+    line end); a leading UTF-8 BOM is skipped; `:` starts a comment; a field's value follows
+    its first colon, less one leading space (a line without a colon is a field with an empty
+    value); `data` lines join with LF; a blank line dispatches the event unless its data is
+    empty. `event` names it, `id` sets the last event ID (kept across events, as the standard
+    says), `retry` the reconnection time in ms (`retry_ms`); other fields are ignored. Lines
+    are split as bytes, where CR and LF never occur inside a multi-byte UTF-8 character, and
+    decoded (invalid UTF-8 as U+FFFD) once complete. Only the unfinished last line is kept
+    between pieces, so the work is linear in the bytes fed. What is pending when the stream
+    ends is an incomplete event, discarded: there is no flush."""
+
+    def __init__(self) -> None:
+        self.last_event_id = ""
+        self.retry_ms: int | None = None
+        self._head: bytes | None = b""  # the stream's first bytes until the BOM is ruled out
+        self._partial: list[bytes] = []  # the pieces of the unfinished last line
+        self._skip_lf = False  # the last piece ended in CR: an LF starting the next ends it
+        self._data: list[bytes] = []
+        self._event = b""
+
+    def feed(self, piece: bytes) -> list[ServerSentEvent]:
+        if self._head is not None:
+            head = self._head + piece
+            if len(head) < len(_BOM) and _BOM.startswith(head):
+                self._head = head
+                return []
+            self._head = None
+            piece = head[len(_BOM) :] if head.startswith(_BOM) else head
+        if not piece:
+            return []
+        if self._skip_lf:
+            self._skip_lf = False
+            if piece[:1] == b"\n":
+                piece = piece[1:]
+        if b"\n" not in piece and b"\r" not in piece:
+            if piece:
+                self._partial.append(piece)
+            return []
+        if self._partial:
+            self._partial.append(piece)
+            piece = b"".join(self._partial)
+            self._partial = []
+        lines = piece.splitlines(keepends=True)  # bytes: only at CRLF, LF and CR
+        if not lines[-1].endswith((b"\n", b"\r")):
+            self._partial.append(lines.pop())
+        elif lines[-1].endswith(b"\r"):
+            self._skip_lf = True
+        events: list[ServerSentEvent] = []
+        for line in lines:
+            event = self._line(line.rstrip(b"\r\n"))
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _line(self, line: bytes) -> ServerSentEvent | None:
+        if not line:
+            return self._dispatch()
+        if line[:1] == b":":
+            return None
+        name, _, value = line.partition(b":")
+        if value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            self._data.append(value)
+        elif name == b"event":
+            self._event = value
+        elif name == b"id" and b"\0" not in value:
+            self.last_event_id = value.decode("utf-8", "replace")
+        elif name == b"retry" and value.isdigit():  # bytes: ASCII digits only
+            self.retry_ms = int(value)
+        return None
+
+    def _dispatch(self) -> ServerSentEvent | None:
+        data, self._data = self._data, []
+        kind, self._event = self._event, b""
+        if not data:
+            return None
+        return ServerSentEvent(
+            data=b"\n".join(data).decode("utf-8", "replace"),
+            event=kind.decode("utf-8", "replace") or "message",
+            id=self.last_event_id,
+        )
+
+
 class UpstreamStream:
     """One streamed generation from a replica: iterate the decoded SSE chunks, then close."""
 
@@ -130,23 +230,21 @@ class UpstreamStream:
         self.response = response
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        buffer = b""
+        """The JSON payload of each event's data up to `[DONE]`; an error event raises
+        `UpstreamError(kind="error_event")`, a stream that breaks or ends before `[DONE]`
+        `UpstreamError(kind="stream_broken")`. Events of any type are read the same way
+        (vLLM names none)."""
+        decoder = SSEDecoder()
         try:
             async for data in self.response.content.iter_any():
-                buffer += data
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == b"[DONE]":
-                            return
-                        chunk = orjson.loads(payload)
-                        failure = error_event(chunk)
-                        if failure is not None:
-                            raise failure
-                        yield chunk
+                for event in decoder.feed(data):
+                    if event.data.strip() == "[DONE]":
+                        return
+                    chunk = orjson.loads(event.data)
+                    failure = error_event(chunk)
+                    if failure is not None:
+                        raise failure
+                    yield chunk
         except (aiohttp.ClientError, TimeoutError) as error:
             raise UpstreamError(f"replica stream broke: {error!r}", kind="stream_broken") from error
         raise UpstreamError("replica closed the stream before [DONE]", kind="stream_broken")
