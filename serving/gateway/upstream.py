@@ -245,7 +245,8 @@ class UpstreamStream:
                     if failure is not None:
                         raise failure
                     yield chunk
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as error:
+            # A payload that is not JSON is a broken stream too: the engine never sends one.
             raise UpstreamError(f"replica stream broke: {error!r}", kind="stream_broken") from error
         raise UpstreamError("replica closed the stream before [DONE]", kind="stream_broken")
 

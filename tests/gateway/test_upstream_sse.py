@@ -271,6 +271,12 @@ async def test_a_stream_ending_inside_an_event_is_broken_and_the_event_dropped()
     assert seen == [VLLM_CHUNKS[0]]
 
 
+async def test_a_payload_that_is_not_json_is_stream_broken() -> None:
+    with pytest.raises(UpstreamError) as raised:
+        await read_chunks(b"data: <html>proxy error</html>\n\ndata: [DONE]\n\n")
+    assert raised.value.kind == "stream_broken"
+
+
 async def test_a_transport_error_is_stream_broken() -> None:
     with pytest.raises(UpstreamError) as raised:
         await read_chunks(VLLM_STREAM[:30], error=aiohttp.ClientPayloadError("reset"))
