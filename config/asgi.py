@@ -1,7 +1,8 @@
 """ASGI entry point: Channels' ProtocolTypeRouter in front of Django.
 
-HTTP under /v1 (and /metrics) goes to the lean gateway app, the rest to Django; WebSockets
-go to Channels consumers.
+HTTP under /v1 (and /metrics) goes to the lean gateway app, the rest to Django. WebSockets
+pass the origin check, then the chat socket (`/v1/chat/completions/ws`) goes to the gateway
+app and the rest to Channels consumers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import OriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
+from config.gateway import get_gateway  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
 from serving.gateway.asgi import GatewayApp  # noqa: E402
 
@@ -43,9 +45,12 @@ if settings.DEBUG:
 
 application = ProtocolTypeRouter(
     {
-        "http": GatewayApp(fallback=django_asgi_app),
+        "http": GatewayApp(fallback=django_asgi_app, gateway=get_gateway),
         "websocket": BrowserOriginValidator(
-            AuthMiddlewareStack(URLRouter(websocket_urlpatterns)), allowed_origins
+            GatewayApp(
+                fallback=AuthMiddlewareStack(URLRouter(websocket_urlpatterns)), gateway=get_gateway
+            ),
+            allowed_origins,
         ),
     }
 )

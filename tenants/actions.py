@@ -489,3 +489,11 @@ def do_record_key_use() -> int:
             last_used_at=used_at
         )
     return updated
+
+
+async def load_principal_from_database(raw_key: str) -> KeyPrincipal | None:
+    """`principal_for_raw_key` off the event loop: the gateway's `KeyAuthenticator` loader
+    (injected by `config.gateway`), asked only when Redis has no record of the key."""
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(principal_for_raw_key)(raw_key)

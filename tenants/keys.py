@@ -17,9 +17,9 @@ not shaped like a key this module generates is refused before any lookup.
 Revocations and changes are published on `KEY_EVENTS_CHANNEL` as `key:<sha256>`,
 `tenant:<id>` or `all`; every process drops the matching cache entries at once.
 
-This module imports nothing from Django at import time, so gateway workers and test
-processes can use it without a configured project; the PostgreSQL fallback is imported
-lazily.
+This module imports nothing from Django: the PostgreSQL lookup is the caller's, injected as
+`KeyAuthenticator(load_from_database=...)` (the gateway's composition root, `config.gateway`,
+passes `tenants.actions.load_principal_from_database`).
 """
 
 from __future__ import annotations
@@ -231,15 +231,8 @@ def principal_from_record(raw: str | bytes, secret_hash: str) -> KeyPrincipal | 
     return KeyPrincipal.from_dict(record["principal"])
 
 
+# The key's principal from PostgreSQL (None: no such key), asked on a Redis miss only.
 DatabaseLoader = Callable[[str], Awaitable[KeyPrincipal | None]]
-
-
-async def load_principal_from_database(raw_key: str) -> KeyPrincipal | None:
-    from asgiref.sync import sync_to_async
-
-    from tenants.actions import principal_for_raw_key
-
-    return await sync_to_async(principal_for_raw_key)(raw_key)
 
 
 @dataclass
@@ -256,17 +249,17 @@ class KeyAuthenticator:
         self,
         redis: aioredis.Redis,
         *,
+        load_from_database: DatabaseLoader,
         cache_ttl_s: float = 5.0,
-        timeout_s: float | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         touch_flush_s: float = 5.0,
-        load_from_database: DatabaseLoader | None = None,
         cache_max_entries: int = 100_000,
     ) -> None:
         self._redis = redis
         self._cache_ttl_s = cache_ttl_s
-        self._timeout_s = timeout_s if timeout_s is not None else _default_timeout_s()
+        self._timeout_s = timeout_s
         self._touch_flush_s = touch_flush_s
-        self._load_from_database = load_from_database or load_principal_from_database
+        self._load_from_database = load_from_database
         # Bounded: made-up keys must not grow a process's memory without limit.
         self._cache: OrderedDict[str, _CacheEntry] = OrderedDict()
         self._cache_max_entries = cache_max_entries
@@ -395,18 +388,9 @@ class KeyAuthenticator:
                 backoff_s = min(backoff_s * 2, 2.0)
             finally:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
 
     async def _flush_touches_forever(self) -> None:
         while True:
             await asyncio.sleep(self._touch_flush_s)
             await self.flush_touches()
-
-
-def _default_timeout_s() -> float:
-    try:
-        from django.conf import settings
-
-        return float(settings.REDIS_SOCKET_TIMEOUT_S)
-    except Exception:  # settings not configured: a process outside Django
-        return DEFAULT_TIMEOUT_S

@@ -65,7 +65,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from tenants.keys import KeyPrincipal, _default_timeout_s
+from tenants.keys import DEFAULT_TIMEOUT_S, KeyPrincipal
 
 logger = logging.getLogger(__name__)
 
@@ -199,11 +199,11 @@ class RateLimiter:
         self,
         redis: aioredis.Redis,
         *,
-        timeout_s: float | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
     ) -> None:
         self._redis = redis
-        self._timeout_s = timeout_s if timeout_s is not None else _default_timeout_s()
+        self._timeout_s = timeout_s
         self._lease_ttl_s = lease_ttl_s
         self._admit = redis.register_script(ADMIT_SCRIPT)
         self._settle = redis.register_script(SETTLE_SCRIPT)

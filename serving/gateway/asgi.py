@@ -1,4 +1,5 @@
-"""The lean ASGI app serving /v1 (and /metrics); everything else falls through to Django.
+"""The lean ASGI app serving /v1 (and /metrics) and the chat WebSocket; everything else
+falls through to the app behind it (Django, or Channels for the console's WebSockets).
 
 Hand-written ASGI instead of a Django view: no middleware stack, no thread hop, and the
 client's disconnect is seen at once (a watcher awaits `http.disconnect` while the response
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -19,17 +20,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from serving.gateway import idempotency
-from serving.gateway.errors import ApiError, invalid_api_key
-from serving.gateway.pipeline import END_OF_STREAM, PRIORITY_HEADER, TIERS, Exchange
+from serving.gateway.access import (
+    ASGIApp,
+    Receive,
+    Scope,
+    Send,
+    api_key,
+    authorize,
+    header,
+    priority_tier,
+)
+from serving.gateway.errors import ApiError
+from serving.gateway.pipeline import END_OF_STREAM, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
-from serving.gateway.service import Gateway, get_gateway
+from serving.gateway.service import Gateway
+from serving.gateway.websocket import WEBSOCKET_PATH, serve_chat_socket
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -41,13 +48,6 @@ JSON_TYPE = (b"content-type", b"application/json")
 
 class ClientDisconnected(Exception):
     pass
-
-
-def header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return str(value.decode("latin-1"))
-    return None
 
 
 def encode_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
@@ -81,23 +81,22 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-def bearer_key(scope: Scope) -> str | None:
-    value = header(scope, b"authorization")
-    if value and value[:7].lower() == "bearer ":
-        return value[7:].strip()
-    return header(scope, b"x-api-key") or header(scope, b"api-key")
-
-
 def sse(data: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
 class GatewayApp:
-    def __init__(self, fallback: ASGIApp) -> None:
+    """`gateway` gives the process's started gateway (see `config.gateway`)."""
+
+    def __init__(self, fallback: ASGIApp, gateway: Callable[[], Awaitable[Gateway]]) -> None:
         self.fallback = fallback
+        self.gateway = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
+        if scope["type"] == "websocket" and path == WEBSOCKET_PATH:
+            await serve_chat_socket(self.gateway, scope, receive, send)
+            return
         if scope["type"] != "http" or not (path.startswith("/v1/") or path in {"/v1", "/metrics"}):
             await self.fallback(scope, receive, send)
             return
@@ -106,7 +105,7 @@ class GatewayApp:
             if path == "/metrics":
                 await self.metrics(send)
                 return
-            gateway = await get_gateway()
+            gateway = await self.gateway()
             await self.dispatch(gateway, scope, receive, send, request_id_headers)
         except ApiError as error:
             await send_json(
@@ -144,14 +143,7 @@ class GatewayApp:
         allowed, kind = routes[path]
         if method != allowed:
             raise ApiError(405, f"{method} is not allowed on {path}; use {allowed}.")
-        raw_key = bearer_key(scope)
-        principal = await gateway.authenticator.authenticate(raw_key) if raw_key else None
-        if principal is None:
-            raise invalid_api_key()
-        if not principal.is_usable:
-            raise ApiError(403, "Your tenant is suspended.", code="tenant_suspended")
-        if "inference" not in principal.scopes:
-            raise ApiError(403, "This API key has no 'inference' scope.", code="missing_scope")
+        principal = await authorize(gateway.authenticator, api_key(scope))
         if kind in {"models", "model"}:
             # Before the first load the list would be empty: not an answer to give.
             gateway.check_loaded()
@@ -168,10 +160,7 @@ class GatewayApp:
             return
         raw = await read_body(receive, gateway.config.max_body_bytes)
         body = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
-        tier = (header(scope, PRIORITY_HEADER.encode()) or "standard").lower()
-        if tier not in TIERS:
-            raise ApiError(400, f"{PRIORITY_HEADER} must be one of {', '.join(TIERS)}.",
-                           param=PRIORITY_HEADER)  # fmt: skip
+        tier = priority_tier(scope)
         exchange = Exchange(gateway=gateway, kind=kind, body=body, principal=principal, tier=tier)
         out["x-request-id"] = exchange.request_id
         idem_key = header(scope, b"idempotency-key")

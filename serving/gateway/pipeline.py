@@ -23,6 +23,7 @@ from typing import Any
 
 from serving.engine.tokens import estimate_prompt_tokens, prompt_block_hashes
 from serving.gateway import metrics
+from serving.gateway.access import PRIORITY_HEADER
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import GuardrailInput, run_guardrails
 from serving.gateway.routing import ReplicaEndpoint
@@ -32,10 +33,8 @@ from serving.router import Decision, RouteRequest
 
 log = logging.getLogger(__name__)
 
-PRIORITY_HEADER = "x-priority"
 # Yielded by `Exchange.events()` once the upstream finished cleanly, before the settle.
 END_OF_STREAM: dict[str, Any] = {}
-TIERS = ("interactive", "standard", "batch")
 # Prefix blocks considered for affinity: enough to recognise a shared system prompt.
 MAX_PREFIX_BLOCKS = 64
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,7 +37,7 @@ from serving.router import (
     RouterConfig,
     RouteRequest,
 )
-from tenants.keys import KeyAuthenticator
+from tenants.keys import DatabaseLoader, KeyAuthenticator
 from tenants.limiter import LimiterUnavailable, RateLimiter
 
 log = logging.getLogger(__name__)
@@ -68,30 +67,12 @@ class GatewayConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     stream_lease_ttl_s: int = 600
 
-    @classmethod
-    def from_settings(cls) -> GatewayConfig:
-        from django.conf import settings
-
-        return cls(
-            redis_url=settings.REDIS_URL,
-            redis_timeout_s=settings.REDIS_SOCKET_TIMEOUT_S,
-            policy=getattr(settings, "GATEWAY_ROUTER_POLICY", "cost_aware"),
-            upstream=UpstreamTimeouts(
-                connect_s=getattr(settings, "GATEWAY_CONNECT_TIMEOUT_S", 2.0),
-                read_s=getattr(settings, "GATEWAY_READ_TIMEOUT_S", 30.0),
-            ),
-            spool_path=str(
-                getattr(settings, "GATEWAY_SPOOL_PATH", None)
-                or Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var"))
-                / f"usage-spool-{os.getpid()}.jsonl"
-            ),
-            guardrails=tuple(getattr(settings, "GATEWAY_GUARDRAILS", DEFAULT_CHAIN)),
-            stream_lease_ttl_s=int(getattr(settings, "GATEWAY_STREAM_LEASE_TTL_S", 600)),
-        )
-
 
 class Gateway:
-    def __init__(self, config: GatewayConfig) -> None:
+    """`load_principal` finds a key PostgreSQL knows and Redis does not (the composition
+    root's; see `tenants.keys.DatabaseLoader`)."""
+
+    def __init__(self, config: GatewayConfig, *, load_principal: DatabaseLoader) -> None:
         self.config = config
         # A bounded pool that makes a burst wait briefly for a connection rather than fail:
         # every in-flight request holds one during admission and settle.
@@ -104,8 +85,12 @@ class Gateway:
             health_check_interval=10,
         )
         self.redis = aioredis.Redis(connection_pool=pool)
-        self.authenticator = KeyAuthenticator(self.redis, timeout_s=config.redis_timeout_s)
-        self.limiter = RateLimiter(self.redis, lease_ttl_s=config.stream_lease_ttl_s)
+        self.authenticator = KeyAuthenticator(
+            self.redis, load_from_database=load_principal, timeout_s=config.redis_timeout_s
+        )
+        self.limiter = RateLimiter(
+            self.redis, timeout_s=config.redis_timeout_s, lease_ttl_s=config.stream_lease_ttl_s
+        )
         self.routing = RoutingCache(self.redis, telemetry_interval_s=config.refresh_s)
         self.catalog = Catalog()
         self.price_book = PriceBook([])
@@ -522,8 +507,9 @@ _gateway: Gateway | None = None
 _gateway_lock: asyncio.Lock | None = None
 
 
-async def get_gateway() -> Gateway:
-    """The process's gateway, started on first use (uvicorn runs without lifespan here)."""
+async def process_gateway(build: Callable[[], Gateway]) -> Gateway:
+    """The process's gateway, made by `build` and started on first use (uvicorn runs without
+    lifespan here)."""
     global _gateway, _gateway_lock
     if _gateway is not None:
         return _gateway
@@ -531,7 +517,7 @@ async def get_gateway() -> Gateway:
         _gateway_lock = asyncio.Lock()
     async with _gateway_lock:
         if _gateway is None:
-            gateway = Gateway(GatewayConfig.from_settings())
+            gateway = build()
             await gateway.start()
             _gateway = gateway
     return _gateway

@@ -1,60 +1,91 @@
-"""Streaming chat over a WebSocket, through Channels, on the same pipeline as SSE.
+"""Streaming chat over a WebSocket, plain ASGI, on the same pipeline as SSE.
 
 Connect to `/v1/chat/completions/ws` with `Authorization: Bearer <key>` (or send
 `{"type": "auth", "api_key": "..."}` first, for browsers, which cannot set headers on a
 WebSocket). Each message is a chat-completions body; the reply is the same chunks the SSE
 stream carries, one JSON message each, `{"type": "chunk", "data": {...}}`, then
-`{"type": "done", "usage": {...}}`, or `{"type": "error", "error": {...}}`. Closing the socket
+`{"type": "done", "usage": {...}}`, or `{"type": "error", "error": {...}}`. A bad key closes
+the socket with code 4401 (before the handshake completes, when it came in the header). One
+generation at a time per socket (another message meanwhile is a 409 error); closing the socket
 cancels the generation, which closes the upstream so the engine aborts.
+
+`GatewayApp` (serving.gateway.asgi) sends WebSockets on `WEBSOCKET_PATH` here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from channels.generic.websocket import AsyncWebsocketConsumer
 
-from serving.gateway.asgi import header
+from serving.gateway.access import (
+    Message,
+    Receive,
+    Scope,
+    Send,
+    authorize,
+    bearer_token,
+    priority_tier,
+)
 from serving.gateway.errors import ApiError, invalid_api_key
-from serving.gateway.pipeline import END_OF_STREAM, PRIORITY_HEADER, TIERS, Exchange
+from serving.gateway.pipeline import END_OF_STREAM, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, parse_body
-from serving.gateway.service import Gateway, get_gateway
+from serving.gateway.service import Gateway
+from tenants.keys import KeyPrincipal
+
+WEBSOCKET_PATH = "/v1/chat/completions/ws"
+# The close code for a key that is missing, unknown, revoked or may not run inference.
+UNAUTHORIZED = 4401
 
 
-class ChatStreamConsumer(AsyncWebsocketConsumer):
-    gateway: Gateway
-    principal: Any = None
-    raw_key: str | None = None
-    generation: asyncio.Task[None] | None = None
-
-    async def connect(self) -> None:
-        self.gateway = await get_gateway()
-        authorization = header(self.scope, b"authorization") or ""
-        if authorization[:7].lower() == "bearer ":
-            self.raw_key = authorization[7:].strip()
-            self.principal = await self._authenticate(self.raw_key)
-            if self.principal is None:
-                await self.close(code=4401)
+async def serve_chat_socket(
+    gateway: Callable[[], Awaitable[Gateway]], scope: Scope, receive: Receive, send: Send
+) -> None:
+    """The ASGI application of one chat socket, from its handshake to its disconnect."""
+    if (await receive())["type"] != "websocket.connect":
+        return
+    socket = ChatSocket(await gateway(), scope, send)
+    if not await socket.connect():
+        return
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.receive":
+                await socket.receive(message)
+            elif message["type"] == "websocket.disconnect":
                 return
-        await self.accept()
+    finally:
+        await socket.cancel_generation()
 
-    async def _authenticate(self, raw_key: str) -> Any:
-        principal = await self.gateway.authenticator.authenticate(raw_key)
-        if principal is None or not principal.is_usable or "inference" not in principal.scopes:
-            return None
-        return principal
 
-    async def disconnect(self, code: int) -> None:
-        if self.generation is not None:
-            self.generation.cancel()
-            with contextlib.suppress(BaseException):
-                await self.generation
+class ChatSocket:
+    """One client's socket: its key, the key's principal, at most one generation running."""
 
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        raw = text_data.encode() if text_data is not None else (bytes_data or b"")
+    def __init__(self, gateway: Gateway, scope: Scope, send: Send) -> None:
+        self.gateway = gateway
+        self.scope = scope
+        self._send = send
+        self.raw_key: str | None = None
+        self.principal: KeyPrincipal | None = None
+        self.generation: asyncio.Task[None] | None = None
+
+    async def connect(self) -> bool:
+        """Accept the handshake, unless its Authorization header names a refused key."""
+        self.raw_key = bearer_token(self.scope)
+        if self.raw_key is not None:
+            self.principal = await self._authorize(self.raw_key)
+            if self.principal is None:
+                await self.close()
+                return False
+        await self._send({"type": "websocket.accept"})
+        return True
+
+    async def receive(self, message: Message) -> None:
+        text = message.get("text")
+        raw = text.encode() if text is not None else (message.get("bytes") or b"")
         if self.principal is None:
             await self._receive_auth(raw)
             return
@@ -63,6 +94,21 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
             return
         self.generation = asyncio.create_task(self._generate(raw))
 
+    async def cancel_generation(self) -> None:
+        if self.generation is not None:
+            self.generation.cancel()
+            with contextlib.suppress(BaseException):
+                await self.generation
+
+    async def close(self) -> None:
+        await self._send({"type": "websocket.close", "code": UNAUTHORIZED})
+
+    async def _authorize(self, raw_key: str) -> KeyPrincipal | None:
+        try:
+            return await authorize(self.gateway.authenticator, raw_key)
+        except ApiError:
+            return None
+
     async def _receive_auth(self, raw: bytes) -> None:
         try:
             message = orjson.loads(raw)
@@ -70,50 +116,58 @@ class ChatStreamConsumer(AsyncWebsocketConsumer):
             message = {}
         if message.get("type") == "auth" and isinstance(message.get("api_key"), str):
             self.raw_key = message["api_key"]
-            self.principal = await self._authenticate(self.raw_key)
+            self.principal = await self._authorize(message["api_key"])
         if self.principal is None:
             await self._send_error(invalid_api_key())
-            await self.close(code=4401)
+            await self.close()
             return
-        await self.send(text_data=orjson.dumps({"type": "authenticated"}).decode())
+        await self._send_json({"type": "authenticated"})
 
     async def _generate(self, raw: bytes) -> None:
         try:
             # Checked again for every generation: a key revoked while the socket is open
             # stops working at its next message, like over HTTP.
-            self.principal = await self._authenticate(self.raw_key or "")
+            self.principal = await self._authorize(self.raw_key or "")
             if self.principal is None:
                 await self._send_error(invalid_api_key())
-                await self.close(code=4401)
+                await self.close()
                 return
-            body = parse_body(ChatCompletionRequest, raw)
-            tier = (header(self.scope, PRIORITY_HEADER.encode()) or "standard").lower()
-            if tier not in TIERS:
-                raise ApiError(400, f"{PRIORITY_HEADER} must be one of {', '.join(TIERS)}.")
             exchange = Exchange(
-                gateway=self.gateway, kind="chat", body=body, principal=self.principal,
-                tier=tier, over_websocket=True,
-            )  # fmt: skip
+                gateway=self.gateway,
+                kind="chat",
+                body=parse_body(ChatCompletionRequest, raw),
+                principal=self.principal,
+                tier=priority_tier(self.scope),
+                over_websocket=True,
+            )
             await exchange.prepare()
-            async with contextlib.aclosing(exchange.events()) as events:
-                async for chunk in events:
-                    if chunk is END_OF_STREAM:
-                        continue
-                    chunk.pop("usage", None)
-                    message = {"type": "chunk", "data": chunk}
-                    await self.send(text_data=orjson.dumps(message).decode())
-            done = {"type": "done", "request_id": exchange.request_id,
-                    "usage": exchange.usage_payload()}  # fmt: skip
-            await self.send(text_data=orjson.dumps(done).decode())
+            await self._stream(exchange)
         except ApiError as error:
             await self._send_error(error)
         except asyncio.CancelledError:
             raise
         except Exception:
             await self._send_error(
-                ApiError(502, "The model replica failed mid-stream; the tokens received so far "
-                         "are billed.", code="upstream_error", error_type="server_error")
-            )  # fmt: skip
+                ApiError(
+                    502,
+                    "The model replica failed mid-stream; the tokens received so far are billed.",
+                    code="upstream_error",
+                    error_type="server_error",
+                )
+            )
+
+    async def _stream(self, exchange: Exchange) -> None:
+        async with contextlib.aclosing(exchange.events()) as events:
+            async for chunk in events:
+                if chunk is END_OF_STREAM:
+                    continue
+                chunk.pop("usage", None)
+                await self._send_json({"type": "chunk", "data": chunk})
+        usage = exchange.usage_payload()
+        await self._send_json({"type": "done", "request_id": exchange.request_id, "usage": usage})
+
+    async def _send_json(self, message: dict[str, Any]) -> None:
+        await self._send({"type": "websocket.send", "text": orjson.dumps(message).decode()})
 
     async def _send_error(self, error: ApiError) -> None:
-        await self.send(text_data=orjson.dumps({"type": "error", **error.payload()}).decode())
+        await self._send_json({"type": "error", **error.payload()})
