@@ -152,6 +152,8 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
+    # The actions' Django exceptions in DRF's error format (400, 403, 404), never a 500.
+    "EXCEPTION_HANDLER": "config.api.exception_handler",
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Inference platform API",

@@ -311,8 +311,12 @@ VERSION_FIELDS = {"version", "artifact_uri", "revision", "quantization"}
 
 
 @transaction.atomic
-def do_create_version(model: Model, **fields: Any) -> ModelVersion:
-    version = ModelVersion(model=model)
+def do_create_version(
+    model: Model, *, status: str = ModelVersion.Status.DRAFT, **fields: Any
+) -> ModelVersion:
+    """A new version, a draft for staff to approve. A seed or an import may register one
+    already approved (`status`): there is no reviewer to record, so `approved_by` stays empty."""
+    version = ModelVersion(model=model, status=status)
     _apply(version, fields, VERSION_FIELDS)
     version.full_clean()
     version.save()
@@ -817,3 +821,14 @@ def do_resume_rollout(
         gate=None,
     )
     return rollout
+
+
+def do_record_rollout_decision(
+    rollout: Rollout, *, move: str, reason: str, gate: Mapping[str, Any]
+) -> None:
+    """The controller's note of its last tick on a rollout, whatever it decided (a hold
+    included): what the console and the API show as `last_decision`."""
+    Rollout.objects.filter(pk=rollout.pk).update(
+        last_tick_at=timezone.now(),
+        last_decision={"move": move, "reason": reason, "gate": dict(gate)},
+    )

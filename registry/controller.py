@@ -1,4 +1,5 @@
-"""The rollout controller: read each live rollout's windows, decide, act through actions.py.
+"""The rollout controller: read each live rollout's windows, decide, act through actions.py
+(every write, the note of its decision included, is a `do_*` call).
 
 Level-triggered and idempotent: a tick reads the rollout's state and the metrics now, so
 running it twice, late, or after a crash does no harm. Each rollout is decided under a row
@@ -18,6 +19,7 @@ from registry.actions import (
     default_metrics_source,
     do_advance_rollout_step,
     do_promote_rollout,
+    do_record_rollout_decision,
     do_rollback_rollout,
 )
 from registry.models import Rollout
@@ -91,7 +93,4 @@ def _act(rollout: Rollout, decision: StepDecision, metrics: RolloutMetricsSource
         )
     elif decision.move is Move.PROMOTE:
         do_promote_rollout(rollout, actor=None, reason=decision.reason, gate=gate)
-    Rollout.objects.filter(pk=rollout.pk).update(
-        last_tick_at=timezone.now(),
-        last_decision={"move": decision.move.value, "reason": decision.reason, "gate": gate},
-    )
+    do_record_rollout_decision(rollout, move=decision.move.value, reason=decision.reason, gate=gate)

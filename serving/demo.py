@@ -3,7 +3,10 @@ and (when the registry's demo has not put any on these pools) deployments of thr
 
 With PLATFORM_DEMO_ENGINE=vllm a fifth pool joins: one CPU node whose agent runs real vLLM
 (its CPU build) serving the tiny model that scripts/build_tiny_model.py builds, as
-`demo-tiny`, with one LoRA adapter, `demo-tiny-pirate`."""
+`demo-tiny`, with one LoRA adapter, `demo-tiny-pirate`.
+
+Pools go through serving.actions.pools, models, versions, adapters and deployments through
+registry.actions: the demo passes the checks an API caller does."""
 
 from __future__ import annotations
 
@@ -16,7 +19,18 @@ from typing import Any
 
 from django.conf import settings
 
+from registry.actions import (
+    do_create_adapter,
+    do_create_deployment,
+    do_create_model,
+    do_update_adapter,
+    publish_visibility,
+)
+from registry.demo import model_fields, put_approved_version, put_model
+from registry.models import Adapter, Deployment, Model, Visibility
 from serving.actions.credentials import do_create_join_token, hash_token
+from serving.actions.pools import do_create_pool, do_update_pool
+from serving.engine.specs import load_model_specs
 from serving.models import GpuClass, GpuPool, JoinToken
 
 
@@ -85,15 +99,7 @@ def seed(details: dict[str, Any]) -> None:
     fleet = details.setdefault("fleet", {})
     tokens: dict[str, str] = fleet.setdefault("join_tokens", {})
     for demo in demo_pools():
-        pool, _ = GpuPool.objects.update_or_create(
-            name=demo.name,
-            defaults={
-                "gpu_class": GpuClass.objects.get(name=demo.gpu_class),
-                "region": demo.region,
-                "usd_per_gpu_hour": demo.usd_per_gpu_hour,
-                "labels": {"demo": "true"},
-            },
-        )
+        pool = _put_pool(demo)
         secret = tokens.get(demo.name) or "jt_demo_" + os.urandom(16).hex()
         tokens[demo.name] = secret
         if not JoinToken.objects.filter(token_hash=hash_token(secret)).exists():
@@ -105,33 +111,38 @@ def seed(details: dict[str, Any]) -> None:
         details["extra"]["Real vLLM model"] = f"{TINY_MODEL} (adapter {TINY_ADAPTER}), CPU node"
 
 
-def seed_tiny_model(directory: Path, pool_name: str) -> Any:
-    """The tiny model, its adapter and its deployment on `pool_name`, all public; returns the
-    deployment. The registry refers to the built directory by its file:// URI."""
-    from registry.actions import do_create_deployment, publish_visibility
-    from registry.models import Adapter, Deployment, Model, ModelVersion, Visibility
+def _put_pool(demo: DemoPool) -> GpuPool:
+    fields = {
+        "gpu_class": GpuClass.objects.get(name=demo.gpu_class),
+        "region": demo.region,
+        "usd_per_gpu_hour": demo.usd_per_gpu_hour,
+        "labels": {"demo": "true"},
+    }
+    pool = GpuPool.objects.filter(name=demo.name).first()
+    if pool is None:
+        return do_create_pool(name=demo.name, **fields)
+    return do_update_pool(pool, **fields)
 
-    model, _ = Model.objects.update_or_create(
-        name=TINY_MODEL, defaults={**TINY_ARCHITECTURE, "visibility": Visibility.PUBLIC}
+
+def seed_tiny_model(directory: Path, pool_name: str) -> Deployment:
+    """The tiny model, its adapter and its deployment on `pool_name`, all public; returns the
+    deployment. The registry refers to the built directory by its file:// URI (an existing v1
+    keeps its URI: an approved version's artifact never changes)."""
+    model = put_model(TINY_MODEL, {**TINY_ARCHITECTURE, "visibility": Visibility.PUBLIC})
+    version = put_approved_version(
+        model, "v1", artifact_uri=(directory / "base").resolve().as_uri(), quantization="bf16"
     )
-    version, _ = ModelVersion.objects.update_or_create(
-        model=model,
-        version="v1",
-        defaults={
-            "artifact_uri": (directory / "base").resolve().as_uri(),
-            "quantization": "bf16",
-            "status": ModelVersion.Status.APPROVED,
-        },
-    )
-    Adapter.objects.update_or_create(
-        name=TINY_ADAPTER,
-        defaults={
-            "base_version": version,
-            "rank": 8,
-            "artifact_uri": (directory / "adapters" / TINY_ADAPTER).resolve().as_uri(),
-            "visibility": Visibility.PUBLIC,
-        },
-    )
+    adapter_fields: dict[str, Any] = {
+        "base_version": version,
+        "rank": 8,
+        "artifact_uri": (directory / "adapters" / TINY_ADAPTER).resolve().as_uri(),
+        "visibility": Visibility.PUBLIC,
+    }
+    adapter = Adapter.objects.filter(name=TINY_ADAPTER).first()
+    if adapter is None:
+        do_create_adapter(name=TINY_ADAPTER, **adapter_fields)
+    else:
+        do_update_adapter(adapter, **adapter_fields)
     publish_visibility()
     name = _deployment_name(TINY_MODEL, pool_name)
     existing = Deployment.objects.filter(name=name).first()
@@ -148,35 +159,15 @@ def seed_tiny_model(directory: Path, pool_name: str) -> Any:
 
 def _seed_deployments() -> None:
     """Deployments on the demo pools, unless the registry's demo already made some."""
-    from registry.actions import do_create_deployment
-    from registry.models import Deployment, Model, ModelVersion
-    from serving.engine.specs import load_model_specs
-
     if Deployment.objects.filter(pool__name__in=[p.name for p in DEMO_POOLS]).exists():
         return
     specs = load_model_specs()
     for served, artifact, quantization, pool_name, tp in DEMO_DEPLOYMENTS:
-        spec = specs[served]
-        model, _ = Model.objects.get_or_create(
-            name=served,
-            defaults={
-                "family": served.split("-")[0],
-                "params_b": spec.params_b,
-                "layers": spec.layers,
-                "hidden": spec.hidden,
-                "kv_heads": spec.kv_heads,
-                "head_dim": spec.head_dim,
-                "max_context": spec.max_context,
-            },
+        model = Model.objects.filter(name=served).first() or do_create_model(
+            name=served, **model_fields(specs[served])
         )
-        version, _ = ModelVersion.objects.get_or_create(
-            model=model,
-            version="v1",
-            defaults={
-                "artifact_uri": artifact,
-                "quantization": quantization,
-                "status": ModelVersion.Status.APPROVED,
-            },
+        version = put_approved_version(
+            model, "v1", artifact_uri=artifact, quantization=quantization
         )
         if not Deployment.objects.filter(name=_deployment_name(served, pool_name)).exists():
             # Through the registry's write path, so its placement check vets the demo too.

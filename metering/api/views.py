@@ -17,12 +17,13 @@ from django.db.models.functions import Coalesce
 from django.http import Http404, HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import mixins, permissions, status, viewsets
+from rest_framework import mixins, permissions, status
 from rest_framework.exceptions import ValidationError
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from config.api import PlatformModelViewSet, PlatformViewSet, ReadAnyWriteStaff
 from metering import actions
 from metering.api import filters, queries
 from metering.api.serializers import (
@@ -38,7 +39,7 @@ from metering.invoices import chargeback_csv, invoice_as_csv, invoice_as_dict
 from metering.models import HourlyRollup, Invoice, PriceSheet, UsageEvent
 from registry.actions import visible_adapters_for_user, visible_models_for_user
 from tenants.actions import access_tenant_for_user
-from tenants.api.views import AUTHENTICATION, DjangoValidationAs400, TenantScopedViewSet
+from tenants.api.views import TenantScopedViewSet
 
 CSV_RESPONSE = OpenApiResponse(OpenApiTypes.STR, description="text/csv")
 
@@ -49,8 +50,7 @@ def csv_download(body: str, filename: str) -> HttpResponse:
     return response
 
 
-class StaffViewSet(DjangoValidationAs400, viewsets.GenericViewSet[Any]):
-    authentication_classes = AUTHENTICATION
+class StaffViewSet(PlatformViewSet):
     permission_classes = [permissions.IsAdminUser]
 
 
@@ -222,13 +222,6 @@ class ChargebackViewSet(StaffViewSet):
 # ------------------------------------------------------------------------- price sheets
 
 
-class ReadAnyWriteStaff(permissions.BasePermission):
-    def has_permission(self, request: Request, view: Any) -> bool:
-        if not (request.user and request.user.is_authenticated):
-            return False
-        return request.method in permissions.SAFE_METHODS or bool(request.user.is_staff)
-
-
 def with_effective_until(sheets: QuerySet[PriceSheet]) -> QuerySet[PriceSheet]:
     """Annotate when each sheet stops being in force: the start of the next sheet for the
     same model, adapter and owner (a list sheet is only followed by list sheets)."""
@@ -247,12 +240,11 @@ def with_effective_until(sheets: QuerySet[PriceSheet]) -> QuerySet[PriceSheet]:
     return sheets.annotate(effective_until=Subquery(later, output_field=DateTimeField()))
 
 
-class PriceSheetViewSet(DjangoValidationAs400, viewsets.ModelViewSet[PriceSheet]):
+class PriceSheetViewSet(PlatformModelViewSet):
     """Price sheets. Tenants read the list prices of the models (and adapters) visible to
     them, and their own tenant prices; staff read all and write, through the actions that
     republish the gateway's price book."""
 
-    authentication_classes = AUTHENTICATION
     permission_classes = [ReadAnyWriteStaff]
     serializer_class = PriceSheetSerializer
     queryset = PriceSheet.objects.none()  # for the schema

@@ -14,9 +14,9 @@ from registry.models import (
     Rollout,
     RolloutTransition,
     Visibility,
+    pools,
 )
 from registry.rollout_policy import DEFAULT_STEPS
-from serving.models import GpuPool
 from tenants.models import Tenant
 
 
@@ -120,7 +120,7 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
     name = serializers.SlugField(max_length=128, required=False)
     model = serializers.CharField(source="served_model_name", read_only=True)
     model_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
-    pool = serializers.SlugRelatedField(slug_field="name", queryset=GpuPool.objects.all())
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=pools())
     gpu_class = serializers.CharField(source="pool.gpu_class.name", read_only=True)
     effective_engine_args = serializers.DictField(read_only=True)
 

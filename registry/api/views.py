@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema
-from rest_framework import permissions, viewsets
-from rest_framework.authentication import SessionAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from config.api import PlatformModelViewSet, ReadAnyWriteStaff
 from registry import actions
 from registry.api.serializers import (
     AdapterSerializer,
@@ -24,31 +22,14 @@ from registry.api.serializers import (
     RolloutSerializer,
 )
 from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout
-from tenants.api.authentication import ApiKeyAuthentication
-
-AUTHENTICATION = [SessionAuthentication, ApiKeyAuthentication]
-
-
-class ReadAnyWriteStaff(permissions.BasePermission):
-    def has_permission(self, request: Request, view: Any) -> bool:
-        if not (request.user and request.user.is_authenticated):
-            return False
-        return request.method in permissions.SAFE_METHODS or bool(request.user.is_staff)
 
 
 def _changes(serializer: Any) -> dict[str, Any]:
     return dict(serializer.validated_data)
 
 
-class RegistryViewSet(viewsets.ModelViewSet[Any]):
-    authentication_classes = AUTHENTICATION
+class RegistryViewSet(PlatformModelViewSet):
     permission_classes = [ReadAnyWriteStaff]
-
-    def handle_exception(self, exc: Exception) -> Response:
-        if isinstance(exc, DjangoValidationError):
-            detail = exc.message_dict if hasattr(exc, "error_dict") else exc.messages
-            exc = ValidationError(detail)
-        return super().handle_exception(exc)
 
 
 class ModelViewSet(RegistryViewSet):

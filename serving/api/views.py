@@ -1,18 +1,22 @@
-"""The fleet's staff REST API: pools, nodes (with cordon, uncordon, drain), GPUs, replicas."""
+"""The fleet's staff REST API: pools, nodes (with cordon, uncordon, drain), GPUs, replicas.
+
+Staff only, by session or API key like the rest of /api/v1/ (a key is never staff, so every
+key is refused). Pool writes go through serving.actions.pools."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from serving.actions import nodes
+from config.api import PlatformModelViewSet, PlatformReadOnlyViewSet
+from serving.actions import nodes, pools
 from serving.api.serializers import (
     GpuPoolSerializer,
     GpuSerializer,
@@ -23,13 +27,22 @@ from serving.api.serializers import (
 from serving.models import Gpu, GpuPool, Node, Replica
 
 
-class GpuPoolViewSet(viewsets.ModelViewSet):
+class GpuPoolViewSet(PlatformModelViewSet):
     permission_classes = [IsAdminUser]
     serializer_class = GpuPoolSerializer
     queryset = GpuPool.objects.select_related("gpu_class")
 
+    def perform_create(self, serializer: Any) -> None:
+        serializer.instance = pools.do_create_pool(**serializer.validated_data)
 
-class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+    def perform_update(self, serializer: Any) -> None:
+        serializer.instance = pools.do_update_pool(serializer.instance, **serializer.validated_data)
+
+    def perform_destroy(self, instance: GpuPool) -> None:
+        pools.do_delete_pool(instance)
+
+
+class NodeViewSet(PlatformReadOnlyViewSet):
     permission_classes = [IsAdminUser]
     serializer_class = NodeSerializer
     queryset = Node.objects.select_related("pool").prefetch_related("gpus")
@@ -59,13 +72,13 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         return self._act(nodes.do_drain_node)
 
 
-class GpuViewSet(viewsets.ReadOnlyModelViewSet):
+class GpuViewSet(PlatformReadOnlyViewSet):
     permission_classes = [IsAdminUser]
     serializer_class = GpuSerializer
     queryset = Gpu.objects.all()
 
 
-class ReplicaViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class ReplicaViewSet(PlatformReadOnlyViewSet):
     permission_classes = [IsAdminUser]
     serializer_class = ReplicaSerializer
     queryset = Replica.objects.select_related("node")

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import transaction
-from rest_framework import mixins, status, viewsets
-from rest_framework.authentication import SessionAuthentication
+from rest_framework import mixins, status
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from config.api import PlatformModelViewSet, PlatformViewSet
 from tenants import actions
-from tenants.api.authentication import ApiKeyAuthentication
 from tenants.api.serializers import (
     ApiKeyCreatedSerializer,
     ApiKeySerializer,
@@ -35,23 +32,10 @@ from tenants.api.serializers import (
 )
 from tenants.models import ApiKey, Membership, Role, Tenant
 
-AUTHENTICATION = [SessionAuthentication, ApiKeyAuthentication]
 
-
-class DjangoValidationAs400:
-    """The actions raise Django's ValidationError; on /api it is DRF's 400."""
-
-    def handle_exception(self, exc: Exception) -> Response:
-        if isinstance(exc, DjangoValidationError):
-            detail = exc.message_dict if hasattr(exc, "error_dict") else exc.messages
-            exc = ValidationError(detail)
-        return super().handle_exception(exc)  # type: ignore[misc]
-
-
-class TenantViewSet(DjangoValidationAs400, viewsets.ModelViewSet[Tenant]):
+class TenantViewSet(PlatformModelViewSet):
     """Tenants: members see theirs; staff see, create, change and delete all."""
 
-    authentication_classes = AUTHENTICATION
     serializer_class = TenantSerializer
     lookup_field = "slug"
 
@@ -80,10 +64,9 @@ class TenantViewSet(DjangoValidationAs400, viewsets.ModelViewSet[Tenant]):
         actions.do_delete_tenant(instance)
 
 
-class TenantScopedViewSet(DjangoValidationAs400, viewsets.GenericViewSet[Any]):
+class TenantScopedViewSet(PlatformViewSet):
     """Resolves `self.tenant` from the URL for every method, before any handler runs."""
 
-    authentication_classes = AUTHENTICATION
     tenant: Tenant
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:

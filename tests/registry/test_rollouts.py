@@ -228,3 +228,18 @@ def test_a_second_live_rollout_of_the_same_model_is_refused(rollout: Rollout, st
         format="json",
     )
     assert response.status_code == 400
+
+
+def test_every_tick_notes_its_decision_on_the_rollout_a_hold_included(
+    rollout: Rollout, staff: Any, redis_client: redis.Redis
+) -> None:
+    assert (rollout.last_tick_at, rollout.last_decision) == (None, {})
+    rollout_tick.apply()  # no canary requests yet: holds
+    rollout.refresh_from_db()
+    assert rollout.last_tick_at is not None
+    assert rollout.last_decision["move"] == "hold"
+    assert rollout.last_decision["gate"]["judged"] is False
+    assert (rollout.state, _weights(rollout)) == (Rollout.State.RUNNING, (95, 5))
+    assert rollout.transitions.count() == 1  # a hold is a note, not a transition
+    shown = client_for(staff).get(f"/api/v1/rollouts/{rollout.pk}/").json()
+    assert shown["last_decision"] == rollout.last_decision

@@ -1,0 +1,103 @@
+"""The REST API's one base (config/api.py): every /api/v1/ viewset stands on it, none writes
+around an action, and what the actions raise comes back in DRF's format, never as a 500."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.exceptions import PermissionDenied
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.http import Http404
+from django.urls import URLPattern, URLResolver, get_resolver
+from rest_framework import mixins
+
+from config.api import AUTHENTICATION, PlatformModelViewSet, PlatformViewSet, exception_handler
+from tenants.api.authentication import ApiKeyAuthentication
+
+
+def _routed(patterns: list[Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for pattern in patterns:
+        route = prefix + str(pattern.pattern)
+        if isinstance(pattern, URLResolver):
+            yield from _routed(pattern.url_patterns, route)
+        elif isinstance(pattern, URLPattern):
+            yield route, pattern.callback
+
+
+def api_viewsets() -> dict[str, type]:
+    """Each viewset routed under /api/v1/, by name (DRF's view functions carry `actions`)."""
+    return {
+        callback.cls.__name__: callback.cls
+        for route, callback in _routed(get_resolver("config.urls").url_patterns)
+        if route.startswith("api/v1/") and getattr(callback, "actions", None)
+    }
+
+
+def test_every_api_viewset_stands_on_the_base_and_takes_sessions_and_api_keys() -> None:
+    viewsets = api_viewsets()
+    # One resource of each app at least, so an empty walk cannot pass.
+    assert {"TenantViewSet", "ModelViewSet", "GpuPoolViewSet", "PriceSheetViewSet"} <= set(viewsets)
+    for name, cls in viewsets.items():
+        assert issubclass(cls, PlatformViewSet), name
+        assert cls.authentication_classes == AUTHENTICATION, name
+    assert ApiKeyAuthentication in AUTHENTICATION
+
+
+WRITES = [
+    ("post", mixins.CreateModelMixin.create, "perform_create"),
+    ("put", mixins.UpdateModelMixin.update, "perform_update"),
+    ("delete", mixins.DestroyModelMixin.destroy, "perform_destroy"),
+]
+
+
+@pytest.mark.parametrize(("method", "generic_handler", "hook"), WRITES)
+def test_no_api_viewset_leaves_a_write_to_serializer_save(
+    method: str, generic_handler: Any, hook: str
+) -> None:
+    """A write a viewset allows is its own handler or its own `perform_*` (a do_* call)."""
+    for name, cls in api_viewsets().items():
+        if not issubclass(cls, PlatformModelViewSet) or method not in cls.http_method_names:
+            continue
+        own_handler = getattr(cls, generic_handler.__name__) is not generic_handler
+        own_hook = getattr(cls, hook) is not getattr(PlatformModelViewSet, hook)
+        assert own_handler or own_hook, f"{name} {method.upper()}"
+
+
+def test_the_base_refuses_to_save_a_serializer_itself() -> None:
+    with pytest.raises(NotImplementedError, match="through a do_\\* action"):
+        PlatformModelViewSet().perform_create(serializer=None)
+
+
+def test_a_validation_error_naming_fields_is_a_400_by_field() -> None:
+    response = exception_handler(DjangoValidationError({"name": ["Taken."]}), {})
+    assert response is not None
+    assert (response.status_code, response.data) == (400, {"name": ["Taken."]})
+
+
+def test_a_validation_error_naming_no_field_is_a_400_list() -> None:
+    response = exception_handler(DjangoValidationError("Stop its deployments first."), {})
+    assert response is not None
+    assert (response.status_code, response.data) == (400, ["Stop its deployments first."])
+
+
+def test_permission_denied_and_not_found_keep_their_message() -> None:
+    denied = exception_handler(PermissionDenied("Only platform staff may do this."), {})
+    missing = exception_handler(Http404("No such model."), {})
+    assert denied is not None and missing is not None
+    assert (denied.status_code, denied.data) == (
+        403,
+        {"detail": "Only platform staff may do this."},
+    )
+    assert (missing.status_code, missing.data) == (404, {"detail": "No such model."})
+
+
+def test_a_bug_is_not_disguised_as_a_client_error() -> None:
+    assert exception_handler(KeyError("oops"), {}) is None
+
+
+def test_the_handler_is_the_one_drf_uses() -> None:
+    from rest_framework.settings import api_settings
+
+    assert api_settings.EXCEPTION_HANDLER is exception_handler
