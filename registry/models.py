@@ -290,10 +290,6 @@ class Rollout(models.Model):
         return f"rollout {self.pk} of {self.model.name}"
 
     @property
-    def is_live(self) -> bool:
-        return self.state in self.LIVE_STATES
-
-    @property
     def canary_weight(self) -> int:
         return int(self.steps[self.step_index])
 
