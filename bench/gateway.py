@@ -10,7 +10,11 @@ upstream of three targets, measured one after the other at each concurrency:
   ours     this platform's gateway (uvicorn, N workers) with API keys, the Redis rate limiter,
            the router, usage events written to the Redis stream at settle, and the metering
            consumer draining that stream into PostgreSQL in its own process,
-  litellm  LiteLLM's proxy with the same number of workers, pointed at the same simulator.
+  litellm  LiteLLM's proxy with the same number of workers, pointed at the same simulator,
+  before   with `--baseline DIR`: this platform's gateway as checked out in DIR (another
+           revision, e.g. `git worktree add /tmp/before REV`), run from the same venv,
+           measured right after `ours` at each concurrency: a regression check under the
+           same noise.
 The load generator is one aiohttp process, closed loop: C workers each send a streamed chat
 completion and send the next when it finishes. Added TTFT = a target's TTFT percentile
 minus the direct TTFT percentile at the same concurrency. Uses PostgreSQL and Redis from
@@ -62,9 +66,11 @@ def wait_http(url: str, timeout_s: float = 90) -> None:
     raise SystemExit(f"{url} did not come up")
 
 
-def start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def start(
+    argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        argv, cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
 
@@ -217,6 +223,7 @@ def main() -> int:
     parser.add_argument("--litellm", help="path to the litellm CLI of a venv with litellm[proxy]")
     parser.add_argument("--itl-ms", type=float, default=10)
     parser.add_argument("--ttft-ms", type=float, default=10)
+    parser.add_argument("--baseline", type=Path, help="a checkout of another revision to compare")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -254,6 +261,17 @@ def main() -> int:
         processes.append(consumer)
         wait_http(f"http://127.0.0.1:{ours_port}/healthz")
 
+        before_url = None
+        if args.baseline:
+            before_port = free_port()
+            processes.append(start(
+                [str(Path(sys.executable).parent / "uvicorn"), "config.asgi:application",
+                 "--port", str(before_port), "--workers", str(args.workers), "--no-access-log",
+                 "--lifespan", "off", "--log-level", "warning"],
+                env, logs / "before.log", cwd=args.baseline.resolve()))  # fmt: skip
+            wait_http(f"http://127.0.0.1:{before_port}/healthz")
+            before_url = f"http://127.0.0.1:{before_port}/v1/chat/completions"
+
         litellm_url = None
         litellm_key = ""
         if args.litellm:
@@ -279,6 +297,8 @@ def main() -> int:
 
         targets = [("direct", f"{upstream}/v1/chat/completions", "none"),
                    ("ours", f"http://127.0.0.1:{ours_port}/v1/chat/completions", key)]  # fmt: skip
+        if before_url:
+            targets.append(("before", before_url, key))
         if litellm_url:
             targets.append(("litellm", litellm_url, litellm_key))
         results: list[Result] = []
@@ -326,6 +346,14 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         print(
             f"\nours / litellm streams per second at {top} concurrent: {ratio:.1f}x (target >= 5x)"
         )
+    for level in sorted(direct):
+        if ("before", level) in by:
+            ours, before = by[("ours", level)], by[("before", level)]
+            print(
+                f"ours / before at {level} concurrent: streams/s "
+                f"{ours.streams_per_s / max(before.streams_per_s, 1e-9):.2f}x, TTFT p50 "
+                f"{ours.pct(0.5) - before.pct(0.5):+.2f} ms, p99 {ours.pct(0.99) - before.pct(0.99):+.2f} ms"
+            )
     if ("ours", 1) in by:
         added = by[("ours", 1)].pct(0.5) - direct[1].pct(0.5)
         print(f"ours added TTFT p50 at 1 stream: {added:.2f} ms (target <= 3 ms)")
