@@ -38,7 +38,7 @@ Status = Literal["ok", "error", "client_cancelled", "upstream_failed"]
 STATUSES: tuple[str, ...] = ("ok", "error", "client_cancelled", "upstream_failed")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class UsageEvent:
     request_id: str
     tenant_id: int

@@ -16,6 +16,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from serving.redis_contracts import VISIBILITY_HASH
+from tenants.keys import KeyPrincipal
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class Catalog:
     def _visible(entry: dict[str, Any], tenant_id: int) -> bool:
         return bool(entry.get("public")) or tenant_id in entry.get("tenants", ())
 
-    def resolve(self, name: str, principal: Any) -> tuple[str, str | None] | None:
+    def resolve(self, name: str, principal: KeyPrincipal) -> tuple[str, str | None] | None:
         """(base model, adapter or None) if the tenant may call `name`, else None."""
         tenant_id = principal.tenant_id
         entry = self.models.get(name)
@@ -44,7 +45,7 @@ class Catalog:
             return None
         return (str(adapter["base_model"]), name)
 
-    def listing(self, principal: Any, servable: set[str]) -> list[dict[str, Any]]:
+    def listing(self, principal: KeyPrincipal, servable: set[str]) -> list[dict[str, Any]]:
         """The OpenAI `/v1/models` data the key may use: visible, allowed, and deployed
         (`servable` names the models the routing table has a route for)."""
         items: list[dict[str, Any]] = []

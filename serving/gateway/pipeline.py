@@ -17,19 +17,24 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from metering.usage import Status, UsageEvent
 from serving.engine.tokens import estimate_prompt_tokens, prompt_block_hashes
 from serving.gateway import metrics
 from serving.gateway.access import PRIORITY_HEADER
+from serving.gateway.contracts import ExchangeServices
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import GuardrailInput, run_guardrails
 from serving.gateway.routing import ReplicaEndpoint
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream
-from serving.router import Decision, RouteRequest
+from serving.router import Decision, ReplicaState, RouteRequest
+from serving.router.contracts import Tier
+from tenants.keys import KeyPrincipal
+from tenants.limiter import Admission, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +92,7 @@ def failed_in_engine(error: UpstreamError) -> ApiError:
 class Outcome:
     """What happened, filled in as the exchange runs; settle reads it."""
 
-    status: str = "ok"
+    status: Status = "ok"
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -100,11 +105,11 @@ class Outcome:
 
 @dataclass(slots=True)
 class Exchange:
-    gateway: Any  # serving.gateway.service.Gateway (typed loosely to avoid an import cycle)
+    gateway: ExchangeServices
     kind: str  # "chat" or "completion"
     body: ChatCompletionRequest | CompletionRequest
-    principal: Any
-    tier: str
+    principal: KeyPrincipal
+    tier: Tier
     # A WebSocket generation streams whatever its body says, so it holds a stream slot too.
     over_websocket: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -116,7 +121,7 @@ class Exchange:
     prompt_estimate: int = 0
     prompt_text: str = ""
     max_tokens: int = 0
-    admission: Any = None
+    admission: Admission | None = None
     decision: Decision | None = None
     headers: dict[str, str] = field(default_factory=dict)
     outcome: Outcome = field(default_factory=Outcome)
@@ -128,6 +133,10 @@ class Exchange:
     _started_on: str | None = None
     # True once a replica accepted the request and produced its first chunk.
     _accepted: bool = False
+    # Whether the replica's breaker got a verdict (success or failure) from this request.
+    _verdict: bool = False
+    # When the last generated token reached us (for the inter-token latency).
+    _last_token_at: float | None = None
     # A stream longer than its concurrency lease renews it, so the slot is not reclaimed
     # from under a healthy stream (the lease still expires if this gateway dies).
     _renew_lease_at: float = math.inf
@@ -139,10 +148,31 @@ class Exchange:
     # --- before the first byte -------------------------------------------------------------
 
     async def prepare(self) -> None:
+        self._resolve_model()
+        texts = self._check_request()
+        await run_guardrails(self.gateway.guardrails, self._guardrail_input(texts))
+        if self.principal.allowed_tiers and self.tier not in self.principal.allowed_tiers:
+            raise ApiError(
+                403,
+                f"This key may not use the '{self.tier}' priority tier.",
+                code="tier_not_allowed",
+                param=PRIORITY_HEADER,
+            )
+        await self._admit()
+        try:
+            await self._choose_replica(exclude=frozenset())
+        except BaseException as error:
+            # Admitted, then refused (no replica, queue full or timed out) or the client left.
+            self.outcome.status = "error" if isinstance(error, Exception) else "client_cancelled"
+            await asyncio.shield(self.settle())
+            raise
+
+    def _resolve_model(self) -> None:
+        """The base model and adapter the body's model names, if this key may call it."""
         gateway = self.gateway
         principal = self.principal
         self.model = self.body.model
-        entry = gateway.catalog.resolve(self.model, principal)
+        entry = gateway.resolve_model(self.model, principal)
         if entry is None:
             gateway.check_loaded()
             raise ApiError(
@@ -152,7 +182,7 @@ class Exchange:
                 param="model",
             )
         self.base_model, self.adapter = entry
-        if self.base_model not in gateway.routing.snapshot.served_models:
+        if not gateway.is_deployed(self.base_model):
             gateway.check_loaded()
             raise ApiError(
                 404,
@@ -161,21 +191,23 @@ class Exchange:
                 code="model_not_deployed",
                 param="model",
             )
-        if principal.model_allowlist and not (
-            self.model in principal.model_allowlist or self.base_model in principal.model_allowlist
-        ):
+        allowlist = principal.model_allowlist
+        if allowlist and not (self.model in allowlist or self.base_model in allowlist):
             raise ApiError(
                 403,
                 f"This API key may not use the model '{self.model}'.",
                 code="model_not_allowed",
                 param="model",
             )
-        limits = principal.limits
+
+    def _check_request(self) -> list[str]:
+        """The prompt's estimate and the max_tokens to reserve, within the key's cap; returns
+        the prompt's texts."""
         texts = self.body.prompt_texts()
         self.prompt_text = self.body.prompt_text()
         self.prompt_estimate = estimate_prompt_tokens(self.prompt_text)
         requested = self.body.requested_max_tokens()
-        cap = limits.max_tokens_cap
+        cap = self.principal.limits.max_tokens_cap
         if requested is not None and cap is not None and requested > cap:
             raise ApiError(
                 400,
@@ -183,35 +215,31 @@ class Exchange:
                 code="max_tokens_exceeded",
                 param="max_tokens",
             )
-        self.max_tokens = requested or cap or gateway.config.default_max_tokens
-        await run_guardrails(
-            gateway.guardrails,
-            GuardrailInput(
-                tenant_slug=principal.tenant_slug,
-                model=self.model,
-                prompt_texts=texts,
-                prompt_tokens=self.prompt_estimate,
-                max_prompt_tokens=limits.max_context_tokens,
-                blocked_patterns=tuple(getattr(principal, "blocked_patterns", ()) or ()),
-            ),
+        self.max_tokens = requested or cap or self.gateway.default_max_tokens
+        return texts
+
+    def _guardrail_input(self, texts: list[str]) -> GuardrailInput:
+        principal = self.principal
+        return GuardrailInput(
+            tenant_slug=principal.tenant_slug,
+            model=self.model,
+            prompt_texts=texts,
+            prompt_tokens=self.prompt_estimate,
+            max_prompt_tokens=principal.limits.max_context_tokens,
+            blocked_patterns=principal.blocked_patterns,
         )
-        if principal.allowed_tiers and self.tier not in principal.allowed_tiers:
-            raise ApiError(
-                403,
-                f"This key may not use the '{self.tier}' priority tier.",
-                code="tier_not_allowed",
-                param=PRIORITY_HEADER,
-            )
-        self.admission = await gateway.admit(self)
+
+    async def _admit(self) -> None:
+        gateway = self.gateway
+        self.admission = await gateway.admit(
+            self.principal,
+            request_id=self.request_id,
+            prompt_tokens=self.prompt_estimate,
+            max_tokens=self.max_tokens,
+            stream=self.streams,
+        )
         self.headers.update(self.admission.headers)
         self._renew_lease_at = time.monotonic() + gateway.lease_renewal_s
-        try:
-            await self._choose_replica(exclude=frozenset())
-        except BaseException as error:
-            # Admitted, then refused (no replica, queue full or timed out) or the client left.
-            self.outcome.status = "error" if isinstance(error, Exception) else "client_cancelled"
-            await asyncio.shield(self.settle())
-            raise
 
     def route_request(self) -> RouteRequest:
         tenant = str(self.principal.tenant_id)
@@ -224,7 +252,7 @@ class Exchange:
         return RouteRequest(
             model=self.base_model,
             tenant=tenant,
-            tier=self.tier,  # type: ignore[arg-type]
+            tier=self.tier,
             prompt_tokens=self.prompt_estimate,
             max_tokens=self.max_tokens,
             request_id=self.request_id,
@@ -234,28 +262,30 @@ class Exchange:
         )
 
     async def _choose_replica(self, exclude: frozenset[str]) -> None:
-        gateway = self.gateway
         request = self.route_request()
-        decision = gateway.choose(request, exclude)
-        if decision.replica is None:
-            raise ApiError(
-                503,
-                f"No replica of '{self.model}' is available right now; retry shortly.",
-                code="no_capacity",
-                headers={"Retry-After": "2"},
+        decision = self.gateway.choose(request, exclude)
+        replica = decision.replica
+        if replica is None:
+            raise _no_capacity(
+                f"No replica of '{self.model}' is available right now; retry shortly."
             )
         if decision.queue_advised:
             # Nothing meets the SLO: wait for capacity in the bounded priority queue.
-            queued_at = time.monotonic()
-            try:
-                decision = await gateway.wait_in_queue(self.tier, request, exclude)
-            finally:
-                self.outcome.queue_s += time.monotonic() - queued_at
-            if decision.replica is None:
-                raise ApiError(503, "No replica is available right now.", code="no_capacity",
-                               headers={"Retry-After": "2"})  # fmt: skip
+            decision, replica = await self._wait_in_queue(request, exclude)
         self.decision = decision
-        self.outcome.replica = gateway.routing.snapshot.endpoints.get(decision.replica.replica_id)
+        self.outcome.replica = self.gateway.endpoint(replica.replica_id)
+
+    async def _wait_in_queue(
+        self, request: RouteRequest, exclude: frozenset[str]
+    ) -> tuple[Decision, ReplicaState]:
+        queued_at = time.monotonic()
+        try:
+            decision = await self.gateway.wait_in_queue(self.tier, request, exclude)
+        finally:
+            self.outcome.queue_s += time.monotonic() - queued_at
+        if decision.replica is None:
+            raise _no_capacity("No replica is available right now.")
+        return decision, decision.replica
 
     # --- the stream --------------------------------------------------------------------------
 
@@ -293,27 +323,27 @@ class Exchange:
         payload["max_tokens"] = max_tokens
         return payload
 
-    async def _open_upstream(self) -> tuple[UpstreamStream, AsyncIterator[dict[str, Any]], Any]:
+    async def _open_upstream(
+        self,
+    ) -> tuple[UpstreamStream, AsyncIterator[dict[str, Any]], dict[str, Any] | None]:
         """Open the replica's stream and wait for its first chunk, retrying once on another
         replica if this one fails before producing anything (connect error, an error status,
         a crash or a silence during prefill). Returns the stream, its chunk iterator and the
         first chunk (None for an empty stream)."""
-        gateway = self.gateway
         tried: set[str] = set()
         for attempt in range(2):
             assert self.decision is not None and self.decision.replica is not None
-            replica = self.decision.replica
-            endpoint = gateway.routing.snapshot.endpoints.get(replica.replica_id)
+            replica_id = self.decision.replica.replica_id
+            endpoint = self.gateway.endpoint(replica_id)
             self.outcome.replica = endpoint
             if endpoint is None:
-                raise ApiError(503, "The chosen replica left the routing table; retry.",
-                               code="no_capacity", headers={"Retry-After": "1"})  # fmt: skip
-            gateway.request_started(replica.replica_id, self.prefill_tokens())
-            self._started_on = replica.replica_id
+                raise _no_capacity("The chosen replica left the routing table; retry.", retry_s=1)
+            self.gateway.request_started(replica_id, self.prefill_tokens())
+            self._started_on = replica_id
             stream: UpstreamStream | None = None
             try:
                 stream = await open_stream(
-                    gateway.session,
+                    self.gateway.session,
                     endpoint.endpoint,
                     self.path,
                     self.upstream_payload(endpoint),
@@ -327,49 +357,67 @@ class Exchange:
                 if stream is not None:
                     stream.close()
                 self._finish_on_replica(first_token_seen=False)
-                not_loaded = error.status == 404
-                refused_gateway = error.status in REPLICA_REFUSALS
-                if not_loaded:
-                    # The engine does not know the name it was sent (vLLM: 404 "The model
-                    # `x` does not exist."): the adapter was unloaded or the replica restarted
-                    # without it, ahead of the routing table. Another replica may serve it;
-                    # this one is healthy, so no verdict for its breaker.
-                    gateway.abandon_probe(replica.replica_id)
-                    gateway.record_not_loaded(endpoint, self.adapter)
-                elif not replica_at_fault(error):
-                    # The engine refused the request itself (e.g. longer than its context):
-                    # the client's doing, not the replica's; no verdict for its breaker.
-                    gateway.abandon_probe(replica.replica_id)
-                    raise refused_by_engine(error) from error
-                else:
-                    gateway.record_failure(endpoint, "refused" if refused_gateway else error.kind)
-                tried.add(replica.replica_id)
-                if not_loaded and (
-                    attempt == 1
-                    or gateway.choose(self.route_request(), frozenset(tried)).replica is None
-                ):
+                tried.add(replica_id)
+                self._refused_before_first_token(error, endpoint, last_try=attempt == 1)
+                if error.status == 404 and not self._served_elsewhere(tried):
                     raise self._not_loaded() from error
-                if attempt == 1 and refused_gateway:
-                    raise ApiError(503, f"No replica of '{self.model}' accepted the request "
-                                   "right now; retry shortly.", code="no_capacity",
-                                   headers={"Retry-After": "2"}) from error  # fmt: skip
-                if attempt == 1:
-                    raise ApiError(502, "The model replica failed; please retry.",
-                                   code="upstream_error", error_type="server_error") from error  # fmt: skip
                 await self._choose_replica(exclude=frozenset(tried))
             except BaseException:
                 # Cancelled (the client left) or a bug while connecting: undo what was taken.
                 if stream is not None:
                     stream.close()
                 self._finish_on_replica(first_token_seen=False)
-                gateway.abandon_probe(replica.replica_id)
+                self.gateway.abandon_probe(replica_id)
                 raise
         raise AssertionError("unreachable")
 
+    def _refused_before_first_token(
+        self, error: UpstreamError, endpoint: ReplicaEndpoint, *, last_try: bool
+    ) -> None:
+        """Give the replica's breaker its verdict on a failure before the first chunk; raise
+        the client's error unless another replica may be tried."""
+        gateway = self.gateway
+        if error.status == 404:
+            # The engine does not know the name it was sent (vLLM: 404 "The model `x` does
+            # not exist."): the adapter was unloaded or the replica restarted without it,
+            # ahead of the routing table. Another replica may serve it; this one is healthy,
+            # so no verdict for its breaker.
+            gateway.abandon_probe(endpoint.replica_id)
+            gateway.record_not_loaded(endpoint, self.adapter)
+            if last_try:
+                raise self._not_loaded() from error
+            return
+        if not replica_at_fault(error):
+            # The engine refused the request itself (e.g. longer than its context): the
+            # client's doing, not the replica's; no verdict for its breaker.
+            gateway.abandon_probe(endpoint.replica_id)
+            raise refused_by_engine(error) from error
+        refused_gateway = error.status in REPLICA_REFUSALS
+        gateway.record_failure(endpoint, "refused" if refused_gateway else error.kind)
+        if last_try and refused_gateway:
+            raise _no_capacity(
+                f"No replica of '{self.model}' accepted the request right now; retry shortly."
+            ) from error
+        if last_try:
+            raise ApiError(
+                502,
+                "The model replica failed; please retry.",
+                code="upstream_error",
+                error_type="server_error",
+            ) from error
+
+    def _served_elsewhere(self, tried: set[str]) -> bool:
+        """Whether a replica not yet tried would take the request (asked of the router)."""
+        return self.gateway.choose(self.route_request(), frozenset(tried)).replica is not None
+
     def _not_loaded(self) -> ApiError:
         # Not the engine's 404: the model exists and the node agent is loading it again.
-        return ApiError(503, f"The model '{self.model}' is not loaded on a replica right now; "
-                        "retry shortly.", code="model_not_loaded", headers={"Retry-After": "2"})  # fmt: skip
+        return ApiError(
+            503,
+            f"The model '{self.model}' is not loaded on a replica right now; retry shortly.",
+            code="model_not_loaded",
+            headers={"Retry-After": "2"},
+        )
 
     def _finish_on_replica(self, *, first_token_seen: bool) -> None:
         """Give back the replica's in-flight count, once per `request_started`."""
@@ -379,80 +427,32 @@ class Exchange:
             )
             self._started_on = None
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """The OpenAI chunks for the client. Settles exactly once in `finally`."""
-        gateway = self.gateway
-        labels = self._labels()
-        last_chunk_at: float | None = None
-        verdict = False
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+        """The OpenAI chunks for the client, then `END_OF_STREAM` once everything is
+        delivered. Settles exactly once in `finally`."""
         try:
-            try:
-                self._upstream, chunks, first = await self._open_upstream()
-            except ApiError as error:
-                self.outcome.status = "upstream_failed" if error.status >= 500 else "error"
-                self.outcome.error = error.message
-                raise
+            chunks, chunk = await self._start_stream()
             labels = self._labels()
             try:
-                pending = [first] if first is not None else []
-                while True:
-                    chunk = pending.pop() if pending else await anext(chunks, None)
-                    if chunk is None:
-                        break
-                    usage = chunk.get("usage")
-                    if usage:
-                        self._take_usage(usage)
-                    choices = chunk.get("choices") or []
-                    if not choices:
-                        continue  # the usage-only chunk; the client gets ours at the end
-                    choice = choices[0]
-                    if choice.get("finish_reason"):
-                        self.outcome.finish_reason = choice["finish_reason"]
-                    if self._has_content(choice):
-                        now = time.monotonic()
-                        if now >= self._renew_lease_at:
-                            self._renew_lease_at = now + gateway.lease_renewal_s
-                            gateway.renew_lease_soon(self.admission)
-                        if self.outcome.first_token_at is None:
-                            self.outcome.first_token_at = now
-                            if self._started_on is not None:
-                                gateway.request_first_token(self._started_on, self.prefill_tokens())
-                            metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(
-                                now - self.started_mono
-                            )
-                        elif last_chunk_at is not None:
-                            metrics.INTER_TOKEN_LATENCY.labels(*labels).observe(now - last_chunk_at)
-                        last_chunk_at = now
-                        self.outcome.completion_tokens += 1 if not usage else 0
-                    yield chunk
+                while chunk is not None:
+                    if self._take_chunk(chunk, labels):
+                        yield chunk
+                    chunk = await anext(chunks, None)
             except UpstreamError as error:
                 # The replica died mid-stream, or its engine sent an error event: the client
                 # gets an error event (the engine's own, if it sent one); what was delivered
                 # is still settled and metered.
-                at_fault = replica_at_fault(error)
-                self.outcome.status = "upstream_failed" if at_fault else "error"
-                self.outcome.error = str(error)
-                if at_fault and self.outcome.replica is not None:
-                    kind = "mid_stream" if error.kind == "stream_broken" else error.kind
-                    gateway.record_failure(self.outcome.replica, kind)
-                    verdict = True
+                self._cut_off(error)
                 if error.kind == "error_event":
                     raise failed_in_engine(error) from error
                 raise
-            if self.outcome.replica is not None:
-                gateway.record_success(self.outcome.replica)
-                verdict = True
-            # Everything is delivered: the transport may finish the response now, and the
-            # settle below (a Redis round trip) no longer delays the client's end of stream.
-            self._complete = True
+            self._delivered()
             yield END_OF_STREAM
         except (asyncio.CancelledError, GeneratorExit):
             if not self._complete:
                 self.outcome.status = "client_cancelled"
             raise
-        except ApiError:
-            raise
-        except UpstreamError:
+        except (ApiError, UpstreamError):
             raise
         except Exception as error:
             self.outcome.status = "error"
@@ -460,14 +460,79 @@ class Exchange:
             log.exception("generation %s failed", self.request_id)
             raise
         finally:
-            if self._upstream is not None:
-                self._upstream.close()
-            if not verdict and self.outcome.replica is not None:
-                # A half-open breaker's probe that ended without a verdict (the client
-                # left) must not keep its replica blocked.
-                gateway.abandon_probe(self.outcome.replica.replica_id)
-            self._finish_on_replica(first_token_seen=self.outcome.first_token_at is not None)
-            await asyncio.shield(self.settle())
+            await self._end_stream()
+
+    async def _start_stream(
+        self,
+    ) -> tuple[AsyncIterator[dict[str, Any]], dict[str, Any] | None]:
+        """The replica's chunk iterator and its first chunk (None for an empty stream)."""
+        try:
+            self._upstream, chunks, first = await self._open_upstream()
+        except ApiError as error:
+            self.outcome.status = "upstream_failed" if error.status >= 500 else "error"
+            self.outcome.error = error.message
+            raise
+        return chunks, first
+
+    def _take_chunk(self, chunk: dict[str, Any], labels: tuple[str, str, str]) -> bool:
+        """Count a chunk's usage, finish reason and token; whether the client gets it (the
+        usage-only chunk it does not: it gets ours at the end)."""
+        usage = chunk.get("usage")
+        if usage:
+            self._take_usage(usage)
+        choices = chunk.get("choices") or []
+        if not choices:
+            return False
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self.outcome.finish_reason = choice["finish_reason"]
+        if self._has_content(choice):
+            self._took_token(labels)
+            self.outcome.completion_tokens += 1 if not usage else 0
+        return True
+
+    def _took_token(self, labels: tuple[str, str, str]) -> None:
+        """A generated token arrived: renew the stream's lease when due, and time it."""
+        now = time.monotonic()
+        if now >= self._renew_lease_at:
+            self._renew_lease_at = now + self.gateway.lease_renewal_s
+            self.gateway.renew_lease_soon(self._reservation())
+        if self.outcome.first_token_at is None:
+            self.outcome.first_token_at = now
+            if self._started_on is not None:
+                self.gateway.request_first_token(self._started_on, self.prefill_tokens())
+            metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(now - self.started_mono)
+        elif self._last_token_at is not None:
+            metrics.INTER_TOKEN_LATENCY.labels(*labels).observe(now - self._last_token_at)
+        self._last_token_at = now
+
+    def _cut_off(self, error: UpstreamError) -> None:
+        """The stream broke after it started: the outcome, and the replica's verdict."""
+        at_fault = replica_at_fault(error)
+        self.outcome.status = "upstream_failed" if at_fault else "error"
+        self.outcome.error = str(error)
+        if at_fault and self.outcome.replica is not None:
+            kind = "mid_stream" if error.kind == "stream_broken" else error.kind
+            self.gateway.record_failure(self.outcome.replica, kind)
+            self._verdict = True
+
+    def _delivered(self) -> None:
+        """Everything is delivered: the transport may finish the response now, and the
+        settle (a Redis round trip) no longer delays the client's end of stream."""
+        if self.outcome.replica is not None:
+            self.gateway.record_success(self.outcome.replica)
+            self._verdict = True
+        self._complete = True
+
+    async def _end_stream(self) -> None:
+        if self._upstream is not None:
+            self._upstream.close()
+        if not self._verdict and self.outcome.replica is not None:
+            # A half-open breaker's probe that ended without a verdict (the client left)
+            # must not keep its replica blocked.
+            self.gateway.abandon_probe(self.outcome.replica.replica_id)
+        self._finish_on_replica(first_token_seen=self.outcome.first_token_at is not None)
+        await asyncio.shield(self.settle())
 
     def _take_usage(self, usage: dict[str, Any]) -> None:
         self.outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
@@ -511,6 +576,18 @@ class Exchange:
             outcome.prompt_tokens = self.prompt_estimate if self._accepted else 0
         ended = time.time()
         total_s = time.monotonic() - self.started_mono
+        self._observe_settled(total_s)
+        replica = outcome.replica
+        await self.gateway.settle(
+            self.usage_event(ended_at=ended, total_ms=total_s * 1000),
+            self._reservation(),
+            rollout_deployment_id=(
+                replica.deployment_id if replica is not None and self._accepted else None
+            ),
+        )
+
+    def _observe_settled(self, total_s: float) -> None:
+        outcome = self.outcome
         labels = self._labels()
         metrics.REQUEST_TIME.labels(*labels).observe(total_s)
         metrics.QUEUE_TIME.labels(*labels).observe(outcome.queue_s)
@@ -518,9 +595,54 @@ class Exchange:
         slug = self.principal.tenant_slug
         metrics.TOKENS.labels(slug, self.model, "prompt").inc(outcome.prompt_tokens)
         metrics.TOKENS.labels(slug, self.model, "completion").inc(outcome.completion_tokens)
+
+    def usage_event(self, *, ended_at: float, total_ms: float) -> UsageEvent:
+        """The usage event that bills this request (what the gateway's settle writes)."""
+        outcome = self.outcome
+        principal = self.principal
+        replica = outcome.replica
         ttft_ms = (
             (outcome.first_token_at - self.started_mono) * 1000
             if outcome.first_token_at is not None
             else None
         )
-        await self.gateway.settle(self, ended_at=ended, total_ms=total_s * 1000, ttft_ms=ttft_ms)
+        charged = self.gateway.price(
+            self.base_model,
+            self.adapter,
+            self.tier,
+            principal.tenant_id,
+            self.started_at,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_prompt_tokens=outcome.cached_prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+        )
+        return UsageEvent(
+            request_id=self.request_id,
+            tenant_id=principal.tenant_id,
+            key_id=principal.key_id,
+            model=self.model,
+            version_id=int(replica.version_id) if replica and replica.version_id else None,
+            adapter=self.adapter or "",
+            deployment_id=int(replica.deployment_id) if replica else None,
+            pool=replica.pool if replica else "",
+            replica_id=replica.replica_id if replica else "",
+            priority=self.tier,
+            prompt_tokens=outcome.prompt_tokens,
+            cached_prompt_tokens=outcome.cached_prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            status=outcome.status,
+            finish_reason=outcome.finish_reason or "",
+            queue_ms=outcome.queue_s * 1000,
+            ttft_ms=ttft_ms,
+            total_ms=total_ms,
+            started_at=self.started_at,
+            ended_at=ended_at,
+            price_charged_usd_micros=charged,
+        )
+
+    def _reservation(self) -> Reservation | None:
+        return self.admission.reservation if self.admission is not None else None
+
+
+def _no_capacity(message: str, *, retry_s: int = 2) -> ApiError:
+    return ApiError(503, message, code="no_capacity", headers={"Retry-After": str(retry_s)})

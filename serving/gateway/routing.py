@@ -287,7 +287,7 @@ class RoutingCache:
                 await asyncio.sleep(1.0)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
 
     async def _poll(self) -> None:
         # Telemetry every interval; the table too, in case an update message was missed.

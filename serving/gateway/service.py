@@ -13,10 +13,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import NoScriptError, RedisError
 
 from metering.pricing import PRICE_BOOK_KEY, PriceBook, PriceNotFound, charge_usd_micros
@@ -33,12 +33,13 @@ from serving.router import (
     AdmissionQueue,
     CircuitBreaker,
     Decision,
+    Policy,
     QueueFull,
     RouterConfig,
     RouteRequest,
 )
-from tenants.keys import DatabaseLoader, KeyAuthenticator
-from tenants.limiter import LimiterUnavailable, RateLimiter
+from tenants.keys import DatabaseLoader, KeyAuthenticator, KeyPrincipal
+from tenants.limiter import Admission, LimiterUnavailable, RateLimiter, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class Gateway:
         self._adapter_misses: dict[tuple[str, str], float] = {}
         self.spool = UsageSpool(config.spool_path)
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment]  # set in start
-        self._policy: Any = None
+        self._policy: Policy | None = None
         self._policy_version = -1
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
@@ -165,20 +166,31 @@ class Gateway:
 
     # --- admit ---------------------------------------------------------------------------
 
-    async def admit(self, exchange: Any) -> Any:
-        principal = exchange.principal
+    async def admit(
+        self,
+        principal: KeyPrincipal,
+        *,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        stream: bool,
+    ) -> Admission:
         try:
             admission = await self.limiter.admit(
                 principal,
-                request_id=exchange.request_id,
-                prompt_tokens=exchange.prompt_estimate,
-                max_tokens=exchange.max_tokens,
-                stream=exchange.streams,
+                request_id=request_id,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                stream=stream,
             )
         except LimiterUnavailable as error:
-            raise ApiError(503, str(error), code="limiter_unavailable",
-                           error_type="service_unavailable_error",
-                           headers={"Retry-After": "2"}) from error  # fmt: skip
+            raise ApiError(
+                503,
+                str(error),
+                code="limiter_unavailable",
+                error_type="service_unavailable_error",
+                headers={"Retry-After": "2"},
+            ) from error
         if admission.allowed:
             return admission
         if admission.error == "insufficient_quota":
@@ -196,6 +208,21 @@ class Gateway:
             429, message, code=admission.error or "rate_limit_exceeded", headers=admission.headers
         )
 
+    # --- reference data --------------------------------------------------------------------
+
+    @property
+    def default_max_tokens(self) -> int:
+        return self.config.default_max_tokens
+
+    def resolve_model(self, name: str, principal: KeyPrincipal) -> tuple[str, str | None] | None:
+        return self.catalog.resolve(name, principal)
+
+    def is_deployed(self, base_model: str) -> bool:
+        return base_model in self.routing.snapshot.served_models
+
+    def endpoint(self, replica_id: str) -> ReplicaEndpoint | None:
+        return self.routing.snapshot.endpoints.get(replica_id)
+
     # --- route ---------------------------------------------------------------------------
 
     def check_loaded(self) -> None:
@@ -211,7 +238,7 @@ class Gateway:
             headers={"Retry-After": "2"},
         )
 
-    def policy(self) -> Any:
+    def policy(self) -> Policy:
         snapshot = self.routing.snapshot
         if (
             self._policy is None
@@ -299,16 +326,15 @@ class Gateway:
     def lease_renewal_s(self) -> float:
         return self.limiter.lease_ttl_s / 2
 
-    def renew_lease_soon(self, admission: Any) -> None:
+    def renew_lease_soon(self, reservation: Reservation | None) -> None:
         """Renew a long stream's concurrency lease in the background (off the token path)."""
-        reservation = admission.reservation if admission is not None else None
         if reservation is None or reservation.degraded or not reservation.lease_keys:
             return
         task = asyncio.create_task(self._renew(reservation))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _renew(self, reservation: Any) -> None:
+    async def _renew(self, reservation: Reservation) -> None:
         try:
             await self.limiter.renew_lease(reservation)
         except (RedisError, OSError, TimeoutError) as error:
@@ -375,83 +401,64 @@ class Gateway:
 
     # --- settle --------------------------------------------------------------------------
 
-    def price(self, exchange: Any, at: float) -> int:
-        outcome = exchange.outcome
+    def price(
+        self,
+        model: str,
+        adapter: str | None,
+        tier: str,
+        tenant_id: int,
+        at: float,
+        *,
+        prompt_tokens: int,
+        cached_prompt_tokens: int,
+        completion_tokens: int,
+    ) -> int:
         try:
-            price = self.price_book.price_for(
-                exchange.base_model, exchange.adapter, exchange.tier,
-                exchange.principal.tenant_id, at,
-            )  # fmt: skip
+            price = self.price_book.price_for(model, adapter, tier, tenant_id, at)
         except PriceNotFound:
             return 0
-        return charge_usd_micros(
-            price, outcome.prompt_tokens, outcome.cached_prompt_tokens, outcome.completion_tokens
-        )
+        return charge_usd_micros(price, prompt_tokens, cached_prompt_tokens, completion_tokens)
 
     async def settle(
-        self, exchange: Any, *, ended_at: float, total_ms: float, ttft_ms: float | None
+        self,
+        event: UsageEvent,
+        reservation: Reservation | None,
+        *,
+        rollout_deployment_id: str | None,
     ) -> None:
         """ONE Redis round trip: limiter refund/charge and slot release, the usage event,
         the rollout counters. If Redis refuses, the usage event goes to the local spool and
         the limiter's settle waits in memory; both are sent again once Redis is back."""
-        outcome = exchange.outcome
-        principal = exchange.principal
-        replica = outcome.replica
-        charged = self.price(exchange, exchange.started_at)
-        event = UsageEvent(
-            request_id=exchange.request_id,
-            tenant_id=principal.tenant_id,
-            key_id=principal.key_id,
-            model=exchange.model,
-            version_id=int(replica.version_id) if replica and replica.version_id else None,
-            adapter=exchange.adapter or "",
-            deployment_id=int(replica.deployment_id) if replica else None,
-            pool=replica.pool if replica else "",
-            replica_id=replica.replica_id if replica else "",
-            priority=exchange.tier,
-            prompt_tokens=outcome.prompt_tokens,
-            cached_prompt_tokens=outcome.cached_prompt_tokens,
-            completion_tokens=outcome.completion_tokens,
-            status=outcome.status,  # type: ignore[arg-type]
-            finish_reason=outcome.finish_reason or "",
-            queue_ms=outcome.queue_s * 1000,
-            ttft_ms=ttft_ms,
-            total_ms=total_ms,
-            started_at=exchange.started_at,
-            ended_at=ended_at,
-            price_charged_usd_micros=charged,
-        )
-        pipeline = await self._settle_pipeline(exchange, event, ttft_ms, total_ms, charged)
+        pipeline = await self._settle_pipeline(event, reservation, rollout_deployment_id)
         try:
             await pipeline.execute()
         except NoScriptError:
             # Redis restarted and lost the settle script. Every other command of the pipeline
             # ran; load the script and send the limiter's settle again, alone.
-            await self._settle_limiter_again(exchange, charged)
+            await self._settle_limiter_again(event, reservation)
         except (RedisError, OSError, TimeoutError) as error:
-            log.error(
-                "settle of %s could not reach Redis (%s); spooling", exchange.request_id, error
-            )
+            log.error("settle of %s could not reach Redis (%s); spooling", event.request_id, error)
             metrics.SPOOLED_EVENTS.inc()
             # The refund and the stream slot are retried (idempotently: the pipeline may have
             # run in part) rather than left to the lease's expiry.
-            self._defer_limiter_settle(exchange, charged)
+            self._defer_limiter_settle(event, reservation)
             await self.spool.append_async(event)
-        self.authenticator.touch(principal.key_id)
+        if event.key_id is not None:
+            self.authenticator.touch(event.key_id)
 
-    def _defer_limiter_settle(self, exchange: Any, charged: int) -> None:
-        reservation = exchange.admission.reservation if exchange.admission else None
+    def _defer_limiter_settle(self, event: UsageEvent, reservation: Reservation | None) -> None:
         if reservation is None:
             return
         self.limiter.defer_settle(
             reservation,
-            prompt_tokens=exchange.outcome.prompt_tokens,
-            completion_tokens=exchange.outcome.completion_tokens,
-            charged_usd_micros=charged,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            charged_usd_micros=event.price_charged_usd_micros,
         )
 
-    async def _settle_limiter_again(self, exchange: Any, charged: int) -> None:
-        reservation = exchange.admission.reservation if exchange.admission else None
+    async def _settle_limiter_again(
+        self, event: UsageEvent, reservation: Reservation | None
+    ) -> None:
         if reservation is None or reservation.degraded:
             return
         try:
@@ -460,47 +467,49 @@ class Gateway:
             await self.limiter.settle_commands(
                 pipeline,
                 reservation,
-                prompt_tokens=exchange.outcome.prompt_tokens,
-                completion_tokens=exchange.outcome.completion_tokens,
-                charged_usd_micros=charged,
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                charged_usd_micros=event.price_charged_usd_micros,
             )
             await pipeline.execute()
         except (RedisError, OSError, TimeoutError) as error:
             # The usage event, which bills, was written; the refund is retried later.
-            log.error("limiter settle of %s failed again: %s", exchange.request_id, error)
-            self._defer_limiter_settle(exchange, charged)
+            log.error("limiter settle of %s failed again: %s", event.request_id, error)
+            self._defer_limiter_settle(event, reservation)
 
     async def _settle_pipeline(
-        self, exchange: Any, event: UsageEvent, ttft_ms: float | None, total_ms: float,
-        charged: int,
-    ) -> Any:  # fmt: skip
-        outcome = exchange.outcome
-        replica = outcome.replica
+        self, event: UsageEvent, reservation: Reservation | None, rollout_deployment_id: str | None
+    ) -> Pipeline:
         pipeline = self.redis.pipeline(transaction=False)
-        reservation = exchange.admission.reservation if exchange.admission else None
         if reservation is not None and not reservation.degraded:
             await self.limiter.settle_commands(
                 pipeline,
                 reservation,
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-                charged_usd_micros=charged,
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                charged_usd_micros=event.price_charged_usd_micros,
             )
         add_usage_event(pipeline, event)
-        if replica is not None and exchange.accepted:
-            tpot_s = None
-            if ttft_ms is not None and outcome.completion_tokens > 1:
-                tpot_s = (total_ms - ttft_ms) / 1000 / (outcome.completion_tokens - 1)
-            add_request(
-                pipeline,
-                replica.deployment_id,
-                ok=outcome.status in ("ok", "client_cancelled"),
-                ttft_s=None if ttft_ms is None else ttft_ms / 1000,
-                tpot_s=tpot_s,
-                output_tokens=outcome.completion_tokens,
-                finish_reason=outcome.finish_reason,
-            )
+        if rollout_deployment_id is not None:
+            _count_for_rollout(pipeline, rollout_deployment_id, event)
         return pipeline
+
+
+def _count_for_rollout(pipeline: Pipeline, deployment_id: str, event: UsageEvent) -> None:
+    """The request's counters for its deployment's rollout (registry.rollout_metrics)."""
+    ttft_ms, completion_tokens = event.ttft_ms, event.completion_tokens
+    tpot_s = None
+    if ttft_ms is not None and completion_tokens > 1:
+        tpot_s = (event.total_ms - ttft_ms) / 1000 / (completion_tokens - 1)
+    add_request(
+        pipeline,
+        deployment_id,
+        ok=event.status in ("ok", "client_cancelled"),
+        ttft_s=None if ttft_ms is None else ttft_ms / 1000,
+        tpot_s=tpot_s,
+        output_tokens=completion_tokens,
+        finish_reason=event.finish_reason or None,
+    )
 
 
 _gateway: Gateway | None = None
