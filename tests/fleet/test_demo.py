@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 
 from registry.models import Adapter, Deployment, Model, ModelVersion, Visibility
 from serving import demo
@@ -125,3 +127,17 @@ def test_the_tiny_model_is_seeded_public_on_the_cpu_pool_once(
         demo.TINY_ENGINE_ARGS,
     )
     assert Deployment.objects.count() == 1
+
+
+def test_the_whole_demo_seeds_in_order_and_a_second_run_changes_no_row(
+    gpu_classes: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any
+) -> None:
+    monkeypatch.setenv("PLATFORM_VAR_DIR", str(tmp_path))
+    call_command("seed_demo", stdout=StringIO())
+    first = _fleet_rows()
+    call_command("seed_demo", stdout=StringIO())
+    assert _fleet_rows() == first
+    # The registry's demo ran first: its catalogue, and the fleet's deployments on its v1s.
+    assert Model.objects.count() == len(load_model_specs())
+    assert len(first["deployments"]) == len(demo.DEMO_DEPLOYMENTS)
+    assert Adapter.objects.filter(owner_tenant__slug="acme").count() == 1
