@@ -9,12 +9,12 @@ records the request's prefix against the chosen replica.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from serving.router.canary import deployments_in_order
 from serving.router.contracts import (
-    PROMPT_RATE_WINDOW_S,
     Decision,
     Reason,
     ReplicaPerf,
@@ -24,11 +24,12 @@ from serving.router.contracts import (
     SloTier,
 )
 from serving.router.index import LoadBuckets, ReplicaGroup, ReplicaSet, RouterState
-from serving.router.predict import Prediction, is_candidate, predict
+from serving.router.predict import Prediction, RequestPredictor, is_candidate, predict
 
 
 class Policy(Protocol):
     name: str
+    state: RouterState
 
     def choose(self, request: RouteRequest, now: float) -> Decision: ...
 
@@ -302,30 +303,36 @@ def _can_meet_when_idle(
 # None where the prediction was deferred: the replica provably misses the TPOT objective,
 # so its prediction matters only if nothing meets the SLO (see CostAware._pick).
 _Option = tuple[float, float | None, float | None, ReplicaState, Reason, int, bool]
-_RANK, _TTFT, _TPOT, _REPLICA, _REASON, _BLOCKS, _MEETS = range(7)
+_RANK: Final = 0
+_TTFT: Final = 1
+_TPOT: Final = 2
+_REPLICA: Final = 3
+_REASON: Final = 4
+_BLOCKS: Final = 5
+_MEETS: Final = 6
 
 
 class CostAware:
     """The cheapest replica whose predicted TTFT and TPOT are within `slo_margin` of the
     request's SLO tier.
 
-    Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x
-    TTFT headroom left on the holder - adapter_bonus if the adapter is loaded). Candidates: every replica holding the
-    prefix, a few holding the adapter, and per group (cheapest first, stopping once a
-    group cannot beat the best price found, and skipping groups too slow to meet the SLO
-    even when idle) all members of a small group or `samples_per_group` random ones of a
-    large group. Among candidates within
-    `near_tie_fraction` of the cheapest, two are drawn and the lower predicted TTFT wins.
+    Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x TTFT
+    headroom left on the holder - adapter_bonus if the adapter is loaded). Candidates: every
+    replica holding the prefix, a few holding the adapter, and per group (cheapest first,
+    stopping once a group cannot beat the best price found, and skipping groups too slow to
+    meet the SLO even when idle) all members of a small group or `samples_per_group` random
+    ones of a large group. Among candidates within `near_tie_fraction` of the cheapest, two
+    are drawn and the lower predicted TTFT wins.
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
     request of a looser tier than the tightest takes the cheapest replica missing by at
     most that factor, when there is one (`yield_to_tighter_tiers`).
 
-    The hot loop computes `predict`'s TTFT and TPOT inline (same expressions in the same
-    order, so the same floats) and skips the prediction of a candidate that cannot change
-    the decision: one ranked above the near-tie limit of a price that already meets, or
-    one whose decode step alone misses the TPOT objective once something meets. The
-    decision itself carries `predict`'s own figures for the chosen replica.
+    The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
+    (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
+    cannot change the decision: one ranked above the near-tie limit of a price that already
+    meets, or one whose decode step alone misses the TPOT objective once something meets.
+    The decision itself carries `predict`'s figures for the chosen replica.
     """
 
     name = "cost_aware"
@@ -348,11 +355,9 @@ class CostAware:
         )
         tier = self.config.tier(request.tier)
         for deployment in deployments_in_order(route, request):
-            options, best_meeting = self._options(
-                deployment.deployment_id, request, now, tier, matches
-            )
-            if options:
-                return self._pick(options, best_meeting, request, now, tier)
+            candidates = self._options(deployment.deployment_id, request, now, tier, matches)
+            if candidates.options:
+                return self._pick(candidates, request, tier)
         return _no_route(request, state, self.name)
 
     def _options(
@@ -362,176 +367,59 @@ class CostAware:
         now: float,
         tier: SloTier,
         matches: dict[str, int],
-    ) -> tuple[list[_Option], float]:
-        """Candidate options and the lowest ranking price among those meeting the SLO."""
-        state, config = self.state, self.config
-        options: list[_Option] = []
-        append = options.append
-        seen: set[str] = set()
-        best_meeting = math.inf
-        total_blocks = len(request.prefix_hashes)
-        adapter = request.adapter
-        allowed = request.allowed_regions
-        prompt_tokens = request.prompt_tokens
-        # Accept only predictions inside the safety margin of the objective.
-        margin = config.slo_margin
-        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * margin
-        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
-        # Config and request constants of is_candidate and predict, looked up once.
-        dead_after_s = config.dead_after_s
-        stale_after_s = config.stale_after_s
-        stale_penalty = config.stale_penalty
-        block_tokens = config.prefix_block_tokens
-        queued_tokens = config.assumed_queued_prompt_tokens
-        adapter_load_s = config.adapter_load_s
-        max_share = config.max_prefill_share
-        watermark = config.kv_high_watermark
-        kv_inflation = config.kv_inflation
-        prefix_bonus = config.prefix_bonus
-        adapter_bonus = config.adapter_bonus
-        near_tie = 1.0 + config.near_tie_fraction
-        uncached_tokens = prompt_tokens if prompt_tokens >= 1 else 1
-        uncached_rate = uncached_tokens / PROMPT_RATE_WINDOW_S
-        # The decode step bounds TPOT from below only while the prefill share is in [0, 1)
-        # and the KV and staleness factors are at least 1.
-        step_bounds_tpot = (
-            tpot_limit != math.inf
-            and max_share < 1.0
-            and kv_inflation >= 0.0
-            and stale_penalty >= 1.0
-        )
-        exp = math.exp
+    ) -> _Candidates:
+        """The deployment's candidate options, and the lowest ranking price among those
+        meeting the SLO."""
+        candidates = _Candidates(request, now, self.config, tier, matches)
+        self._consider_holders(deployment_id, request, matches, candidates)
+        self._consider_groups(deployment_id, request, candidates)
+        return candidates
 
-        def consider(replica: ReplicaState) -> bool:
-            nonlocal best_meeting
-            replica_id = replica.replica_id
-            if replica_id in seen:
-                return False
-            seen.add(replica_id)
-            # is_candidate, inline.
-            if not replica.healthy or replica.breaker_open_until > now:
-                return False
-            telemetry_age = now - replica.telemetry_at
-            if telemetry_age > dead_after_s:
-                return False
-            if allowed is not None and replica.region not in allowed:
-                return False
-            perf = replica.perf
-            if prompt_tokens > perf.kv_capacity_tokens:
-                return False
-            adapters_loaded = replica.adapters_loaded
-            if adapter is not None and replica.max_loras <= 0 and adapter not in adapters_loaded:
-                return False
-
-            blocks = matches.get(replica_id, 0)
-            discount = 1.0
-            reason = Reason.CHEAPEST_MEETING_SLO
-            if adapter is not None and adapter in adapters_loaded:
-                discount -= adapter_bonus
-                reason = Reason.ADAPTER_AFFINITY
-            if (
-                not blocks
-                and near_tie >= 1.0
-                and best_meeting * near_tie < replica.price_per_hour * discount
-            ):
-                return True  # ranks above the near-tie limit whatever it predicts
-
-            # predict, inline: keep it in step with predict.py (tests compare the two).
-            inflight = replica.inflight
-            waiting = replica.waiting
-            load = replica.running + waiting
-            if inflight > load:
-                load = inflight
-            batch = load if load < perf.max_num_seqs else perf.max_num_seqs
-            decode_step = perf.decode_base_s + perf.decode_s_per_seq * (batch + 1)
-            if (
-                decode_step > tpot_limit
-                and step_bounds_tpot
-                and perf.prefill_s_per_token >= 0.0
-                and replica.prompt_rate >= 0.0
-            ):
-                # Misses TPOT whatever else it predicts: needed only if nothing meets.
-                if best_meeting == math.inf:
-                    append((math.inf, None, None, replica, reason, blocks, False))
-                return True
-            if blocks:
-                new_tokens = prompt_tokens - blocks * block_tokens
-                if new_tokens < 1:
-                    new_tokens = 1
-                new_rate = new_tokens / PROMPT_RATE_WINDOW_S
-            else:
-                new_tokens, new_rate = uncached_tokens, uncached_rate
-            per_token = perf.prefill_s_per_token
-            ahead = replica.prefill_pending_tokens
-            if waiting > inflight:
-                ahead += (waiting - inflight) * queued_tokens
-            to_prefill = ahead + new_tokens
-            steps = 1 + to_prefill // perf.max_num_batched_tokens
-            ttft = steps * perf.prefill_base_s + per_token * to_prefill
-            if batch:
-                ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
-            if adapter is not None and adapter not in adapters_loaded:
-                ttft += adapter_load_s
-            rate = replica.prompt_rate
-            if rate:
-                elapsed = now - replica.prompt_rate_at
-                if not elapsed <= 0.0:
-                    rate = rate * exp(-elapsed / PROMPT_RATE_WINDOW_S)
-            share = per_token * (rate + new_rate)
-            if share > max_share:
-                share = max_share
-            tpot = decode_step / (1.0 - share)
-            factor = 1.0
-            kv_usage = replica.kv_usage
-            if kv_usage > watermark:
-                over = (kv_usage - watermark) / (1.0 - watermark)
-                factor += kv_inflation * min(over, 1.0)
-            if telemetry_age > stale_after_s:
-                factor *= stale_penalty
-            ttft *= factor
-            tpot *= factor
-
-            if blocks:
-                # Worth less the closer the holder already is to the objective.
-                headroom = 1.0 - ttft / ttft_limit
-                if headroom > 0.0:
-                    discount -= prefix_bonus * headroom * blocks / total_blocks
-                reason = Reason.PREFIX_AFFINITY
-            rank_price = replica.price_per_hour * discount
-            meets = ttft <= ttft_limit and tpot <= tpot_limit
-            if meets and rank_price < best_meeting:
-                best_meeting = rank_price
-            append((rank_price, ttft, tpot, replica, reason, blocks, meets))
-            return True
-
+    def _consider_holders(
+        self,
+        deployment_id: str,
+        request: RouteRequest,
+        matches: dict[str, int],
+        candidates: _Candidates,
+    ) -> None:
+        """Every replica of the deployment holding the prefix, and a few holding the adapter."""
+        state = self.state
         for replica_id in matches:
             holder = state.replica(replica_id)
             if holder is not None and holder.deployment_id == deployment_id:
-                consider(holder)
-        if adapter is not None:
-            holders = state.with_adapter(deployment_id, adapter)
+                candidates.consider(holder)
+        if request.adapter is not None:
+            holders = state.with_adapter(deployment_id, request.adapter)
             if holders:
-                self._draw(holders.items, consider)
+                self._draw(holders.items, candidates.consider)
 
+    def _consider_groups(
+        self, deployment_id: str, request: RouteRequest, candidates: _Candidates
+    ) -> None:
+        """Per group, cheapest first, until no group can beat or tie the best price found;
+        groups too slow to meet the SLO even when idle only if nothing meets it."""
+        near_tie = 1.0 + self.config.near_tie_fraction
         # A group member without the prefix ranks at least this fraction of its price.
-        floor = 1.0 - (adapter_bonus if adapter is not None else 0.0)
+        floor = 1.0 - (self.config.adapter_bonus if request.adapter is not None else 0.0)
+        allowed = request.allowed_regions
         hopeless: list[ReplicaGroup] = []
-        for group in state.groups(deployment_id):
-            if best_meeting * near_tie < group.price_per_hour * floor:
+        for group in self.state.groups(deployment_id):
+            if candidates.best_meeting * near_tie < group.price_per_hour * floor:
                 break  # groups are sorted by price: no later one can win or tie
             if allowed is not None and group.region not in allowed:
                 continue
-            if not _can_meet_when_idle(group.perf, request, ttft_limit, tpot_limit):
+            if not _can_meet_when_idle(
+                group.perf, request, candidates.ttft_limit, candidates.tpot_limit
+            ):
                 hopeless.append(group)
                 continue
-            self._draw(group.live.items, consider)
-        if best_meeting == math.inf:
+            self._draw(group.live.items, candidates.consider)
+        if candidates.best_meeting == math.inf:
             # Nothing meets: the least bad may still be on hardware too slow even when idle.
             for group in hopeless:
-                self._draw(group.live.items, consider)
-        return options, best_meeting
+                self._draw(group.live.items, candidates.consider)
 
-    def _draw(self, members: list[ReplicaState], consider: _Consider) -> None:
+    def _draw(self, members: list[ReplicaState], consider: Callable[[ReplicaState], bool]) -> None:
         if len(members) <= self.config.full_scan_max:
             for replica in members:
                 consider(replica)
@@ -548,14 +436,9 @@ class CostAware:
                 if not wanted:
                     return
 
-    def _pick(
-        self,
-        options: list[_Option],
-        best_meeting: float,
-        request: RouteRequest,
-        now: float,
-        tier: SloTier,
-    ) -> Decision:
+    def _pick(self, candidates: _Candidates, request: RouteRequest, tier: SloTier) -> Decision:
+        options, best_meeting = candidates.options, candidates.best_meeting
+        predictor = candidates.predictor
         if best_meeting != math.inf:
             limit = best_meeting * (1.0 + self.config.near_tie_fraction)
             ties = [option for option in options if option[_MEETS] and option[_RANK] <= limit]
@@ -567,11 +450,11 @@ class CostAware:
                 second = (first + 1 + randrange(len(ties) - 1)) % len(ties)
                 a, b = ties[first], ties[second]
                 chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
-            return self._decision(chosen, chosen[_REASON], request, now, queue_advised=False)
+            return self._decision(chosen, chosen[_REASON], request, predictor, queue_advised=False)
         # A deferred option's rank is a placeholder (infinity): rank it by its price.
         scored = [
             (
-                self._violation(option, request, now, tier),
+                self._violation(option, predictor, tier),
                 option[_RANK] if option[_TTFT] is not None else option[_REPLICA].price_per_hour,
                 option,
             )
@@ -584,15 +467,13 @@ class CostAware:
             within = [triple for triple in scored if triple[0] <= tolerable]
             if within:
                 _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))
-                return self._decision(chosen, Reason.LEAST_BAD, request, now, queue_advised=False)
+                return self._decision(
+                    chosen, Reason.LEAST_BAD, request, predictor, queue_advised=False
+                )
         # The smallest miss; between equal misses, the cheaper replica.
         violation, _, chosen = min(scored, key=lambda triple: (triple[0], triple[1]))
         return self._decision(
-            chosen,
-            Reason.LEAST_BAD,
-            request,
-            now,
-            queue_advised=violation > tolerable,
+            chosen, Reason.LEAST_BAD, request, predictor, queue_advised=violation > tolerable
         )
 
     def _yields(self, tier: SloTier) -> bool:
@@ -601,12 +482,11 @@ class CostAware:
             return False
         return tier.ttft_s is None or tier.ttft_s > self._tightest_ttft_s
 
-    def _violation(
-        self, option: _Option, request: RouteRequest, now: float, tier: SloTier
-    ) -> float:
+    @staticmethod
+    def _violation(option: _Option, predictor: RequestPredictor, tier: SloTier) -> float:
         ttft, tpot = option[_TTFT], option[_TPOT]
         if ttft is None or tpot is None:  # deferred: it misses, but by how much?
-            prediction = predict(option[_REPLICA], request, now, self.config, option[_BLOCKS])
+            prediction = predictor.predict(option[_REPLICA], option[_BLOCKS])
             ttft, tpot = prediction.ttft_s, prediction.tpot_s
         return _slo_violation(ttft, tpot, tier)
 
@@ -615,7 +495,7 @@ class CostAware:
         option: _Option,
         reason: Reason,
         request: RouteRequest,
-        now: float,
+        predictor: RequestPredictor,
         *,
         queue_advised: bool,
     ) -> Decision:
@@ -624,8 +504,8 @@ class CostAware:
             self.state.prefix_index.record(
                 request.tenant, request.prefix_hashes, replica.replica_id
             )
-        # The hot loop's inline figures equal predict's; the cost it never computed.
-        prediction = predict(replica, request, now, self.config, blocks)
+        # The hot loop's figures are these; the cost it never computed.
+        prediction = predictor.predict(replica, blocks)
         return Decision(
             replica,
             reason,
@@ -640,8 +520,106 @@ class CostAware:
         )
 
 
-class _Consider(Protocol):
-    def __call__(self, replica: ReplicaState) -> bool: ...
+class _Candidates:
+    """One deployment's options for one request, as `CostAware._options` collects them.
+
+    `consider` is the hot loop: `is_candidate`'s filters, the affinity discounts, and
+    `RequestPredictor`'s TTFT and TPOT, skipping the prediction of a candidate that cannot
+    change the decision: one whose price ranks above the near-tie limit of a price that
+    already meets, or one whose decode step alone misses the TPOT objective (deferred, kept
+    only while nothing meets). `best_meeting` is the lowest ranking price meeting the SLO.
+    """
+
+    __slots__ = (
+        "adapter",
+        "best_meeting",
+        "config",
+        "matches",
+        "near_tie",
+        "now",
+        "options",
+        "predictor",
+        "request",
+        "seen",
+        "total_blocks",
+        "tpot_limit",
+        "ttft_limit",
+    )
+
+    def __init__(
+        self,
+        request: RouteRequest,
+        now: float,
+        config: RouterConfig,
+        tier: SloTier,
+        matches: dict[str, int],
+    ) -> None:
+        self.request = request
+        self.now = now
+        self.config = config
+        self.matches = matches
+        self.predictor = RequestPredictor(request, now, config)
+        self.options: list[_Option] = []
+        self.seen: set[str] = set()
+        self.best_meeting = math.inf
+        self.adapter = request.adapter
+        self.total_blocks = len(request.prefix_hashes)
+        # Accept only predictions inside the safety margin of the objective.
+        margin = config.slo_margin
+        self.ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * margin
+        self.tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
+        self.near_tie = 1.0 + config.near_tie_fraction
+
+    def consider(self, replica: ReplicaState) -> bool:
+        """Whether the replica was a candidate not seen before (its option then added,
+        unless it cannot change the decision)."""
+        replica_id = replica.replica_id
+        if replica_id in self.seen:
+            return False
+        self.seen.add(replica_id)
+        if not is_candidate(replica, self.request, self.now, self.config):
+            return False
+        blocks = self.matches.get(replica_id, 0)
+        adapter = self.adapter
+        if adapter is not None and adapter in replica.adapters_loaded:
+            discount, reason = 1.0 - self.config.adapter_bonus, Reason.ADAPTER_AFFINITY
+        else:
+            discount, reason = 1.0, Reason.CHEAPEST_MEETING_SLO
+        near_tie = self.near_tie
+        if (
+            not blocks
+            and near_tie >= 1.0
+            and self.best_meeting * near_tie < replica.price_per_hour * discount
+        ):
+            return True  # ranks above the near-tie limit whatever it predicts
+        predictor = self.predictor
+        new_tokens = predictor.new_tokens(blocks) if blocks else predictor.uncached_tokens
+        terms = predictor.latency(replica, new_tokens, self.tpot_limit)
+        if terms is None:
+            # Its decode step alone misses TPOT: needed only if nothing meets, and predicted
+            # then (CostAware._violation).
+            if self.best_meeting == math.inf:
+                self.options.append((math.inf, None, None, replica, reason, blocks, False))
+            return True
+        ttft, tpot, factor, _ = terms
+        ttft *= factor
+        tpot *= factor
+        if blocks:
+            discount -= self._prefix_discount(ttft, blocks)
+            reason = Reason.PREFIX_AFFINITY
+        rank_price = replica.price_per_hour * discount
+        meets = ttft <= self.ttft_limit and tpot <= self.tpot_limit
+        if meets and rank_price < self.best_meeting:
+            self.best_meeting = rank_price
+        self.options.append((rank_price, ttft, tpot, replica, reason, blocks, meets))
+        return True
+
+    def _prefix_discount(self, ttft: float, blocks: int) -> float:
+        """The prefix holder's discount: worth less the closer it is to the objective."""
+        headroom = 1.0 - ttft / self.ttft_limit
+        if headroom > 0.0:
+            return self.config.prefix_bonus * headroom * blocks / self.total_blocks
+        return 0.0
 
 
 POLICIES: dict[str, type[RoundRobin | LeastLoad | WeightedScorer | CostAware]] = {

@@ -48,10 +48,6 @@ class Prediction(NamedTuple):
     cost_usd: float
 
 
-def replica_load(replica: ReplicaState) -> int:
-    return max(replica.running + replica.waiting, replica.inflight)
-
-
 def decayed_rate(replica: ReplicaState, now: float) -> float:
     """The replica's prompt tokens per second, decayed from its last update to `now`."""
     elapsed = now - replica.prompt_rate_at
@@ -67,46 +63,121 @@ def predict(
     config: RouterConfig,
     cached_blocks: int = 0,
 ) -> Prediction:
-    perf = replica.perf
-    inflight = replica.inflight
-    load = replica.running + replica.waiting
-    if inflight > load:
-        load = inflight
-    batch = load if load < perf.max_num_seqs else perf.max_num_seqs
-    new_tokens = request.prompt_tokens - cached_blocks * config.prefix_block_tokens
-    if new_tokens < 1:
-        new_tokens = 1
-    per_token = perf.prefill_s_per_token
+    return RequestPredictor(request, now, config).predict(replica, cached_blocks)
 
-    ahead = replica.prefill_pending_tokens
-    if replica.waiting > inflight:
-        ahead += (replica.waiting - inflight) * config.assumed_queued_prompt_tokens
-    to_prefill = ahead + new_tokens
-    # One step per K prompt tokens at least, each paying the fixed prefill overhead.
-    steps = 1 + to_prefill // perf.max_num_batched_tokens
-    own_prefill = perf.prefill_base_s + per_token * new_tokens
-    ttft = steps * perf.prefill_base_s + per_token * to_prefill
-    if batch:
-        ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
-    if request.adapter is not None and request.adapter not in replica.adapters_loaded:
-        ttft += config.adapter_load_s
 
-    share = per_token * (decayed_rate(replica, now) + new_tokens / PROMPT_RATE_WINDOW_S)
-    if share > config.max_prefill_share:
-        share = config.max_prefill_share
-    tpot = (perf.decode_base_s + perf.decode_s_per_seq * (batch + 1)) / (1.0 - share)
+class RequestPredictor:
+    """`predict` for one request at one instant, on one replica after another, with the
+    request's and the config's terms looked up once (the cost-aware policy predicts for many
+    candidates per decision): `new_tokens`, the prompt left to prefill past a cached prefix,
+    then `latency`, which can stop at the decode step when that alone is too slow."""
 
-    factor = 1.0
-    if replica.kv_usage > config.kv_high_watermark:
-        over = (replica.kv_usage - config.kv_high_watermark) / (1.0 - config.kv_high_watermark)
-        factor += config.kv_inflation * min(over, 1.0)
-    if now - replica.telemetry_at > config.stale_after_s:
-        factor *= config.stale_penalty
-
-    gpu_seconds = own_prefill + request.max_tokens * tpot / (batch + 1)
-    return Prediction(
-        ttft * factor, tpot * factor, replica.price_per_hour / 3600.0 * gpu_seconds * factor
+    __slots__ = (
+        "adapter",
+        "adapter_load_s",
+        "block_tokens",
+        "kv_inflation",
+        "max_share",
+        "max_tokens",
+        "now",
+        "prompt_tokens",
+        "queued_tokens",
+        "stale_after_s",
+        "stale_penalty",
+        "step_bounds_tpot",
+        "uncached_tokens",
+        "watermark",
     )
+
+    def __init__(self, request: RouteRequest, now: float, config: RouterConfig) -> None:
+        self.now = now
+        self.prompt_tokens = prompt_tokens = request.prompt_tokens
+        self.uncached_tokens = prompt_tokens if prompt_tokens >= 1 else 1
+        self.max_tokens = request.max_tokens
+        self.adapter = request.adapter
+        self.block_tokens = config.prefix_block_tokens
+        self.queued_tokens = config.assumed_queued_prompt_tokens
+        self.adapter_load_s = config.adapter_load_s
+        self.max_share = config.max_prefill_share
+        self.watermark = config.kv_high_watermark
+        self.kv_inflation = config.kv_inflation
+        self.stale_after_s = config.stale_after_s
+        self.stale_penalty = config.stale_penalty
+        # TPOT is at least the decode step while the prefill share stays in [0, 1) and the
+        # KV and staleness factors are at least 1 (the replica's part is checked per replica).
+        self.step_bounds_tpot = (
+            config.max_prefill_share < 1.0
+            and config.kv_inflation >= 0.0
+            and config.stale_penalty >= 1.0
+        )
+
+    def predict(self, replica: ReplicaState, cached_blocks: int = 0) -> Prediction:
+        new_tokens = self.new_tokens(cached_blocks)
+        terms = self.latency(replica, new_tokens)
+        assert terms is not None  # no step limit: always predicted
+        ttft, tpot, factor, batch = terms
+        perf = replica.perf
+        own_prefill = perf.prefill_base_s + perf.prefill_s_per_token * new_tokens
+        gpu_seconds = own_prefill + self.max_tokens * tpot / (batch + 1)
+        return Prediction(
+            ttft * factor, tpot * factor, replica.price_per_hour / 3600.0 * gpu_seconds * factor
+        )
+
+    def new_tokens(self, cached_blocks: int) -> int:
+        """The prompt tokens to prefill past `cached_blocks` (`uncached_tokens` for none)."""
+        new_tokens = self.prompt_tokens - cached_blocks * self.block_tokens
+        return new_tokens if new_tokens >= 1 else 1
+
+    def latency(
+        self, replica: ReplicaState, new_tokens: int, step_limit: float = math.inf
+    ) -> tuple[float, float, float, int] | None:
+        """(TTFT, TPOT, factor, batch): TTFT and TPOT before the factor both take for the
+        replica's KV pressure and its telemetry's age, and the batch the request joins. None,
+        predicting no further, when the decode step it joins is over `step_limit`, and so,
+        provably, is its TPOT."""
+        perf = replica.perf
+        inflight = replica.inflight
+        waiting = replica.waiting
+        load = replica.running + waiting
+        if inflight > load:
+            load = inflight
+        batch = load if load < perf.max_num_seqs else perf.max_num_seqs
+        decode_step = perf.decode_base_s + perf.decode_s_per_seq * (batch + 1)
+        per_token = perf.prefill_s_per_token
+        if (
+            decode_step > step_limit
+            and self.step_bounds_tpot
+            and per_token >= 0.0
+            and replica.prompt_rate >= 0.0
+        ):
+            return None
+
+        ahead = replica.prefill_pending_tokens
+        if waiting > inflight:
+            ahead += (waiting - inflight) * self.queued_tokens
+        to_prefill = ahead + new_tokens
+        # One step per K prompt tokens at least, each paying the fixed prefill overhead.
+        steps = 1 + to_prefill // perf.max_num_batched_tokens
+        ttft = steps * perf.prefill_base_s + per_token * to_prefill
+        if batch:
+            ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
+        adapter = self.adapter
+        if adapter is not None and adapter not in replica.adapters_loaded:
+            ttft += self.adapter_load_s
+
+        share = per_token * (decayed_rate(replica, self.now) + new_tokens / PROMPT_RATE_WINDOW_S)
+        if share > self.max_share:
+            share = self.max_share
+        tpot = decode_step / (1.0 - share)
+
+        factor = 1.0
+        kv_usage, watermark = replica.kv_usage, self.watermark
+        if kv_usage > watermark:
+            over = (kv_usage - watermark) / (1.0 - watermark)
+            factor += self.kv_inflation * min(over, 1.0)
+        if self.now - replica.telemetry_at > self.stale_after_s:
+            factor *= self.stale_penalty
+        return ttft, tpot, factor, batch
 
 
 def is_candidate(
