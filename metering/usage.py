@@ -28,7 +28,7 @@ USAGE_STREAM = "usage:events"
 # for a long time, it never drops what the consumer group has not yet read at normal rates.
 USAGE_STREAM_MAXLEN = 5_000_000
 EVENT_FIELD = b"e"
-# The names the gateway gives its per-process spools (serving.gateway.service), which
+# The names the gateway gives its per-process spools (config.gateway), which
 # `UsageSpool.adopt_orphans` looks for next to its own.
 SPOOL_FAMILY = "usage-spool-*.jsonl"
 

@@ -399,9 +399,12 @@ class RateLimiter:
             return await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
         except UNREACHABLE as error:
             logger.log(
-                level, "Could not %s %s: Redis unreachable (%s); retrying later",
-                what, request_id, error,
-            )  # fmt: skip
+                level,
+                "Could not %s %s: Redis unreachable (%s); retrying later",
+                what,
+                request_id,
+                error,
+            )
             self._defer(request_id, keys, args)
             return None
 

@@ -154,8 +154,12 @@ class GatewayApp:
                 return
             found = next((item for item in listing if item["id"] == model_id), None)
             if found is None:
-                raise ApiError(404, f"The model '{model_id}' does not exist or you do not have "
-                               "access to it.", code="model_not_found", param="model")  # fmt: skip
+                raise ApiError(
+                    404,
+                    f"The model '{model_id}' does not exist or you do not have access to it.",
+                    code="model_not_found",
+                    param="model",
+                )
             await send_json(send, 200, orjson.dumps(found), {})
             return
         raw = await read_body(receive, gateway.config.max_body_bytes)
@@ -173,22 +177,32 @@ class GatewayApp:
         else:
 
             async def respond(status: int, payload: bytes) -> None:
-                await send_json(send, status, payload, {"x-request-id": exchange.request_id,
-                                                        **exchange.headers})  # fmt: skip
+                await send_json(
+                    send, status, payload, {"x-request-id": exchange.request_id, **exchange.headers}
+                )
 
             await self.collect(exchange, receive, respond)
 
     async def idempotent(
-        self, gateway: Gateway, exchange: Exchange, raw: bytes, key: str, send: Send,
+        self,
+        gateway: Gateway,
+        exchange: Exchange,
+        raw: bytes,
+        key: str,
+        send: Send,
         receive: Receive,
-    ) -> None:  # fmt: skip
+    ) -> None:
         tenant = str(exchange.principal.tenant_id)
         fingerprint = idempotency.body_fingerprint(raw)
         try:
             stored = await idempotency.claim(gateway.redis, tenant, key, fingerprint)
         except RedisError as error:
-            raise ApiError(503, "Idempotency keys are unavailable right now; retry shortly.",
-                           code="idempotency_unavailable", headers={"Retry-After": "2"}) from error  # fmt: skip
+            raise ApiError(
+                503,
+                "Idempotency keys are unavailable right now; retry shortly.",
+                code="idempotency_unavailable",
+                headers={"Retry-After": "2"},
+            ) from error
         if stored is not None:
             await send_json(send, stored.status, stored.body, {"idempotent-replayed": "true"})
             return
@@ -203,8 +217,9 @@ class GatewayApp:
             except RedisError:
                 # The response is still the client's; a retry will meet the claim's expiry.
                 log.warning("could not store the response for idempotency key of %s", tenant)
-            await send_json(send, status, payload, {"x-request-id": exchange.request_id,
-                                                    **exchange.headers})  # fmt: skip
+            await send_json(
+                send, status, payload, {"x-request-id": exchange.request_id, **exchange.headers}
+            )
 
         try:
             await self.until_disconnect(exchange.prepare(), receive)
@@ -248,22 +263,34 @@ class GatewayApp:
             raise
         except Exception as error:
             await events.aclose()
-            raise ApiError(502, "The model replica failed mid-generation; please retry.",
-                           code="upstream_error", error_type="server_error") from error  # fmt: skip
+            raise ApiError(
+                502,
+                "The model replica failed mid-generation; please retry.",
+                code="upstream_error",
+                error_type="server_error",
+            ) from error
         text = "".join(pieces)
         created = int(first["created"]) if first and "created" in first else int(time.time())
         response_id = first["id"] if first else f"cmpl-{exchange.request_id}"
         if exchange.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             obj = "text_completion"
         payload = {
-            "id": response_id, "object": obj, "created": created, "model": exchange.model,
-            "choices": [choice], "usage": exchange.usage_payload(),
-        }  # fmt: skip
+            "id": response_id,
+            "object": obj,
+            "created": created,
+            "model": exchange.model,
+            "choices": [choice],
+            "usage": exchange.usage_payload(),
+        }
         try:
             await respond(200, orjson.dumps(payload))
         finally:
@@ -306,17 +333,20 @@ class GatewayApp:
         finished = False
 
         async def pump() -> None:
-            nonlocal started
             headers = {"x-request-id": exchange.request_id, **exchange.headers}
             events = exchange.events()
 
-            async def finish() -> None:
-                nonlocal started, finished
-                tail = sse(self.usage_chunk(exchange)) if exchange.body.include_usage else b""
+            async def start() -> None:
+                nonlocal started
                 if not started:
-                    await send({"type": "http.response.start", "status": 200,
-                                "headers": [*SSE_HEADERS, *encode_headers(headers)]})  # fmt: skip
+                    response = [*SSE_HEADERS, *encode_headers(headers)]
+                    await send({"type": "http.response.start", "status": 200, "headers": response})
                     started = True
+
+            async def finish() -> None:
+                nonlocal finished
+                tail = sse(self.usage_chunk(exchange)) if exchange.body.include_usage else b""
+                await start()
                 await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
                 finished = True
 
@@ -327,9 +357,7 @@ class GatewayApp:
                         continue
                     exchange.response_id = exchange.response_id or chunk.get("id")
                     if not started:
-                        await send({"type": "http.response.start", "status": 200,
-                                    "headers": [*SSE_HEADERS, *encode_headers(headers)]})  # fmt: skip
-                        started = True
+                        await start()
                     if not exchange.body.include_usage:
                         chunk.pop("usage", None)
                     elif "usage" not in chunk:
@@ -345,14 +373,24 @@ class GatewayApp:
                 raise
             except Exception as error:  # the replica died mid-stream
                 if not started:
-                    raise ApiError(502, "The model replica failed; please retry.",
-                                   code="upstream_error", error_type="server_error") from error  # fmt: skip
+                    raise ApiError(
+                        502,
+                        "The model replica failed; please retry.",
+                        code="upstream_error",
+                        error_type="server_error",
+                    ) from error
                 await self.stream_error(
                     send,
-                    {"error": {"message": "The model replica failed mid-stream; the tokens "
-                               "received so far are billed.", "type": "server_error",
-                               "param": None, "code": "upstream_error"}},
-                )  # fmt: skip
+                    {
+                        "error": {
+                            "message": "The model replica failed mid-stream; the tokens "
+                            "received so far are billed.",
+                            "type": "server_error",
+                            "param": None,
+                            "code": "upstream_error",
+                        }
+                    },
+                )
             finally:
                 await events.aclose()
 
@@ -371,4 +409,4 @@ class GatewayApp:
             "model": exchange.model,
             "choices": [],
             "usage": exchange.usage_payload(),
-        }  # fmt: skip
+        }

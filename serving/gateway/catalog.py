@@ -54,9 +54,14 @@ class Catalog:
                 continue
             if self.resolve(name, principal) and principal.may_use_model(name):
                 items.append(
-                    {"id": name, "object": "model", "created": int(entry.get("created", 0)),
-                     "owned_by": "platform", "max_model_len": entry.get("max_context")}
-                )  # fmt: skip
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(entry.get("created", 0)),
+                        "owned_by": "platform",
+                        "max_model_len": entry.get("max_context"),
+                    }
+                )
         for name, entry in sorted(self.adapters.items()):
             if entry["base_model"] not in servable:
                 continue
@@ -64,9 +69,14 @@ class Catalog:
                 principal.may_use_model(name) or principal.may_use_model(entry["base_model"])
             ):
                 items.append(
-                    {"id": name, "object": "model", "created": int(entry.get("created", 0)),
-                     "owned_by": "platform", "parent": entry["base_model"]}
-                )  # fmt: skip
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": int(entry.get("created", 0)),
+                        "owned_by": "platform",
+                        "parent": entry["base_model"],
+                    }
+                )
         return items
 
 

@@ -87,9 +87,6 @@ class LoadBuckets:
     def __len__(self) -> int:
         return len(self._load_of)
 
-    def load_of(self, replica_id: str) -> int | None:
-        return self._load_of.get(replica_id)
-
     def add(self, replica: ReplicaState) -> None:
         if replica.replica_id in self._load_of:
             self.update(replica)

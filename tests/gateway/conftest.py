@@ -82,8 +82,10 @@ class EngineSim:
         return f"http://127.0.0.1:{self.port}"
 
     def load_adapter(self, name: str) -> None:
-        reply = httpx.post(f"{self.url}/v1/load_lora_adapter",
-                           json={"lora_name": name, "lora_path": f"/adapters/{name}"})  # fmt: skip
+        reply = httpx.post(
+            f"{self.url}/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": f"/adapters/{name}"},
+        )
         assert reply.status_code == 200, reply.text
         self.adapters.append(name)
 
@@ -105,15 +107,19 @@ class Fleet:
     version: int = 0
 
     def start(
-        self, gpu_class: str = "H100-SXM-80GB", *, pool: str = "h100", region: str = "us-east",
-        price_per_hour: float = 3.49, time_scale: float = 20, extra: tuple[str, ...] = (),
-    ) -> EngineSim:  # fmt: skip
+        self,
+        gpu_class: str = "H100-SXM-80GB",
+        *,
+        pool: str = "h100",
+        region: str = "us-east",
+        price_per_hour: float = 3.49,
+        time_scale: float = 20,
+        extra: tuple[str, ...] = (),
+    ) -> EngineSim:
         port = free_port()
-        argv = [
-            sys.executable, "-m", "serving.enginesim", MODEL, "--served-model-name", MODEL,
-            "--port", str(port), "--host", "127.0.0.1", "--sim-gpu-class", gpu_class,
-            "--sim-time-scale", str(time_scale), "--max-model-len", "8192", *extra,
-        ]  # fmt: skip
+        argv = [sys.executable, "-m", "serving.enginesim", MODEL, "--served-model-name", MODEL]
+        argv += ["--port", str(port), "--host", "127.0.0.1", "--sim-gpu-class", gpu_class]
+        argv += ["--sim-time-scale", str(time_scale), "--max-model-len", "8192", *extra]
         process = subprocess.Popen(
             argv,
             cwd=ROOT,
@@ -122,8 +128,16 @@ class Fleet:
             stderr=subprocess.DEVNULL,
         )
         max_loras = int(extra[extra.index("--max-loras") + 1]) if "--max-loras" in extra else 0
-        sim = EngineSim(port, process, gpu_class, f"r-{len(self.sims) + 1}-{port}", pool,
-                        region, price_per_hour, max_loras)  # fmt: skip
+        sim = EngineSim(
+            port,
+            process,
+            gpu_class,
+            f"r-{len(self.sims) + 1}-{port}",
+            pool,
+            region,
+            price_per_hour,
+            max_loras,
+        )
         wait_http(f"{sim.url}/health", process=process)
         self.sims.append(sim)
         return sim
@@ -135,16 +149,24 @@ class Fleet:
                 MODEL: {
                     "deployments": [
                         {
-                            "deployment_id": "1", "version": "v1", "version_id": None,
-                            "weight": 100, "slo_tier": "standard",
+                            "deployment_id": "1",
+                            "version": "v1",
+                            "version_id": None,
+                            "weight": 100,
+                            "slo_tier": "standard",
                             "replicas": [
                                 {
-                                    "replica_id": sim.replica_id, "endpoint": sim.url,
-                                    "pool": sim.pool, "region": sim.region,
-                                    "gpu_class": sim.gpu_class, "model_spec": MODEL,
+                                    "replica_id": sim.replica_id,
+                                    "endpoint": sim.url,
+                                    "pool": sim.pool,
+                                    "region": sim.region,
+                                    "gpu_class": sim.gpu_class,
+                                    "model_spec": MODEL,
                                     "price_per_hour": sim.price_per_hour,
-                                    "tensor_parallel": 1, "max_num_seqs": 256,
-                                    "max_loras": sim.max_loras, "adapters": sim.adapters,
+                                    "tensor_parallel": 1,
+                                    "max_num_seqs": 256,
+                                    "max_loras": sim.max_loras,
+                                    "adapters": sim.adapters,
                                 }
                                 for sim in self.sims
                             ],
@@ -152,7 +174,7 @@ class Fleet:
                     ]
                 }
             },
-        }  # fmt: skip
+        }
 
     def publish(self) -> None:
         self.version += 1
@@ -179,17 +201,31 @@ def fleet(redis_client: redis.Redis) -> Iterator[Fleet]:
 
 
 def publish_catalog(
-    client: redis.Redis, *, public: bool = True, tenants: tuple[int, ...] = (),
+    client: redis.Redis,
+    *,
+    public: bool = True,
+    tenants: tuple[int, ...] = (),
     adapters: dict[str, tuple[int, ...]] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """What registry.actions.publish_visibility writes: MODEL and, optionally, adapters of it
     (name -> tenants granted; an empty tuple makes the adapter public)."""
-    entry = {"kind": "model", "base_model": MODEL, "public": public, "tenants": list(tenants),
-             "max_context": 131072, "created": 1_700_000_000}  # fmt: skip
+    entry = {
+        "kind": "model",
+        "base_model": MODEL,
+        "public": public,
+        "tenants": list(tenants),
+        "max_context": 131072,
+        "created": 1_700_000_000,
+    }
     client.hset(VISIBILITY_HASH, MODEL, orjson.dumps(entry))
     for name, granted in (adapters or {}).items():
-        adapter = {"kind": "adapter", "base_model": MODEL, "public": not granted,
-                   "tenants": list(granted), "created": 1_700_000_000}  # fmt: skip
+        adapter = {
+            "kind": "adapter",
+            "base_model": MODEL,
+            "public": not granted,
+            "tenants": list(granted),
+            "created": 1_700_000_000,
+        }
         client.hset(VISIBILITY_HASH, name, orjson.dumps(adapter))
 
 
@@ -198,8 +234,9 @@ class GatewayServer:
         self.port = port
         from config.asgi import application
 
-        config = uvicorn.Config(application, host="127.0.0.1", port=port, log_level="warning",
-                                lifespan="off")  # fmt: skip
+        config = uvicorn.Config(
+            application, host="127.0.0.1", port=port, log_level="warning", lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -274,8 +311,13 @@ def make_key(transactional_db: None) -> Callable[..., TenantKey]:
     admin = get_user_model().objects.create_user("platform-admin", is_staff=True)
     tenants: dict[str, Any] = {}
 
-    def make(slug: str = "acme", *, scopes: tuple[str, ...] = ("inference",),
-             allowlist: tuple[str, ...] = (), **quota: Any) -> TenantKey:  # fmt: skip
+    def make(
+        slug: str = "acme",
+        *,
+        scopes: tuple[str, ...] = ("inference",),
+        allowlist: tuple[str, ...] = (),
+        **quota: Any,
+    ) -> TenantKey:
         tenant = tenants.get(slug) or do_create_tenant(slug, slug.title())
         tenants[slug] = tenant
         if quota:

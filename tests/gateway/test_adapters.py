@@ -30,8 +30,11 @@ def ask(client: openai.OpenAI) -> str:
 
 def test_the_engine_answers_404_for_an_adapter_it_has_not_loaded(fleet: Fleet) -> None:
     sim = fleet.start(extra=LORA)
-    reply = httpx.post(f"{sim.url}/v1/chat/completions", timeout=10,
-                       json={"model": ADAPTER, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    reply = httpx.post(
+        f"{sim.url}/v1/chat/completions",
+        timeout=10,
+        json={"model": ADAPTER, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert reply.status_code == 404
     assert reply.json()["error"]["type"] == "NotFoundError"
 

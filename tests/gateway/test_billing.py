@@ -60,9 +60,11 @@ def test_a_stream_cut_by_a_dying_replica_is_billed_for_the_tokens_delivered(pric
     delivered = 0
     with pytest.raises(openai.APIError):
         for chunk in api.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a long answer please"}],
-            max_tokens=100, stream=True,
-        ):  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "user", "content": "a long answer please"}],
+            max_tokens=100,
+            stream=True,
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 delivered += 1
     [event] = ingest_all(client, 1)
@@ -82,9 +84,12 @@ def test_a_stream_the_engine_fails_mid_generation_is_billed_for_the_tokens_deliv
     delivered = 0
     with pytest.raises(openai.APIError, match="simulated engine failure after 6 tokens"):
         for chunk in api.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "a long answer please"}],
-            max_tokens=100, stream=True, stream_options={"include_usage": True},
-        ):  # fmt: skip
+            model=MODEL,
+            messages=[{"role": "user", "content": "a long answer please"}],
+            max_tokens=100,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 delivered += 1
     [event] = ingest_all(client, 1)
@@ -98,14 +103,24 @@ def test_a_stream_cut_by_the_client_is_billed_for_the_tokens_delivered(priced) -
     fleet.start(time_scale=1)
     fleet.publish()
     key = make_key("acme")
-    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": 3000,
-                         "messages": [{"role": "user", "content": "go on"}]})  # fmt: skip
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 3000,
+            "messages": [{"role": "user", "content": "go on"}],
+        }
+    )
     raw = socket.create_connection(("127.0.0.1", server.port))
     raw.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Authorization: Bearer " + key.secret.encode() + b"\r\nContent-Length: "
-        + str(len(body)).encode() + b"\r\n\r\n" + body
-    )  # fmt: skip
+        b"Authorization: Bearer "
+        + key.secret.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     received = b""
     while len(re.findall(rb'"content":"[^"]', received)) < 5:
         received += raw.recv(65536)
@@ -126,16 +141,26 @@ def test_a_spent_hard_budget_is_refused_with_insufficient_quota(priced) -> None:
     key = make_key("acme", monthly_spend_budget_usd=Decimal("0.01"), hard_budget=True)
     # acme's own price: 20 output tokens cost more than its whole budget of one cent.
     PriceSheet.objects.create(
-        model=MODEL, tenant=key.tenant, input_usd_per_mtok=Decimal("1"),
-        cached_input_usd_per_mtok=Decimal("1"), output_usd_per_mtok=Decimal("1000"),
+        model=MODEL,
+        tenant=key.tenant,
+        input_usd_per_mtok=Decimal("1"),
+        cached_input_usd_per_mtok=Decimal("1"),
+        output_usd_per_mtok=Decimal("1000"),
         effective_from=datetime.now(UTC) - timedelta(hours=1),
-    )  # fmt: skip
+    )
     publish_price_book(client)
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key.secret, max_retries=0)
     api.models.list()  # starts the gateway, which then refreshes the price book
-    assert wait_until(lambda: server.gateway().price_book.price_for(
-        MODEL, None, "standard", key.tenant.pk, datetime.now(UTC).timestamp()
-    ).output_micros_per_m == 1_000_000_000)  # fmt: skip
+    assert wait_until(
+        lambda: (
+            server.gateway()
+            .price_book.price_for(
+                MODEL, None, "standard", key.tenant.pk, datetime.now(UTC).timestamp()
+            )
+            .output_micros_per_m
+            == 1_000_000_000
+        )
+    )
     api.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20
     )

@@ -43,9 +43,12 @@ def stream_until_error(api: openai.OpenAI) -> tuple[list[str], openai.APIError]:
     contents: list[str] = []
     with pytest.raises(openai.APIError) as raised:
         for chunk in api.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=50, stream=True,
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=50,
+            stream=True,
             stream_options={"include_usage": True},
-        ):  # fmt: skip
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 contents.append(chunk.choices[0].delta.content)
     return contents, raised.value
@@ -55,8 +58,16 @@ def stream_until_error(api: openai.OpenAI) -> tuple[list[str], openai.APIError]:
 
 
 def test_newer_vllms_nested_error_event_is_a_failure_with_its_message_and_code() -> None:
-    failure = error_event({"error": {"message": "CUDA error: an illegal memory access",
-                                     "type": "InternalServerError", "param": None, "code": 500}})  # fmt: skip
+    failure = error_event(
+        {
+            "error": {
+                "message": "CUDA error: an illegal memory access",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
+    )
     assert failure is not None
     assert failure.kind == "error_event"
     assert failure.status == 500
@@ -64,17 +75,29 @@ def test_newer_vllms_nested_error_event_is_a_failure_with_its_message_and_code()
 
 
 def test_the_flat_error_event_of_some_vllm_versions_is_a_failure_too() -> None:
-    failure = error_event({"object": "error", "message": "bad grammar", "type": "BadRequestError",
-                           "param": "response_format", "code": 400})  # fmt: skip
+    failure = error_event(
+        {
+            "object": "error",
+            "message": "bad grammar",
+            "type": "BadRequestError",
+            "param": "response_format",
+            "code": 400,
+        }
+    )
     assert failure is not None
     assert (failure.status, failure.engine_message, failure.param) == (
-        400, "bad grammar", "response_format"
-    )  # fmt: skip
+        400,
+        "bad grammar",
+        "response_format",
+    )
 
 
 def test_an_error_event_without_a_usable_code_is_taken_as_the_engines_fault() -> None:
-    for chunk in ({"error": {"message": "boom"}}, {"error": "boom"},
-                  {"error": {"message": "boom", "code": "oops"}}):  # fmt: skip
+    for chunk in (
+        {"error": {"message": "boom"}},
+        {"error": "boom"},
+        {"error": {"message": "boom", "code": "oops"}},
+    ):
         failure = error_event(chunk)
         assert failure is not None
         assert (failure.status, failure.engine_message) == (500, "boom")
@@ -171,9 +194,12 @@ def test_a_non_streaming_request_the_engine_fails_is_a_502_with_the_engines_mess
         timeout=30,
     )
     assert reply.status_code == 502
-    assert reply.json()["error"] == {"message": "simulated engine failure after 3 tokens",
-                                     "type": "server_error", "param": None,
-                                     "code": "upstream_error"}  # fmt: skip
+    assert reply.json()["error"] == {
+        "message": "simulated engine failure after 3 tokens",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_error",
+    }
 
 
 def test_a_websocket_chat_the_engine_fails_gets_the_engines_error_frame(setup) -> None:
@@ -186,9 +212,15 @@ def test_a_websocket_chat_the_engine_fails_gets_the_engines_error_frame(setup) -
     )
     chunks = [r for r in replies if r["type"] == "chunk"]
     assert sum(1 for c in chunks if c["data"]["choices"][0]["delta"].get("content")) == 3
-    assert replies[-1] == {"type": "error", "error": {
-        "message": "simulated engine failure after 3 tokens", "type": "server_error",
-        "param": None, "code": "upstream_error"}}  # fmt: skip
+    assert replies[-1] == {
+        "type": "error",
+        "error": {
+            "message": "simulated engine failure after 3 tokens",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        },
+    }
     assert only_usage_event(client).completion_tokens == 3
 
 
@@ -197,12 +229,19 @@ def test_the_sse_error_event_is_openais_shape_followed_by_done(setup) -> None:
     fleet.start(extra=("--sim-error-after-tokens", "1"), time_scale=5)
     fleet.publish()
     with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions",
+        "POST",
+        f"{server.url}/v1/chat/completions",
         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True},
-        headers={"Authorization": f"Bearer {key.secret}"}, timeout=30,
-    ) as reply:  # fmt: skip
+        headers={"Authorization": f"Bearer {key.secret}"},
+        timeout=30,
+    ) as reply:
         events = [line for line in reply.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    assert orjson.loads(events[-2].removeprefix("data: ")) == {"error": {
-        "message": "simulated engine failure after 1 tokens", "type": "server_error",
-        "param": None, "code": "upstream_error"}}  # fmt: skip
+    assert orjson.loads(events[-2].removeprefix("data: ")) == {
+        "error": {
+            "message": "simulated engine failure after 1 tokens",
+            "type": "server_error",
+            "param": None,
+            "code": "upstream_error",
+        }
+    }

@@ -24,10 +24,18 @@ from tests.gateway.conftest import MODEL
 
 BODY: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 ENDPOINT = ReplicaEndpoint(
-    replica_id="r-1", deployment_id="1", endpoint="http://127.0.0.1:1", pool="p",
-    gpu_class="L4-24GB", model=MODEL, served_model_name=MODEL, version="v1", version_id=None,
-    price_per_hour=1.0, max_model_len=4096,
-)  # fmt: skip
+    replica_id="r-1",
+    deployment_id="1",
+    endpoint="http://127.0.0.1:1",
+    pool="p",
+    gpu_class="L4-24GB",
+    model=MODEL,
+    served_model_name=MODEL,
+    version="v1",
+    version_id=None,
+    price_per_hour=1.0,
+    max_model_len=4096,
+)
 
 
 def _payload(body: dict[str, Any], tenant_id: int = 7) -> dict[str, Any]:
@@ -35,17 +43,30 @@ def _payload(body: dict[str, Any], tenant_id: int = 7) -> dict[str, Any]:
 
     request = parse_body(CompletionRequest, orjson.dumps(body))
     exchange = Exchange(
-        gateway=None, kind="completion", body=request,
-        principal=SimpleNamespace(tenant_id=tenant_id), tier="standard", max_tokens=4,
-    )  # fmt: skip
+        gateway=None,
+        kind="completion",
+        body=request,
+        principal=SimpleNamespace(tenant_id=tenant_id),
+        tier="standard",
+        max_tokens=4,
+    )
     return exchange.upstream_payload(ENDPOINT)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "field", ["cache_salt", "kv_transfer_params", "chat_template", "chat_template_kwargs",
-              "vllm_xargs", "guided_decoding_backend", "structured_outputs", "priority"],
-)  # fmt: skip
+    "field",
+    [
+        "cache_salt",
+        "kv_transfer_params",
+        "chat_template",
+        "chat_template_kwargs",
+        "vllm_xargs",
+        "guided_decoding_backend",
+        "structured_outputs",
+        "priority",
+    ],
+)
 def test_an_engine_internal_field_is_refused_and_nothing_is_admitted(
     ready,
     redis_client: redis.Redis,

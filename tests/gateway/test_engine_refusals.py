@@ -32,26 +32,45 @@ async def refusal(status: int, body: bytes, content_type: str) -> UpstreamError:
         async with TestServer(app, host="127.0.0.1") as server:
             with pytest.raises(UpstreamError) as raised:
                 await open_stream(
-                    session, f"http://127.0.0.1:{server.port}", "/v1/chat/completions",
+                    session,
+                    f"http://127.0.0.1:{server.port}",
+                    "/v1/chat/completions",
                     {"model": "m", "messages": []},
-                )  # fmt: skip
+                )
     finally:
         await session.close()
     return raised.value
 
 
 async def test_older_vllms_flat_error_response_passes_its_message_and_param() -> None:
-    body = {"object": "error", "message": SENTENCE, "type": "BadRequestError",
-            "param": "max_tokens", "code": 400}  # fmt: skip
+    body = {
+        "object": "error",
+        "message": SENTENCE,
+        "type": "BadRequestError",
+        "param": "max_tokens",
+        "code": 400,
+    }
     error = refused_by_engine(await refusal(400, orjson.dumps(body), "application/json"))
     assert error.status == 400
-    assert error.payload() == {"error": {"message": SENTENCE, "type": "invalid_request_error",
-                                         "param": "max_tokens", "code": "invalid_request"}}  # fmt: skip
+    assert error.payload() == {
+        "error": {
+            "message": SENTENCE,
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "invalid_request",
+        }
+    }
 
 
 async def test_newer_vllms_nested_error_response_passes_its_message_and_param() -> None:
-    body = {"error": {"message": SENTENCE, "type": "BadRequestError", "param": "max_tokens",
-                      "code": 400}}  # fmt: skip
+    body = {
+        "error": {
+            "message": SENTENCE,
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
     error = refused_by_engine(await refusal(400, orjson.dumps(body), "application/json"))
     assert error.status == 400
     assert error.message == SENTENCE
@@ -60,8 +79,14 @@ async def test_newer_vllms_nested_error_response_passes_its_message_and_param() 
 
 
 async def test_an_engine_error_without_a_param_has_none() -> None:
-    body = {"error": {"message": "temperature must be non-negative", "type": "BadRequestError",
-                      "param": None, "code": 400}}  # fmt: skip
+    body = {
+        "error": {
+            "message": "temperature must be non-negative",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
     error = refused_by_engine(await refusal(400, orjson.dumps(body), "application/json"))
     assert error.message == "temperature must be non-negative"
     assert error.param is None
@@ -95,8 +120,9 @@ async def test_a_body_without_a_message_gets_a_generic_one_naming_the_status(
 
 
 async def test_fastapis_detail_is_taken_as_the_message() -> None:
-    error = refused_by_engine(await refusal(405, b'{"detail": "Method Not Allowed"}',
-                                            "application/json"))  # fmt: skip
+    error = refused_by_engine(
+        await refusal(405, b'{"detail": "Method Not Allowed"}', "application/json")
+    )
     assert error.status == 400
     assert error.message == "Method Not Allowed"
 

@@ -34,8 +34,12 @@ def usage_events(client: redis.Redis) -> list[UsageEvent]:
 
 def chat(base: str, secret: str, **body) -> httpx.Response:
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}
-    return httpx.post(f"{base}/v1/chat/completions", json={**payload, **body},
-                      headers={"Authorization": f"Bearer {secret}"}, timeout=30)  # fmt: skip
+    return httpx.post(
+        f"{base}/v1/chat/completions",
+        json={**payload, **body},
+        headers={"Authorization": f"Bearer {secret}"},
+        timeout=30,
+    )
 
 
 @pytest.fixture
@@ -94,9 +98,11 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_and_bills_what
     received = 0
     with pytest.raises(openai.APIError) as raised:
         for chunk in openai_client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "long story"}], max_tokens=50,
+            model=MODEL,
+            messages=[{"role": "user", "content": "long story"}],
+            max_tokens=50,
             stream=True,
-        ):  # fmt: skip
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 received += 1
     assert "mid-stream" in str(raised.value)
@@ -116,8 +122,14 @@ def test_a_client_that_disconnects_aborts_the_engine_request_and_frees_its_slot(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         b"Authorization: Bearer " + key.secret.encode() + b"\r\n"
     )
-    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": 2000,
-                         "messages": [{"role": "user", "content": "tell me everything"}]})  # fmt: skip
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 2000,
+            "messages": [{"role": "user", "content": "tell me everything"}],
+        }
+    )
     raw = socket.create_connection(("127.0.0.1", server.port))
     raw.sendall(request + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     received = b""
@@ -222,11 +234,15 @@ def test_a_client_gone_while_connecting_leaves_no_in_flight_count_or_blocked_pro
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 f"{server.url}/v1/chat/completions",
-                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                      "max_tokens": 2, "stream": True},
+                json={
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": "x"}],
+                    "max_tokens": 2,
+                    "stream": True,
+                },
                 headers={"Authorization": f"Bearer {key.secret}"},
                 timeout=0.5,
-            )  # fmt: skip
+            )
     state = server.gateway().routing.snapshot.state
     replica = state.replica(hung.replica_id)
     assert wait_until(lambda: replica.inflight == 0 and replica.prefill_pending_tokens == 0)
@@ -298,8 +314,13 @@ def test_a_client_that_stops_reading_and_then_leaves_still_aborts_the_engine(set
     server, fleet, key, client = setup
     sim = fleet.start(time_scale=50)
     fleet.publish()
-    body = {"model": MODEL, "stream": True, "max_tokens": 4000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "tell me everything"}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "tell me everything"}],
+    }
     headers = {"Authorization": f"Bearer {key.secret}"}
     with (
         httpx.Client(timeout=30) as http,

@@ -26,9 +26,13 @@ LARGE = OFF_LOOP_PROMPT_CHARS + 1
 
 def prompt(texts: list[str], patterns: tuple[str, ...] = (r"project\s+falcon",)) -> GuardrailInput:
     return GuardrailInput(
-        tenant_slug="acme", model="m", prompt_texts=texts, prompt_tokens=10,
-        max_prompt_tokens=None, blocked_patterns=patterns,
-    )  # fmt: skip
+        tenant_slug="acme",
+        model="m",
+        prompt_texts=texts,
+        prompt_tokens=10,
+        max_prompt_tokens=None,
+        blocked_patterns=patterns,
+    )
 
 
 @pytest.mark.parametrize("size", [100, LARGE])

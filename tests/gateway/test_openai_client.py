@@ -200,9 +200,11 @@ ShortContext = tuple[GatewayServer, EngineSim, openai.OpenAI]
 
 @pytest.fixture
 def short_context(
-    gateway_server: GatewayServer, fleet: Fleet, make_key: Callable[..., TenantKey],
+    gateway_server: GatewayServer,
+    fleet: Fleet,
+    make_key: Callable[..., TenantKey],
     redis_client: redis.Redis,
-) -> ShortContext:  # fmt: skip
+) -> ShortContext:
     """One engine with a 256-token context, so max_tokens within the key's cap can overflow it."""
     sim = fleet.start(extra=("--max-model-len", "256"))
     fleet.publish()
@@ -224,9 +226,11 @@ def test_a_chat_over_the_engines_context_raises_bad_request_with_the_engines_mes
     with pytest.raises(openai.BadRequestError) as raised:
         # Streamed or not, the refusal comes before any event: `create` raises.
         api.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300,
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=300,
             stream=stream,
-        )  # fmt: skip
+        )
     error = raised.value
     assert error.status_code == 400
     assert isinstance(error.body, dict)

@@ -27,8 +27,12 @@ pytestmark = pytest.mark.slow
 def report_load(client: redis.Redis, sim: EngineSim, *, running: int, waiting: int) -> None:
     """The replica's telemetry as the control plane publishes it (here: as if the requests of
     other gateway processes filled or left it)."""
-    row = {"running": running, "waiting": waiting, "kv": 0.95 if waiting else 0.0,
-           "scraped_at": time.time()}  # fmt: skip
+    row = {
+        "running": running,
+        "waiting": waiting,
+        "kv": 0.95 if waiting else 0.0,
+        "scraped_at": time.time(),
+    }
     client.hset(ROUTING_TELEMETRY_KEY, sim.replica_id, orjson.dumps(row))
 
 
@@ -39,8 +43,9 @@ def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
     fleet.publish()
     publish_catalog(redis_client)
     key = make_key("acme")
-    http = httpx.Client(base_url=gateway_server.url, timeout=30,
-                        headers={"Authorization": f"Bearer {key.secret}"})  # fmt: skip
+    http = httpx.Client(
+        base_url=gateway_server.url, timeout=30, headers={"Authorization": f"Bearer {key.secret}"}
+    )
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert http.post("/v1/chat/completions", json=body).status_code == 200  # gateway started
     gateway = gateway_server.gateway()

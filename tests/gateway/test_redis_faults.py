@@ -35,8 +35,14 @@ def proxy(redis_client: redis.Redis) -> Iterator[RedisProxy]:
 
 
 @pytest.fixture
-def setup(settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
-          redis_client: redis.Redis):  # fmt: skip
+def setup(
+    settings,
+    proxy: RedisProxy,
+    gateway_server: GatewayServer,
+    fleet: Fleet,
+    make_key,
+    redis_client: redis.Redis,
+):
     # The gateway starts on its first request, and talks to Redis through the proxy.
     settings.REDIS_URL = proxy.url
     publish_catalog(redis_client)
@@ -49,11 +55,15 @@ def setup(settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fle
 def stream(base: str, secret: str, max_tokens: int = 3) -> httpx.Response:
     return httpx.post(
         f"{base}/v1/chat/completions",
-        json={"model": MODEL, "stream": True, "max_tokens": max_tokens,
-              "messages": [{"role": "user", "content": "hello there"}]},
+        json={
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": "hello there"}],
+        },
         headers={"Authorization": f"Bearer {secret}"},
         timeout=30,
-    )  # fmt: skip
+    )
 
 
 def events(client: redis.Redis) -> dict[str, UsageEvent]:
@@ -95,9 +105,14 @@ def test_an_admission_that_timed_out_after_it_ran_holds_no_slot_for_the_next_str
 
 
 def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
-    settings, tmp_path, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    settings,
+    tmp_path,
+    proxy: RedisProxy,
+    gateway_server: GatewayServer,
+    fleet: Fleet,
+    make_key,
     redis_client: redis.Redis,
-) -> None:  # fmt: skip
+) -> None:
     settings.REDIS_URL = proxy.url
     settings.GATEWAY_SPOOL_PATH = str(tmp_path / "usage-spool.jsonl")
     publish_catalog(redis_client)
@@ -109,11 +124,17 @@ def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
     before = month_tokens(client, tenant_id)
 
     with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions",
-        json={"model": MODEL, "stream": True, "max_tokens": 30,
-              "messages": [{"role": "user", "content": "tell me a story"}]},
-        headers={"Authorization": f"Bearer {key.secret}"}, timeout=30,
-    ) as reply:  # fmt: skip
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 30,
+            "messages": [{"role": "user", "content": "tell me a story"}],
+        },
+        headers={"Authorization": f"Bearer {key.secret}"},
+        timeout=30,
+    ) as reply:
         request_id = reply.headers["x-request-id"]
         lines = reply.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -134,9 +155,13 @@ def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
 
 
 def test_a_model_is_a_503_to_retry_not_a_404_until_the_routing_table_was_first_read(
-    settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    settings,
+    proxy: RedisProxy,
+    gateway_server: GatewayServer,
+    fleet: Fleet,
+    make_key,
     redis_client: redis.Redis,
-) -> None:  # fmt: skip
+) -> None:
     settings.REDIS_URL = proxy.url
     publish_catalog(redis_client)
     fleet.start()
@@ -151,8 +176,9 @@ def test_a_model_is_a_503_to_retry_not_a_404_until_the_routing_table_was_first_r
     error = refused.json()["error"]
     assert error["code"] == "routing_not_loaded"
     assert error["type"] == "service_unavailable_error"
-    listing = httpx.get(f"{server.url}/v1/models",
-                        headers={"Authorization": f"Bearer {key.secret}"}, timeout=30)  # fmt: skip
+    listing = httpx.get(
+        f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key.secret}"}, timeout=30
+    )
     assert listing.status_code == 503  # not an empty list
     assert not server.gateway().routing.loaded.is_set()
 
@@ -170,9 +196,13 @@ def test_a_model_is_a_503_to_retry_not_a_404_until_the_routing_table_was_first_r
 
 
 def test_a_served_model_is_a_503_not_model_not_deployed_while_the_routing_table_is_unread(
-    settings, proxy: RedisProxy, gateway_server: GatewayServer, fleet: Fleet, make_key,
+    settings,
+    proxy: RedisProxy,
+    gateway_server: GatewayServer,
+    fleet: Fleet,
+    make_key,
     redis_client: redis.Redis,
-) -> None:  # fmt: skip
+) -> None:
     settings.REDIS_URL = proxy.url
     publish_catalog(redis_client)
     fleet.start()

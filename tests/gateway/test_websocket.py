@@ -1,4 +1,4 @@
-"""Streaming chat over the WebSocket endpoint (Channels), end to end."""
+"""Streaming chat over the WebSocket endpoint (the gateway's own ASGI handler), end to end."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import orjson
 import pytest
 import redis
 import websockets
+from asgiref.sync import sync_to_async
 
 from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog
 
@@ -35,8 +36,9 @@ async def converse(url: str, headers: dict[str, str], messages: list[bytes]) -> 
 
 
 def chat_body(**extra) -> bytes:
-    return orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                         "max_tokens": 6, **extra})  # fmt: skip
+    return orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, **extra}
+    )
 
 
 def test_a_chat_streams_token_by_token_over_a_websocket(ws_setup) -> None:
@@ -73,3 +75,77 @@ def test_a_wrong_key_is_refused_over_a_websocket(ws_setup) -> None:
     url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
     replies = asyncio.run(converse(url, {}, [orjson.dumps({"type": "auth", "api_key": "sk-x-y"})]))
     assert replies[-1]["error"]["code"] == "invalid_api_key"
+
+
+def test_a_wrong_key_in_the_header_refuses_the_handshake(ws_setup) -> None:
+    server, _ = ws_setup
+    url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
+
+    async def connect() -> None:
+        async with websockets.connect(url, additional_headers={"Authorization": "Bearer sk-x-y"}):
+            pass
+
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        asyncio.run(connect())
+    assert refused.value.response.status_code == 403
+
+
+def test_a_page_of_another_site_is_refused_before_the_gateway(ws_setup) -> None:
+    server, key = ws_setup
+    url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
+    headers = {"Authorization": f"Bearer {key.secret}", "Origin": "https://evil.example"}
+
+    async def connect() -> None:
+        async with websockets.connect(url, additional_headers=headers):
+            pass
+
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        asyncio.run(connect())
+    assert refused.value.response.status_code == 403
+
+
+def test_a_second_generation_while_one_runs_is_a_409(ws_setup) -> None:
+    server, key = ws_setup
+    url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
+
+    async def two_at_once() -> list[dict]:
+        received: list[dict] = []
+        headers = {"Authorization": f"Bearer {key.secret}"}
+        async with websockets.connect(url, additional_headers=headers) as socket:
+            await socket.send(chat_body(max_tokens=40))
+            await socket.send(chat_body())
+            while not received or received[-1]["type"] != "done":
+                received.append(orjson.loads(await asyncio.wait_for(socket.recv(), 20)))
+        return received
+
+    replies = asyncio.run(two_at_once())
+    errors = [reply for reply in replies if reply["type"] == "error"]
+    assert [error["error"]["type"] for error in errors] == ["conflict_error"]
+    assert replies[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_a_key_revoked_while_the_socket_is_open_stops_at_its_next_generation(ws_setup) -> None:
+    from tenants.actions import do_revoke_api_key
+
+    server, key = ws_setup
+    url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
+
+    async def revoked_between_generations() -> tuple[dict, list[dict], int | None]:
+        headers = {"Authorization": f"Bearer {key.secret}"}
+        async with websockets.connect(url, additional_headers=headers) as socket:
+            await socket.send(chat_body())
+            first = {}
+            while first.get("type") != "done":
+                first = orjson.loads(await asyncio.wait_for(socket.recv(), 20))
+            await sync_to_async(do_revoke_api_key)(key.key, None)
+            await asyncio.sleep(1.5)  # the key event reaches the gateway's cache
+            await socket.send(chat_body())
+            second = [orjson.loads(await asyncio.wait_for(socket.recv(), 20))]
+            with pytest.raises(websockets.ConnectionClosed):
+                await asyncio.wait_for(socket.recv(), 20)
+            return first, second, socket.close_code
+
+    first, second, code = asyncio.run(revoked_between_generations())
+    assert first["type"] == "done"
+    assert second[0]["error"]["code"] == "invalid_api_key"
+    assert code == 4401
