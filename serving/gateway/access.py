@@ -17,7 +17,6 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PRIORITY_HEADER = "x-priority"
 TIERS: tuple[Tier, ...] = ("interactive", "standard", "batch")

@@ -21,7 +21,6 @@ from redis.exceptions import RedisError
 
 from serving.gateway import idempotency
 from serving.gateway.access import (
-    ASGIApp,
     Receive,
     Scope,
     Send,
@@ -86,9 +85,13 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 class GatewayApp:
-    """`gateway` gives the process's started gateway (see `config.gateway`)."""
+    """`fallback` is the ASGI app behind this one (Django's handler, Channels' router: any
+    ASGI app, whatever its own annotations); `gateway` gives the process's started gateway
+    (see `config.gateway`)."""
 
-    def __init__(self, fallback: ASGIApp, gateway: Callable[[], Awaitable[Gateway]]) -> None:
+    def __init__(
+        self, fallback: Callable[..., Awaitable[None]], gateway: Callable[[], Awaitable[Gateway]]
+    ) -> None:
         self.fallback = fallback
         self.gateway = gateway
 
