@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from celery import shared_task
 from django.utils import timezone
 
+from config.celery import task
 from config.redis import redis_client
 from metering import budgets, ingest, invoices, prices, rollups
 from tenants.models import Tenant
@@ -18,7 +18,7 @@ _consumer: ingest.Consumer | None = None
 INVOICE_CLOSE_GRACE = timedelta(days=1)
 
 
-@shared_task(name="metering.ingest", ignore_result=True)
+@task(name="metering.ingest", ignore_result=True)
 def ingest_usage() -> int:
     """Beat runs this every second; each run drains for up to ~0.9 s. Several workers may run
     it at once: each is its own consumer in the group."""
@@ -28,7 +28,7 @@ def ingest_usage() -> int:
     return _consumer.drain(max_seconds=0.9).inserted
 
 
-@shared_task(name="metering.rollup_recent_hours", ignore_result=True)
+@task(name="metering.rollup_recent_hours", ignore_result=True)
 def rollup_recent_hours() -> None:
     """Recompute the current and the previous hour (late events land in the previous one)."""
     now = timezone.now()
@@ -36,12 +36,12 @@ def rollup_recent_hours() -> None:
         rollups.recompute_hour(rollups.hour_floor(hour), now)
 
 
-@shared_task(name="metering.rollup_hour", ignore_result=True)
+@task(name="metering.rollup_hour", ignore_result=True)
 def rollup_hour(hour_iso: str) -> None:
     rollups.recompute_hour(datetime.fromisoformat(hour_iso))
 
 
-@shared_task(name="metering.refresh_invoices", ignore_result=True)
+@task(name="metering.refresh_invoices", ignore_result=True)
 def refresh_invoices() -> None:
     """Refresh this month's drafts; close last month's once the grace period has passed."""
     now = timezone.now()
@@ -55,7 +55,7 @@ def refresh_invoices() -> None:
         invoices.do_build_invoice(tenant, last_month, finalize=close_last)
 
 
-@shared_task(name="metering.check_budgets", ignore_result=True)
+@task(name="metering.check_budgets", ignore_result=True)
 def check_budgets() -> None:
     month = timezone.now().date().replace(day=1)
     client = redis_client(worker=True)
@@ -66,6 +66,6 @@ def check_budgets() -> None:
         client.close()
 
 
-@shared_task(name="metering.publish_prices", ignore_result=True)
+@task(name="metering.publish_prices", ignore_result=True)
 def publish_prices() -> None:
     prices.publish_price_book()

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from celery import shared_task
-
+from config.celery import task
 from registry.actions import publish_visibility
 from registry.controller import run_rollout_tick
 
 
-@shared_task(name="registry.rollout_tick", ignore_result=True)
+@task(name="registry.rollout_tick", ignore_result=True)
 def rollout_tick() -> None:
     run_rollout_tick()
 
 
-@shared_task(name="registry.publish_visibility", ignore_result=True)
+@task(name="registry.publish_visibility", ignore_result=True)
 def publish_visibility_task() -> None:
     # Repairs a publish lost to a Redis blip at commit time.
     publish_visibility()

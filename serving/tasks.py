@@ -6,8 +6,7 @@ Beat's table is `serving/schedule.py`; the queue each runs on is `CELERY_TASK_RO
 
 from __future__ import annotations
 
-from celery import shared_task
-
+from config.celery import task
 from config.redis import redis_client
 from serving.actions import nodes, routing_table
 from serving.actions import reconcile as reconciler
@@ -15,27 +14,27 @@ from serving.actions.autoscale import do_autoscale
 from serving.console.live import publish_fleet_snapshot
 
 
-@shared_task(name="serving.reconcile", ignore_result=True)
+@task(name="serving.reconcile", ignore_result=True)
 def reconcile() -> None:
     reconciler.do_reconcile()
 
 
-@shared_task(name="serving.node_health", ignore_result=True)
+@task(name="serving.node_health", ignore_result=True)
 def node_health() -> None:
     nodes.do_mark_lost_nodes()
 
 
-@shared_task(name="serving.publish_routing_table", ignore_result=True)
+@task(name="serving.publish_routing_table", ignore_result=True)
 def publish_routing_table() -> None:
     routing_table.publish_routing_table()
 
 
-@shared_task(name="serving.autoscale", ignore_result=True)
+@task(name="serving.autoscale", ignore_result=True)
 def autoscale() -> None:
     do_autoscale(redis_client())
 
 
-@shared_task(name="serving.broadcast_fleet", ignore_result=True)
+@task(name="serving.broadcast_fleet", ignore_result=True)
 def broadcast_fleet() -> None:
     """Beat runs this every 2 s; a missed run only delays the next picture by 2 s."""
     publish_fleet_snapshot()
