@@ -43,7 +43,7 @@ def do_delete_price_sheet(sheet: PriceSheet, acting_user: Any) -> None:
     _publish_after_commit()
 
 
-def tenant_ids_for_user(user: Any) -> QuerySet[Tenant]:
+def tenant_ids_for_user(user: Any) -> QuerySet[Tenant, int]:
     return tenants_for_user(user).values_list("pk", flat=True)
 
 

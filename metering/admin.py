@@ -1,5 +1,7 @@
 """Django admin registrations of the metering app."""
 
+from __future__ import annotations
+
 from django.contrib import admin
 
 from metering.models import (
@@ -17,7 +19,7 @@ from metering.models import (
 
 
 @admin.register(PriceSheet)
-class PriceSheetAdmin(admin.ModelAdmin):
+class PriceSheetAdmin(admin.ModelAdmin[PriceSheet]):
     list_display = [
         "model",
         "adapter",
@@ -30,21 +32,21 @@ class PriceSheetAdmin(admin.ModelAdmin):
 
 
 @admin.register(UsageEvent)
-class UsageEventAdmin(admin.ModelAdmin):
+class UsageEventAdmin(admin.ModelAdmin[UsageEvent]):
     list_display = ["request_id", "tenant_id", "model", "status", "completion_tokens", "started_at"]
     # Hundreds of millions of rows: no COUNT(*) on the changelist, no filters that scan.
     show_full_result_count = False
     search_fields = ["=request_id"]
 
 
-class InvoiceLineInline(admin.TabularInline):
+class InvoiceLineInline(admin.TabularInline[InvoiceLine, Invoice]):
     model = InvoiceLine
     extra = 0
     can_delete = False
 
 
 @admin.register(Invoice)
-class InvoiceAdmin(admin.ModelAdmin):
+class InvoiceAdmin(admin.ModelAdmin[Invoice]):
     list_display = ["tenant", "month", "status", "total_usd", "finalized_at"]
     list_filter = ["status", "month"]
     inlines = [InvoiceLineInline]

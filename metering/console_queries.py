@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
-from typing import Any
+from typing import Any, TypedDict
 
 from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDay
@@ -71,18 +71,21 @@ def daily_series(tenant_id: int, days: int = 30) -> dict[str, list[Any]]:
         )
         .order_by("day")
     )
-    by_day = {row["day"].date(): row for row in rows}
+    # Per day: (tokens, spend in micros); a day without events has none of either.
+    by_day: dict[date, tuple[int, int]] = {
+        row["day"].date(): (row["tokens"] or 0, row["spend"] or 0) for row in rows
+    }
     series: dict[str, list[Any]] = {"at": [], "tokens": [], "spend": [], "cumulative": []}
     running, this_month = 0.0, month_start()
     # Every day of the window, empty ones too: a chart of one point has no time axis.
     first = since.replace(hour=0, minute=0, second=0, microsecond=0)
     for offset in range(days + 1):
         day = first + timedelta(days=offset)
-        row = by_day.get(day.date(), {})
-        spend = float(micros_to_usd(row.get("spend") or 0))
+        tokens, spend_micros = by_day.get(day.date(), (0, 0))
+        spend = float(micros_to_usd(spend_micros))
         running = running + spend if day >= this_month else 0.0
         series["at"].append(day.timestamp())
-        series["tokens"].append(row.get("tokens") or 0)
+        series["tokens"].append(tokens)
         series["spend"].append(spend)
         series["cumulative"].append(running)
     return series
@@ -142,7 +145,14 @@ def router_saving(since: datetime) -> list[dict[str, Any]]:
     return result
 
 
-def decisions_by_reason(since: datetime) -> list[dict[str, Any]]:
+class PoolRequests(TypedDict):
+    model: str
+    pool: str
+    status: str
+    requests: int
+
+
+def decisions_by_reason(since: datetime) -> list[PoolRequests]:
     """Requests per model and pool the router sent them to, from the usage rows."""
     return list(
         UsageEvent.objects.filter(started_at__gte=since)

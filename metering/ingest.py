@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 import redis as redis_lib
 from django.db import connection, transaction
+from redis.typing import EncodableT, FieldT
 
 from metering import usage
 from metering.prices import build_price_book
@@ -140,6 +141,8 @@ class Consumer:
         )
         if not answer:
             return []
+        # RESP2, this client's protocol: [[stream name, [(entry id, fields), ...]]].
+        assert isinstance(answer, list)
         return [e for e in answer[0][1] if e[1]]
 
     def _process(self, entries: Sequence[Entry], result: DrainResult) -> None:
@@ -154,7 +157,7 @@ class Consumer:
         if dead:
             pipe = self.client.pipeline(transaction=False)
             for entry_id, fields in dead:
-                pipe.xadd(DEAD_STREAM, {b"id": entry_id, **fields}, maxlen=100_000)
+                pipe.xadd(DEAD_STREAM, _dead_entry(entry_id, fields), maxlen=100_000)
             pipe.execute()
         self.client.xack(usage.USAGE_STREAM, GROUP, *ids)
         result.read += len(entries)
@@ -199,6 +202,13 @@ class Consumer:
             event["cached_prompt_tokens"],
             event["completion_tokens"],
         )
+
+
+def _dead_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> dict[FieldT, EncodableT]:
+    """The fields of a dead entry: the id it had on the usage stream, then its own fields."""
+    dead: dict[FieldT, EncodableT] = {b"id": entry_id}
+    dead.update(fields.items())
+    return dead
 
 
 def _timestamp(epoch: float) -> datetime:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import io
 from datetime import UTC, date, datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from django.db import transaction
 from django.db.models import Count, Sum
@@ -30,7 +30,18 @@ def month_bounds(month: date) -> tuple[datetime, datetime]:
     return start, datetime(next_month.year, next_month.month, 1, tzinfo=UTC)
 
 
-def _lines_from_events(tenant_id: int, month: date) -> list[dict[str, Any]]:
+class _ModelTotals(TypedDict):
+    """One model's month of events, summed in PostgreSQL (a Sum over no values is None)."""
+
+    model: str
+    requests: int
+    prompt_tokens: int | None
+    cached_prompt_tokens: int | None
+    completion_tokens: int | None
+    amount_usd_micros: int | None
+
+
+def _lines_from_events(tenant_id: int, month: date) -> list[_ModelTotals]:
     start, end = month_bounds(month)
     return list(
         UsageEvent.objects.filter(tenant_id=tenant_id, started_at__gte=start, started_at__lt=end)

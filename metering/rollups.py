@@ -12,8 +12,10 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
+from decimal import Decimal
 
 from django.db import connection, transaction
+from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from metering import cost
@@ -97,12 +99,12 @@ def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
     updates: list[cost.Attribution] = []
     for (replica, pool_name, model), served in by_replica.items():
         perf = _perf_model(pools.get(pool_name), model)
-        pool = pools.get(pool_name)
-        if perf is None or pool is None:
+        gpu_pool = pools.get(pool_name)
+        if perf is None or gpu_pool is None:
             logger.warning("no engine model for %s on pool %s; cost left at 0", model, pool_name)
             continue
         window = cost.ReplicaWindow(
-            replica, window_s, perf.tensor_parallel, usd_to_micros(pool.price_per_gpu_hour)
+            replica, window_s, perf.tensor_parallel, usd_to_micros(gpu_pool.price_per_gpu_hour)
         )
         weights = cost.weights_for_window(perf, window, served)
         updates.extend(cost.attribute(window, served, weights))
@@ -163,12 +165,20 @@ GROUP BY 1, 2, 3, 4, 5, 6
 """
 
 Dims = tuple[int, str, str, str, str]
+# A row of _ROLLUP_SQL: the dimensions, count(*), the error count, the token sums (sum of an
+# integer column: bigint), the GPU seconds (float8), then the two micros sums (sum of a bigint
+# column: numeric, which psycopg reads as Decimal).
+RollupRow = tuple[
+    int, str, str, str, str, int, int, int, int, int, float | None, Decimal | None, Decimal | None
+]
+SqlParams = dict[str, list[str] | list[float] | datetime]
 
 
-def _histograms(cursor: object, column: str, params: dict[str, object]) -> dict[Dims, list[int]]:
+def _histograms(cursor: CursorWrapper, column: str, params: SqlParams) -> dict[Dims, list[int]]:
     histograms: dict[Dims, list[int]] = defaultdict(empty_buckets)
-    cursor.execute(_BUCKETS_SQL.format(column=column), params)  # type: ignore[attr-defined]
-    for tenant_id, model, adapter, pool, tier, bucket, count in cursor.fetchall():  # type: ignore[attr-defined]
+    cursor.execute(_BUCKETS_SQL.format(column=column), params)
+    rows: list[tuple[int, str, str, str, str, int, int]] = cursor.fetchall()
+    for tenant_id, model, adapter, pool, tier, bucket, count in rows:
         histograms[(tenant_id, model, adapter, pool, tier)][bucket] += count
     return histograms
 
@@ -178,7 +188,7 @@ def recompute_hour(hour: datetime, now: datetime | None = None) -> int:
     hour = hour_floor(hour)
     with transaction.atomic():
         attribute_hour(hour, now)
-        params: dict[str, object] = {
+        params: SqlParams = {
             "errors": list(ERROR_STATUSES),
             "start": hour,
             "end": hour + timedelta(hours=1),
@@ -186,7 +196,7 @@ def recompute_hour(hour: datetime, now: datetime | None = None) -> int:
         }
         with connection.cursor() as cursor:
             cursor.execute(_ROLLUP_SQL, params)
-            groups = cursor.fetchall()
+            groups: list[RollupRow] = cursor.fetchall()
             ttft = _histograms(cursor, "ttft_ms", params)
             total = _histograms(cursor, "total_ms", params)
         HourlyRollup.objects.filter(hour=hour).delete()
@@ -197,7 +207,7 @@ def recompute_hour(hour: datetime, now: datetime | None = None) -> int:
 
 
 def _rollup(
-    hour: datetime, g: tuple[object, ...], ttft_buckets: list[int], total_buckets: list[int]
+    hour: datetime, g: RollupRow, ttft_buckets: list[int], total_buckets: list[int]
 ) -> HourlyRollup:
     tenant_id, model, adapter, pool, tier, requests, errors = g[:7]
     prompt, cached, completion, gpu_s, cost_micros, revenue = g[7:]
@@ -214,8 +224,8 @@ def _rollup(
         cached_prompt_tokens=cached,
         completion_tokens=completion,
         gpu_seconds=gpu_s or 0.0,
-        cost_to_serve_usd_micros=cost_micros or 0,
-        revenue_usd_micros=revenue or 0,
+        cost_to_serve_usd_micros=int(cost_micros or 0),
+        revenue_usd_micros=int(revenue or 0),
         ttft_buckets=ttft_buckets,
         total_buckets=total_buckets,
     )
