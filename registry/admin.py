@@ -53,20 +53,25 @@ class DeploymentAdmin(admin.ModelAdmin[Deployment]):
     readonly_fields = ["traffic_weight"]
 
 
+# Shown and read-only alike. A tuple, so the one sequence fits the types of both `fields` (which
+# may also hold groups of names) and `readonly_fields` (names only).
+_TRANSITION_FIELDS = (
+    "created_at",
+    "from_state",
+    "to_state",
+    "from_weight",
+    "to_weight",
+    "actor_label",
+    "reason",
+)
+
+
 class TransitionInline(admin.TabularInline[RolloutTransition, Rollout]):
     model = RolloutTransition
     extra = 0
     can_delete = False
-    fields = [
-        "created_at",
-        "from_state",
-        "to_state",
-        "from_weight",
-        "to_weight",
-        "actor_label",
-        "reason",
-    ]
-    readonly_fields = fields
+    fields = _TRANSITION_FIELDS
+    readonly_fields = _TRANSITION_FIELDS
 
 
 @admin.register(Rollout)

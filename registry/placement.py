@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from decimal import Decimal
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from registry.models import pools
 from serving.engine.placement import PlacementResult, check_placement
@@ -44,11 +44,19 @@ def gpu_spec(gpu_class: GpuClassRow, usd_per_hour: float | None = None) -> GpuSp
     )
 
 
+class _EngineSettings(TypedDict):
+    """`check_placement`'s keyword arguments: two of the deployment's engine args, the overhead."""
+
+    max_model_len: int
+    gpu_memory_utilization: float
+    engine_overhead_gb: float
+
+
 def check_deployment_placement(deployment: Any) -> PlacementResult:
     """`deployment` is a registry Deployment, saved or not."""
     version = deployment.model_version
     args = deployment.effective_engine_args()
-    settings = {
+    settings: _EngineSettings = {
         "max_model_len": int(args["max_model_len"]),
         "gpu_memory_utilization": float(args["gpu_memory_utilization"]),
         "engine_overhead_gb": ENGINE_OVERHEAD_GB,

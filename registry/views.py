@@ -39,13 +39,16 @@ def _int(data: QueryDict, name: str, default: int) -> int:
 
 def _deployment_from(data: QueryDict) -> Deployment:
     """An unsaved deployment from the form, for the placement check and for saving."""
-    version = ModelVersion.objects.select_related("model").filter(pk=data.get("model_version"))
+    version_pk = data.get("model_version")
+    if version_pk is None:
+        raise ValidationError("Choose a model version and a pool.")
+    version = ModelVersion.objects.select_related("model").filter(pk=version_pk)
     pool = pools().filter(pk=data.get("pool"))
     if not version.exists() or not pool.exists():
         raise ValidationError("Choose a model version and a pool.")
     engine_args: dict[str, Any] = {"max_model_len": _int(data, "max_model_len", 8192)}
-    if data.get("gpu_memory_utilization"):
-        engine_args["gpu_memory_utilization"] = float(data["gpu_memory_utilization"])
+    if gpu_memory_utilization := data.get("gpu_memory_utilization"):
+        engine_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
     return Deployment(
         name=data.get("name", "").strip(),
         model_version=version.get(),

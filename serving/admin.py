@@ -17,48 +17,48 @@ from serving.models import (
 
 
 @admin.register(GpuClass)
-class GpuClassAdmin(admin.ModelAdmin):
+class GpuClassAdmin(admin.ModelAdmin[GpuClass]):
     list_display = ["name", "memory_gb", "mem_bandwidth_gbs", "bf16_tflops", "default_usd_per_hour"]
 
 
 @admin.register(GpuPool)
-class GpuPoolAdmin(admin.ModelAdmin):
+class GpuPoolAdmin(admin.ModelAdmin[GpuPool]):
     list_display = ["name", "gpu_class", "region", "usd_per_gpu_hour", "spot"]
     list_filter = ["region", "gpu_class", "spot"]
 
 
 @admin.register(JoinToken)
-class JoinTokenAdmin(admin.ModelAdmin):
+class JoinTokenAdmin(admin.ModelAdmin[JoinToken]):
     list_display = ["pool", "name", "expires_at", "revoked", "created_at"]
     readonly_fields = ["token_hash"]
 
 
-class GpuInline(admin.TabularInline):
+class GpuInline(admin.TabularInline[Gpu, Node]):
     model = Gpu
     extra = 0
 
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(admin.ModelAdmin[Node]):
     list_display = ["hostname", "pool", "health", "scheduling", "last_heartbeat_at"]
     list_filter = ["pool", "health", "scheduling"]
     readonly_fields = ["token_hash", "token_nonce", "last_heartbeat_at"]
     inlines = [GpuInline]
 
 
-class ReplicaEventInline(admin.TabularInline):
+class ReplicaEventInline(admin.TabularInline[ReplicaEvent, Replica]):
     model = ReplicaEvent
     extra = 0
     readonly_fields = ["kind", "message", "at", "source"]
 
 
 @admin.register(Replica)
-class ReplicaAdmin(admin.ModelAdmin):
+class ReplicaAdmin(admin.ModelAdmin[Replica]):
     list_display = ["pk", "deployment", "node", "gpu_indices", "port", "state", "restarts"]
     list_filter = ["state", "node__pool"]
     inlines = [ReplicaEventInline]
 
 
 @admin.register(TelemetrySample)
-class TelemetrySampleAdmin(admin.ModelAdmin):
+class TelemetrySampleAdmin(admin.ModelAdmin[TelemetrySample]):
     list_display = ["replica", "at", "running", "waiting", "kv_cache_usage"]

@@ -84,12 +84,12 @@ def claim_sample_slots(client: redis.Redis, replica_ids: list[str]) -> list[str]
 
 def read_replica(client: redis.Redis, replica_id: str) -> dict[str, Any] | None:
     raw = client.get(replica_key(replica_id))
-    return None if raw is None else orjson.loads(raw)  # type: ignore[arg-type]
+    return None if raw is None else orjson.loads(raw)
 
 
 def read_node(client: redis.Redis, node_id: int) -> dict[str, Any] | None:
     raw = client.get(node_key(node_id))
-    return None if raw is None else orjson.loads(raw)  # type: ignore[arg-type]
+    return None if raw is None else orjson.loads(raw)
 
 
 def read_routing_telemetry(client: redis.Redis) -> dict[str, dict[str, Any]]:

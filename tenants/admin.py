@@ -9,13 +9,13 @@ from django.http import HttpRequest
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Tenant
 
 
-class MembershipInline(admin.TabularInline):
+class MembershipInline(admin.TabularInline[Membership, Tenant]):
     model = Membership
     extra = 0
 
 
 @admin.register(Tenant)
-class TenantAdmin(admin.ModelAdmin):
+class TenantAdmin(admin.ModelAdmin[Tenant]):
     list_display = ["slug", "name", "status", "fail_open", "created_at"]
     list_filter = ["status"]
     search_fields = ["slug", "name"]
@@ -23,7 +23,7 @@ class TenantAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     list_display = ["name", "prefix", "tenant", "revoked_at", "last_used_at", "created_at"]
     list_filter = ["tenant"]
     exclude = ["secret_hash"]

@@ -153,7 +153,7 @@ def publish_routing_table() -> int:
     client = redis_client()
     published_at = timezone.now().isoformat()
     version = int(
-        client.eval(  # type: ignore[arg-type]
+        client.eval(
             _PUBLISH_SCRIPT,
             3,
             ROUTING_TABLE_KEY,

@@ -68,7 +68,7 @@ class Summary:
 
 def _percentiles(values: list[float]) -> tuple[float, float, float]:
     if not values:
-        return (float("nan"),) * 3  # type: ignore[return-value]
+        return (float("nan"),) * 3
     p50, p95, p99 = np.percentile(np.asarray(values), PERCENTILES)
     return float(p50), float(p95), float(p99)
 
@@ -190,9 +190,9 @@ def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
     rows = summary_rows(summary)
     fields = list(dict.fromkeys(key for row in rows for key in row))
     with summary_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+        summary_writer = csv.DictWriter(f, fieldnames=fields)
+        summary_writer.writeheader()
+        summary_writer.writerows(rows)
     timeline_path = out_dir / "timeline.csv"
     pools = [p.name for p in result.fleet.pools]
     with timeline_path.open("w", newline="") as f:

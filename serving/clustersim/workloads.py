@@ -251,7 +251,7 @@ def _thinned(
     rate_at: Callable[[float], float], peak_rate: float, duration_s: float, rng: random.Random
 ) -> list[float]:
     """Arrivals of a non-homogeneous Poisson process by thinning (Lewis and Shedler)."""
-    arrivals = []
+    arrivals: list[float] = []
     t = 0.0
     while True:
         t += rng.expovariate(peak_rate)
