@@ -45,12 +45,13 @@ from serving.router import (
     RouterState,
 )
 from serving.router.coefficients import coefficients_from_perf
+from serving.router.contracts import Tier
 
 TARGET_P99_US = 50.0
 MODEL = "llama-3.1-8b"
 GPU_CLASSES = ("H100-SXM-80GB", "A100-SXM-80GB", "L40S-48GB", "L4-24GB")
 REGIONS = ("eu-west", "us-east")
-TIERS = ("interactive", "standard", "batch")
+TIERS: tuple[Tier, ...] = ("interactive", "standard", "batch")
 
 
 def gpu_shapes() -> dict[str, tuple[ReplicaPerf, float]]:

@@ -40,6 +40,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -369,7 +373,28 @@ def corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out: Path):
+class BaseInfo(TypedDict):
+    """What `build_base` tells the manifest about the base model."""
+
+    parameters: int
+    tokenizer_vocab: int
+    token_ids: dict[str, int]
+
+
+class Manifest(TypedDict):
+    """OUT_DIR/manifest.json."""
+
+    adapters: list[str]
+    base_model_ref: str
+    files: dict[str, str]  # path relative to OUT_DIR -> sha256
+    manifest_version: int
+    model: dict[str, object]  # MODEL, the dtype and the BaseInfo
+    name: str
+    recipe: str
+    versions: dict[str, str | None]  # distribution -> version (None: not installed)
+
+
+def build_tokenizer(out: Path) -> tuple[PreTrainedTokenizerFast, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -411,7 +436,7 @@ def build_tokenizer(out: Path):
     return fast, tok.get_vocab_size()
 
 
-def build_base(out: Path) -> dict:
+def build_base(out: Path) -> BaseInfo:
     import torch
     import transformers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -484,7 +509,7 @@ def build_adapter(out: Path, seed: int, base_ref: str) -> None:
     write_json(out / "adapter_config.json", config)
 
 
-def write_json(path: Path, data) -> None:
+def write_json(path: Path, data: object) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -496,10 +521,10 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def versions() -> dict:
+def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
-    found = {}
+    found: dict[str, str | None] = {}
     for dist in ("torch", "transformers", "tokenizers", "safetensors"):
         try:
             found[dist] = version(dist)
@@ -530,7 +555,7 @@ def manifest_matches(out_dir: Path, recipe: str) -> bool:
     return True
 
 
-def build(out_dir: Path, base_ref: str, recipe: str) -> dict:
+def build(out_dir: Path, base_ref: str, recipe: str) -> Manifest:
     """Build everything into a scratch directory beside OUT_DIR, then move it into place."""
     out_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".build-", dir=out_dir))
@@ -543,7 +568,7 @@ def build(out_dir: Path, base_ref: str, recipe: str) -> dict:
             for p in sorted(scratch.rglob("*"))
             if p.is_file()
         }
-        manifest = {
+        manifest: Manifest = {
             "adapters": sorted(ADAPTERS),
             "base_model_ref": base_ref,
             "files": files,

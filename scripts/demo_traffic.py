@@ -12,6 +12,7 @@ import asyncio
 import random
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 WORDS = [
     "the",
@@ -50,7 +51,7 @@ def prompt(rng: random.Random) -> str:
 async def one_request(client: openai.AsyncOpenAI, models: list[str], rng: random.Random) -> None:
     model = rng.choice(models)
     tier = rng.choice(TIERS)
-    messages = [{"role": "user", "content": prompt(rng)}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt(rng)}]
     max_tokens = rng.choice((16, 32, 64, 128, 256))
     try:
         if rng.random() < 0.8:

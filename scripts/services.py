@@ -229,7 +229,7 @@ def ensure_database(url: str) -> None:
 
     params = conninfo_to_dict(url.replace("postgres://", "postgresql://", 1))
     name = params.get("dbname") or "postgres"
-    admin = make_conninfo(**{**params, "dbname": "postgres"})
+    admin = make_conninfo("", **{**params, "dbname": "postgres"})
     with psycopg.connect(admin, autocommit=True, connect_timeout=5) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone()
         if not exists:
