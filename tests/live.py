@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from django.db import connection
 
@@ -14,8 +14,12 @@ from serving.actions.nodes import do_mark_lost_nodes
 from serving.actions.reconcile import do_reconcile
 from serving.actions.routing_table import publish_routing_table
 
+T = TypeVar("T")
 
-def eventually(check: Callable[[], Any], timeout_s: float, what: str, step_s: float = 0.25) -> Any:
+
+def eventually(
+    check: Callable[[], T | None], timeout_s: float, what: str, step_s: float = 0.25
+) -> T:
     """`check()`'s first truthy value within `timeout_s`, else an AssertionError naming `what`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -119,6 +119,7 @@ def test_a_developer_creates_a_key_streams_a_reply_and_sees_it_in_usage(
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
     assert changes[-1]["t"] - changes[0]["t"] > 50, "the reply arrived all at once"
     request_id = page.locator("#pg-output").get_attribute("data-request-id")
+    assert request_id is not None
     expect(page.locator("#pg-meta")).to_contain_text("completion tokens")
     screenshot(page, "portal-playground-streamed")
     minted = ApiKey.objects.get(tenant=acme, name="playground (dev)")

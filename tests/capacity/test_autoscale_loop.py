@@ -21,7 +21,7 @@ from serving.actions.autoscale import (
 )
 from serving.actions.gpu_classes import sync_gpu_classes
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
-from serving.telemetry import ROUTING_TELEMETRY_KEY
+from serving.redis_contracts import ROUTING_TELEMETRY_KEY
 
 pytestmark = pytest.mark.django_db
 

@@ -132,7 +132,7 @@ def test_the_playground_key_is_inference_only_and_expires_within_the_hour(acme: 
     reply = dev.post("/portal/acme/playground/key/")
     key = ApiKey.objects.get(tenant=acme)
     assert reply.json()["key"].startswith("sk-") and key.name == "playground (dev)"
-    assert key.scopes == ["inference"]
+    assert key.scopes == ["inference"] and key.expires_at is not None
     lifetime = (key.expires_at - timezone.now()).total_seconds()
     assert 3500 < lifetime <= 3600
 
@@ -235,7 +235,7 @@ def test_staff_start_a_rollout_from_the_console(pool: GpuPool) -> None:
         "/console/rollouts/start/", {"baseline": baseline.pk, "target_version": v2.pk}
     )
     rollout = Rollout.objects.get()
-    assert reply.status_code == 302 and reply.url == f"/console/rollouts/{rollout.pk}/"
+    assert reply.status_code == 302 and reply["Location"] == f"/console/rollouts/{rollout.pk}/"
     assert rollout.canary.model_version == v2
     assert rollout.canary.traffic_weight == 5
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 from django.test import Client
+from pytest_django import Settings
 
 
 def test_healthz_answers_without_touching_any_service(client: Client) -> None:
@@ -18,7 +19,9 @@ def test_readyz_is_ok_when_postgres_and_redis_answer(client: Client) -> None:
 
 
 @pytest.mark.django_db
-def test_readyz_is_503_naming_redis_when_redis_is_unreachable(client: Client, settings) -> None:
+def test_readyz_is_503_naming_redis_when_redis_is_unreachable(
+    client: Client, settings: Settings
+) -> None:
     settings.REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1
     response = client.get("/readyz")
     assert response.status_code == 503
@@ -30,7 +33,7 @@ def test_readyz_is_503_naming_redis_when_redis_is_unreachable(client: Client, se
 
 @pytest.mark.django_db
 def test_readyz_names_the_failed_service_but_not_its_error(
-    client: Client, settings, caplog: pytest.LogCaptureFixture
+    client: Client, settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
     settings.REDIS_URL = "redis://127.0.0.1:1/0"
     with caplog.at_level("WARNING", logger="config.health"):
@@ -41,7 +44,9 @@ def test_readyz_names_the_failed_service_but_not_its_error(
 
 
 @pytest.mark.django_db
-def test_gateway_readiness_needs_redis_only(client: Client, monkeypatch) -> None:
+def test_gateway_readiness_needs_redis_only(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from config import health
 
     monkeypatch.setattr(health, "check_postgres", lambda: "OperationalError: connection refused")

@@ -2,19 +2,62 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict
 
 import pytest
 from django.test import Client
+from pytest_django import Settings
 
 from serving.actions import credentials
 from serving.actions.gpu_classes import sync_gpu_classes
 from serving.models import GpuClass, GpuPool
 
+if TYPE_CHECKING:
+    from registry.models import Deployment
+
+
+class MakePool(Protocol):
+    """The `make_pool` fixture: a pool and the secret of its join token."""
+
+    def __call__(
+        self, name: str = ..., gpu_class: str = ..., region: str = ...
+    ) -> tuple[GpuPool, str]: ...
+
+
+class MakeDeployment(Protocol):
+    """The `make_deployment` fixture: an approved version of `model`, deployed on `pool`."""
+
+    def __call__(
+        self,
+        pool: GpuPool,
+        model: str = ...,
+        quantization: str = ...,
+        tensor_parallel: int = ...,
+        replicas: int = ...,
+        weight: int = ...,
+        version: str = ...,
+        **engine_args: Any,
+    ) -> Deployment: ...
+
+
+class RegisteredNode(TypedDict):
+    """The agent API's answer to a registration."""
+
+    node_id: int
+    node_token: str
+    heartbeat_interval_s: int
+
+
+class Register(Protocol):
+    """The `register` fixture: `gpus` GPUs named by the keyword arguments of `gpu_inventory`."""
+
+    def __call__(
+        self, secret: str, hostname: str, gpus: int = ..., **kwargs: Any
+    ) -> RegisteredNode: ...
+
 
 @pytest.fixture(autouse=True)
-def _agent_routes(settings: Any) -> None:
+def _agent_routes(settings: Settings) -> None:
     settings.ROOT_URLCONF = "tests.fleet.urls"
 
 
@@ -25,7 +68,7 @@ def gpu_classes(db: None) -> None:
 
 
 @pytest.fixture
-def make_pool(gpu_classes: None) -> Callable[..., tuple[GpuPool, str]]:
+def make_pool(gpu_classes: None) -> MakePool:
     def make(
         name: str = "l4-eu", gpu_class: str = "L4-24GB", region: str = "eu-west"
     ) -> tuple[GpuPool, str]:
@@ -39,7 +82,7 @@ def make_pool(gpu_classes: None) -> Callable[..., tuple[GpuPool, str]]:
 
 
 @pytest.fixture
-def make_deployment(db: None) -> Callable[..., Any]:
+def make_deployment(db: None) -> MakeDeployment:
     from registry.models import Deployment, Model, ModelVersion
     from serving.engine.specs import load_model_specs
 
@@ -52,7 +95,7 @@ def make_deployment(db: None) -> Callable[..., Any]:
         weight: int = 100,
         version: str = "v1",
         **engine_args: Any,
-    ) -> Any:
+    ) -> Deployment:
         spec = load_model_specs()[model]
         row, _ = Model.objects.get_or_create(
             name=model,
@@ -100,10 +143,10 @@ def gpu_inventory(
 
 
 @pytest.fixture
-def register(db: None) -> Callable[..., dict[str, Any]]:
+def register(db: None) -> Register:
     """Register a node through the agent API, as an agent would."""
 
-    def do(secret: str, hostname: str, gpus: int = 2, **kwargs: Any) -> dict[str, Any]:
+    def do(secret: str, hostname: str, gpus: int = 2, **kwargs: Any) -> RegisteredNode:
         response = Client().post(
             "/api/agent/v1/register",
             {
@@ -115,12 +158,13 @@ def register(db: None) -> Callable[..., dict[str, Any]]:
             content_type="application/json",
         )
         assert response.status_code == 200, response.content
-        return response.json()
+        node: RegisteredNode = response.json()
+        return node
 
     return do
 
 
-def send_heartbeat(node: dict[str, Any], **body: Any) -> Any:
+def send_heartbeat(node: RegisteredNode, **body: Any) -> Any:
     return Client().post(
         "/api/agent/v1/heartbeat",
         {

@@ -5,19 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 from django.test import Client
 
 from serving import telemetry
 from serving.actions.reconcile import do_reconcile
 from serving.models import Gpu, Node, Replica, ReplicaEvent, TelemetrySample
 
-from .conftest import replica_report, send_heartbeat
+from .conftest import MakeDeployment, MakePool, Register, replica_report, send_heartbeat
 
 pytestmark = pytest.mark.django_db
 
 
 def test_registration_yields_a_node_token_that_authenticates_heartbeats(
-    make_pool, register
+    make_pool: MakePool, register: Register
 ) -> None:
     _, secret = make_pool()
     node = register(secret, "gpu-1", gpus=2)
@@ -26,7 +27,7 @@ def test_registration_yields_a_node_token_that_authenticates_heartbeats(
     assert Gpu.objects.filter(node_id=node["node_id"]).count() == 2
 
 
-def test_the_node_token_is_stored_only_as_a_hash(make_pool, register) -> None:
+def test_the_node_token_is_stored_only_as_a_hash(make_pool: MakePool, register: Register) -> None:
     _, secret = make_pool()
     node = register(secret, "gpu-1")
     row = Node.objects.get(pk=node["node_id"])
@@ -34,7 +35,7 @@ def test_the_node_token_is_stored_only_as_a_hash(make_pool, register) -> None:
     assert len(row.token_hash) == 64
 
 
-def test_an_unknown_join_token_is_refused(make_pool) -> None:
+def test_an_unknown_join_token_is_refused(make_pool: MakePool) -> None:
     make_pool()
     response = Client().post(
         "/api/agent/v1/register",
@@ -44,14 +45,14 @@ def test_an_unknown_join_token_is_refused(make_pool) -> None:
     assert response.status_code == 401
 
 
-def test_a_heartbeat_with_a_wrong_token_is_refused(make_pool, register) -> None:
+def test_a_heartbeat_with_a_wrong_token_is_refused(make_pool: MakePool, register: Register) -> None:
     _, secret = make_pool()
     node = register(secret, "gpu-1")
-    assert send_heartbeat({**node, "node_token": "nt_forged"}).status_code == 401
+    assert send_heartbeat(node | {"node_token": "nt_forged"}).status_code == 401
 
 
 def test_registering_the_same_hostname_again_reuses_the_node_and_revokes_the_old_token(
-    make_pool, register
+    make_pool: MakePool, register: Register
 ) -> None:
     _, secret = make_pool()
     first = register(secret, "gpu-1")
@@ -62,7 +63,7 @@ def test_registering_the_same_hostname_again_reuses_the_node_and_revokes_the_old
 
 
 def test_the_heartbeat_answers_with_the_nodes_desired_replicas(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=2)
@@ -74,7 +75,9 @@ def test_the_heartbeat_answers_with_the_nodes_desired_replicas(
     assert desired[0]["sim"]["gpu_class"] == "L4-24GB"
 
 
-def test_reported_states_are_recorded_with_an_event(make_pool, make_deployment, register) -> None:
+def test_reported_states_are_recorded_with_an_event(
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
+) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=1)
     make_deployment(pool)
@@ -86,7 +89,9 @@ def test_reported_states_are_recorded_with_an_event(make_pool, make_deployment, 
     assert replica.events.filter(kind="state_ready").exists()
 
 
-def test_replayed_events_are_recorded_once(make_pool, make_deployment, register) -> None:
+def test_replayed_events_are_recorded_once(
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
+) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=1)
     make_deployment(pool)
@@ -116,7 +121,10 @@ def _telemetry(running: int, waiting: int, kv: float) -> dict[str, Any]:
 
 
 def test_telemetry_lands_in_redis_for_the_gateway(
-    make_pool, make_deployment, register, redis_client
+    make_pool: MakePool,
+    make_deployment: MakeDeployment,
+    register: Register,
+    redis_client: redis.Redis,
 ) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=1)
@@ -137,7 +145,10 @@ def test_telemetry_lands_in_redis_for_the_gateway(
 
 
 def test_history_is_sampled_once_per_interval_however_many_heartbeats(
-    make_pool, make_deployment, register, redis_client
+    make_pool: MakePool,
+    make_deployment: MakeDeployment,
+    register: Register,
+    redis_client: redis.Redis,
 ) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=1)

@@ -21,12 +21,16 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from django.db import close_old_connections
 from prometheus_client.parser import text_string_to_metric_families
+from pytest_django.live_server_helper import LiveServer
 
+from registry.models import Deployment
 from serving import telemetry
 from serving.actions.credentials import engine_api_key
 from serving.models import Node, Replica, ReplicaEvent
+from tests.fleet.conftest import MakeDeployment, MakePool
 from tests.live import ControlLoops, eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -74,16 +78,25 @@ class _quiet:
         return exc[0] is ProcessLookupError or exc[0] is PermissionError
 
 
+# The agents, the deployment they serve and the pool's join token.
+Fleet = tuple[Agents, Deployment, str]
+
+
 def _kill_replica_processes() -> None:
     for pid in Replica.objects.exclude(pid=None).values_list("pid", flat=True):
+        assert pid is not None
         with _quiet():
             os.killpg(pid, signal.SIGKILL)
 
 
 @pytest.fixture
 def fleet(
-    live_server, make_pool, make_deployment, tmp_path, redis_client
-) -> Iterator[tuple[Agents, Any, str]]:
+    live_server: LiveServer,
+    make_pool: MakePool,
+    make_deployment: MakeDeployment,
+    tmp_path: Path,
+    redis_client: redis.Redis,
+) -> Iterator[Fleet]:
     pool, secret = make_pool("l4-live", "L4-24GB")
     deployment = make_deployment(pool, model="llama-3.2-1b", max_model_len=2048, max_num_seqs=32)
     agents = Agents(live_server.url, tmp_path)
@@ -99,7 +112,8 @@ def fleet(
         close_old_connections()
 
 
-def _ready_replica(deployment: Any, timeout_s: float = 60) -> Replica:
+def _ready_replica(deployment: Deployment, timeout_s: float = 60) -> Replica:
+    """A Ready replica of the deployment with a process (`pid` set)."""
     return eventually(
         lambda: deployment.replicas.filter(state=Replica.State.READY, pid__isnull=False).first(),
         timeout_s,
@@ -107,10 +121,11 @@ def _ready_replica(deployment: Any, timeout_s: float = 60) -> Replica:
     )
 
 
-def test_a_killed_replica_is_restarted_by_the_agent_and_the_event_recorded(fleet) -> None:
+def test_a_killed_replica_is_restarted_by_the_agent_and_the_event_recorded(fleet: Fleet) -> None:
     agents, deployment, secret = fleet
     agents.start("live-1", secret)
     replica = _ready_replica(deployment)
+    assert replica.pid is not None
     os.kill(replica.pid, signal.SIGKILL)
 
     eventually(
@@ -128,7 +143,7 @@ def test_a_killed_replica_is_restarted_by_the_agent_and_the_event_recorded(fleet
 
 
 def test_a_stopped_agents_node_is_not_ready_within_15_s_and_its_replicas_run_elsewhere(
-    fleet,
+    fleet: Fleet,
 ) -> None:
     agents, deployment, secret = fleet
     agents.start("live-1", secret)
@@ -186,7 +201,7 @@ async def _load(endpoint: str, key: str, model: str, streams: int, max_tokens: i
 
 
 def test_telemetry_in_redis_matches_the_simulators_own_state_under_load(
-    fleet, redis_client
+    fleet: Fleet, redis_client: redis.Redis
 ) -> None:
     agents, deployment, secret = fleet
     agents.start("live-1", secret)

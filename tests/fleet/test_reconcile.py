@@ -7,21 +7,22 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from registry.models import Deployment
 from serving.actions.nodes import do_cordon_node, do_drain_node, do_mark_lost_nodes
 from serving.actions.reconcile import do_reconcile
 from serving.models import Node, Replica
 
-from .conftest import replica_report, send_heartbeat
+from .conftest import MakeDeployment, MakePool, Register, replica_report, send_heartbeat
 
 pytestmark = pytest.mark.django_db
 
 
-def _live(deployment) -> list[Replica]:
+def _live(deployment: Deployment) -> list[Replica]:
     return list(deployment.replicas.filter(state__in=Replica.DESIRED_STATES))
 
 
 def test_a_tensor_parallel_replica_gets_as_many_gpus_as_its_degree(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool("h100", "H100-SXM-80GB")
     register(secret, "h100-1", gpus=4, name="H100-SXM-80GB", memory_mb=81559)
@@ -32,7 +33,9 @@ def test_a_tensor_parallel_replica_gets_as_many_gpus_as_its_degree(
     assert sorted(r.gpu_indices for r in _live(deployment)) == [[0, 1], [2, 3]]
 
 
-def test_reconcile_twice_places_nothing_more(make_pool, make_deployment, register) -> None:
+def test_reconcile_twice_places_nothing_more(
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
+) -> None:
     pool, secret = make_pool()
     register(secret, "gpu-1", gpus=4)
     deployment = make_deployment(pool, replicas=2)
@@ -42,7 +45,7 @@ def test_reconcile_twice_places_nothing_more(make_pool, make_deployment, registe
 
 
 def test_replicas_spread_over_nodes_before_packing_one(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     register(secret, "gpu-1", gpus=2)
@@ -53,7 +56,7 @@ def test_replicas_spread_over_nodes_before_packing_one(
 
 
 def test_a_model_too_big_for_the_nodes_gpus_is_not_placed(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     register(secret, "gpu-1", gpus=1)
@@ -62,7 +65,9 @@ def test_a_model_too_big_for_the_nodes_gpus_is_not_placed(
     assert (_live(deployment), report.unplaceable) == ([], 1)
 
 
-def test_a_cordoned_node_gets_no_new_replicas(make_pool, make_deployment, register) -> None:
+def test_a_cordoned_node_gets_no_new_replicas(
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
+) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=2)
     do_cordon_node(Node.objects.get(pk=node["node_id"]))
@@ -72,7 +77,7 @@ def test_a_cordoned_node_gets_no_new_replicas(make_pool, make_deployment, regist
 
 
 def test_scaling_down_drains_the_replicas_not_yet_serving_first(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=2)
@@ -95,7 +100,7 @@ def test_scaling_down_drains_the_replicas_not_yet_serving_first(
 
 
 def test_a_draining_replica_stops_when_the_agent_no_longer_reports_it(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     node = register(secret, "gpu-1", gpus=1)
@@ -109,7 +114,7 @@ def test_a_draining_replica_stops_when_the_agent_no_longer_reports_it(
 
 
 def test_a_silent_node_is_not_ready_and_its_replicas_are_placed_elsewhere(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     lost = register(secret, "gpu-1", gpus=1)
@@ -126,7 +131,9 @@ def test_a_silent_node_is_not_ready_and_its_replicas_are_placed_elsewhere(
     assert deployment.replicas.filter(node_id=lost["node_id"], state=Replica.State.STOPPED).exists()
 
 
-def test_a_node_that_heartbeats_in_time_stays_ready(make_pool, register) -> None:
+def test_a_node_that_heartbeats_in_time_stays_ready(
+    make_pool: MakePool, register: Register
+) -> None:
     _, secret = make_pool()
     node = register(secret, "gpu-1")
     Node.objects.filter(pk=node["node_id"]).update(
@@ -136,7 +143,7 @@ def test_a_node_that_heartbeats_in_time_stays_ready(make_pool, register) -> None
 
 
 def test_draining_a_node_moves_its_replicas_once_replacements_serve(
-    make_pool, make_deployment, register
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
 ) -> None:
     pool, secret = make_pool()
     old = register(secret, "gpu-1", gpus=1)

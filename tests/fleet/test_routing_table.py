@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
+import redis
 
+from registry.models import Deployment
 from serving.actions.reconcile import do_reconcile
 from serving.actions.routing_table import publish_routing_table, read_routing_table
 from serving.models import Replica
 from serving.redis_contracts import ROUTING_UPDATES_CHANNEL
 
-from .conftest import replica_report, send_heartbeat
+from .conftest import MakeDeployment, MakePool, Register, replica_report, send_heartbeat
 
 pytestmark = pytest.mark.django_db
 
+# The deployment, its replica reported Ready and the one still Starting.
+Fleet = tuple[Deployment, Replica, Replica]
+
 
 @pytest.fixture
-def fleet(make_pool, make_deployment, register):
+def fleet(make_pool: MakePool, make_deployment: MakeDeployment, register: Register) -> Fleet:
     pool, secret = make_pool("l4-eu", "L4-24GB", "eu-west")
     node = register(secret, "gpu-1", gpus=2)
     deployment = make_deployment(pool, replicas=2, weight=90)
@@ -32,37 +39,47 @@ def fleet(make_pool, make_deployment, register):
     return deployment, ready, starting
 
 
-def test_only_ready_replicas_enter_the_table(fleet, redis_client) -> None:
+def _table(client: redis.Redis) -> dict[str, Any]:
+    table = read_routing_table(client)
+    assert table is not None, "no routing table published"
+    return table
+
+
+def test_only_ready_replicas_enter_the_table(fleet: Fleet, redis_client: redis.Redis) -> None:
     _deployment, ready, _ = fleet
     publish_routing_table()
-    (entry,) = read_routing_table(redis_client)["models"]["llama-3.1-8b"]["deployments"]
+    (entry,) = _table(redis_client)["models"]["llama-3.1-8b"]["deployments"]
     assert [r["replica_id"] for r in entry["replicas"]] == [ready.replica_id]
     assert entry["weight"] == 90
 
 
-def test_a_replica_row_carries_endpoint_pool_and_price(fleet, redis_client) -> None:
+def test_a_replica_row_carries_endpoint_pool_and_price(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
     deployment, _ready, _ = fleet
     publish_routing_table()
-    row = read_routing_table(redis_client)["models"]["llama-3.1-8b"]["deployments"][0]["replicas"][
-        0
-    ]
+    row = _table(redis_client)["models"]["llama-3.1-8b"]["deployments"][0]["replicas"][0]
     pool = deployment.pool
     assert row["endpoint"] == "http://gpu-1.local:18001"
     assert (row["pool"], row["region"], row["gpu_class"]) == ("l4-eu", "eu-west", "L4-24GB")
     assert row["price_per_hour"] == pytest.approx(float(pool.price_per_gpu_hour))
 
 
-def test_the_version_moves_only_when_the_content_changes(fleet, redis_client) -> None:
+def test_the_version_moves_only_when_the_content_changes(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
     first = publish_routing_table()
     again = publish_routing_table()
     Replica.objects.filter(state=Replica.State.READY).update(state=Replica.State.DRAINING)
     changed = publish_routing_table()
     assert (again, changed) == (0, first + 1)
-    assert read_routing_table(redis_client)["version"] == changed
+    assert _table(redis_client)["version"] == changed
 
 
-def test_a_new_version_is_announced_on_the_updates_channel(fleet, redis_client) -> None:
-    pubsub = redis_client.pubsub()
+def test_a_new_version_is_announced_on_the_updates_channel(
+    fleet: Fleet, redis_client: redis.Redis
+) -> None:
+    pubsub = redis_client.pubsub()  # type: ignore[no-untyped-call]  # unannotated in redis-py
     pubsub.subscribe(ROUTING_UPDATES_CHANNEL)
     pubsub.get_message(timeout=1)  # the subscribe confirmation
     version = publish_routing_table()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from metering.usage import UsageEvent
+import redis
+
+from metering.usage import EVENT_FIELD, USAGE_STREAM, UsageEvent
 
 _ids = itertools.count()
 
@@ -35,3 +37,12 @@ def event(tenant_id: int, **fields: object) -> UsageEvent:
     }
     base.update(fields)
     return UsageEvent(**base)  # type: ignore[arg-type]
+
+
+def stream_events(client: redis.Redis) -> list[UsageEvent]:
+    """Every event on the usage stream, oldest first."""
+    events = []
+    for _, fields in client.xrange(USAGE_STREAM) or []:
+        assert fields is not None, "an entry without fields"
+        events.append(UsageEvent.from_json(fields[EVENT_FIELD]))
+    return events

@@ -31,6 +31,11 @@ JAN_START = datetime(2026, 1, 1, tzinfo=UTC)
 MODELS = ("llama-3.1-8b", "qwen2.5-72b")
 TIERS = {"interactive": Decimal("1.25"), "standard": Decimal("1"), "batch": Decimal("0.5")}
 
+# (model, hours into January, input, cached input and output USD per million tokens)
+PriceChange = tuple[str, int, Decimal, Decimal, Decimal]
+# (model, seconds into January, tier, prompt, cached and completion tokens, the gateway's charge)
+DrawnEvent = tuple[str, int, str, int, int, int, int]
+
 prices = st.decimals(Decimal("0.01"), Decimal("20"), places=6)
 price_changes = st.lists(
     st.tuples(st.sampled_from(MODELS), st.integers(0, 30 * 24), prices, prices, prices),
@@ -51,7 +56,7 @@ events = st.lists(
 )
 
 
-def _in_force(changes: list[tuple], model: str, at: datetime) -> tuple | None:
+def _in_force(changes: list[PriceChange], model: str, at: datetime) -> list[Decimal] | None:
     chosen = None
     for m, hours, *rates in sorted(changes, key=lambda c: c[1]):
         if m == model and JAN_START + timedelta(hours=hours) <= at:
@@ -72,16 +77,16 @@ def _oracle_micros(rates: list[Decimal], tier: str, prompt: int, cached: int, ou
 )
 @given(changes=price_changes, drawn=events)
 def test_an_invoice_totals_its_events_at_the_prices_in_force_when_they_happened(
-    redis_client: redis.Redis, changes: list[tuple], drawn: list[tuple]
+    redis_client: redis.Redis, changes: list[PriceChange], drawn: list[DrawnEvent]
 ) -> None:
     redis_client.flushdb()
     UsageEvent.objects.all().delete()
     Invoice.objects.all().delete()
     PriceSheet.objects.all().delete()
     tenant, _ = Tenant.objects.get_or_create(slug="acme", defaults={"name": "Acme"})
-    stored: dict[tuple[str, int], tuple] = {}
-    for model, hours, inp, cached, out in changes:
-        stored[(model, hours)] = (model, hours, inp, cached, out)
+    stored: dict[tuple[str, int], PriceChange] = {}
+    for model, hours, inp, cached_rate, out_rate in changes:
+        stored[(model, hours)] = (model, hours, inp, cached_rate, out_rate)
         PriceSheet.objects.update_or_create(
             model=model,
             adapter="",
@@ -89,8 +94,8 @@ def test_an_invoice_totals_its_events_at_the_prices_in_force_when_they_happened(
             effective_from=JAN_START + timedelta(hours=hours),
             defaults={
                 "input_usd_per_mtok": inp,
-                "cached_input_usd_per_mtok": cached,
-                "output_usd_per_mtok": out,
+                "cached_input_usd_per_mtok": cached_rate,
+                "output_usd_per_mtok": out_rate,
                 "tier_multipliers": {t: str(m) for t, m in TIERS.items()},
             },
         )

@@ -9,8 +9,8 @@ import redis
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from metering.usage import USAGE_STREAM, UsageEvent, UsageSpool, add_usage_event
-from tests.metering.helpers import event
+from metering.usage import UsageSpool, add_usage_event
+from tests.metering.helpers import event, stream_events
 
 
 async def test_a_settle_pipeline_carries_the_event_to_the_stream(redis_client: redis.Redis) -> None:
@@ -20,8 +20,7 @@ async def test_a_settle_pipeline_carries_the_event_to_the_stream(redis_client: r
         add_usage_event(pipe, sent)
         await pipe.execute()
     await client.aclose()
-    [(_, fields)] = redis_client.xrange(USAGE_STREAM)
-    assert UsageEvent.from_json(fields[b"e"]) == sent
+    assert stream_events(redis_client) == [sent]
 
 
 async def test_spooled_events_are_replayed_and_the_spool_emptied(
@@ -34,7 +33,7 @@ async def test_spooled_events_are_replayed_and_the_spool_emptied(
     client = aioredis.Redis.from_url(settings.REDIS_URL)
     sent = await spool.replay(client)
     await client.aclose()
-    ids = [UsageEvent.from_json(f[b"e"]).request_id for _, f in redis_client.xrange(USAGE_STREAM)]
+    ids = [e.request_id for e in stream_events(redis_client)]
     assert (sent, spool.pending()) == (1203, 0)
     assert ids == [e.request_id for e in spooled]
 

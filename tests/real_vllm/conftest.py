@@ -242,6 +242,7 @@ def _stop(agent: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         agent.kill()
     for pid in Replica.objects.exclude(pid=None).values_list("pid", flat=True):
+        assert pid is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
 

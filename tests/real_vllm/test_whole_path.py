@@ -14,14 +14,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 import openai
 import orjson
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.completion_create_params import CompletionCreateParamsNonStreaming
 
-from metering.usage import USAGE_STREAM, UsageEvent
+from metering.usage import UsageEvent
 from serving import telemetry
 from serving.actions.reconcile import replica_spec
 from serving.agent.gpus import CpuSlots
@@ -30,6 +32,7 @@ from serving.agent.specs import parse_replica_spec
 from serving.gateway.pipeline import engine_cache_salt
 from serving.models import Replica, ReplicaEvent
 from tests.live import eventually
+from tests.metering.helpers import stream_events
 from tests.real_vllm.conftest import TINY_ADAPTER, TINY_MODEL, Engine, RealFleet, sample
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow, pytest.mark.django_db]
@@ -45,8 +48,7 @@ def _client(fleet: RealFleet, tenant: str = "acme") -> openai.OpenAI:
 
 
 def _events(fleet: RealFleet) -> dict[str, UsageEvent]:
-    events = [UsageEvent.from_json(f[b"e"]) for _, f in fleet.redis.xrange(USAGE_STREAM)]
-    return {event.request_id: event for event in events}
+    return {event.request_id: event for event in stream_events(fleet.redis)}
 
 
 def _event(fleet: RealFleet, request_id: str) -> UsageEvent:
@@ -224,7 +226,7 @@ def _call(
     options: dict[str, Any] = {"model": TINY_MODEL, "max_tokens": 12, **body, **extra}
     if stream:
         options |= {"stream": True, "stream_options": {"include_usage": True}}
-    raw = api.with_raw_response.create(**options)  # type: ignore[attr-defined]
+    raw = api.with_raw_response.create(**options)
     request_id = raw.headers["x-request-id"]
     parsed = raw.parse()
     if not stream:
@@ -234,19 +236,29 @@ def _call(
     return chunks[-1].usage.model_dump(include={"prompt_tokens", "completion_tokens"}), request_id
 
 
+class _ChatAsk(TypedDict):
+    """A chat request's arguments but the model."""
+
+    messages: list[ChatCompletionMessageParam]
+    max_tokens: int
+    temperature: float
+
+
 def test_seed_repeats_a_sample_and_stop_cuts_it_where_vllm_finds_the_string(
     real_fleet: RealFleet,
 ) -> None:
     client = _client(real_fleet)
-    ask = {"model": TINY_MODEL, "prompt": "The harbour at dawn", "max_tokens": 40,
-           "temperature": 1.0, "seed": 1234}  # fmt: skip
+    ask: CompletionCreateParamsNonStreaming = {
+        "model": TINY_MODEL, "prompt": "The harbour at dawn", "max_tokens": 40,
+        "temperature": 1.0, "seed": 1234,
+    }  # fmt: skip
 
     first = client.completions.create(**ask).choices[0].text
     again = client.completions.create(**ask).choices[0].text
     assert first == again and len(first) > 12
 
     stop = first[len(first) // 2 : len(first) // 2 + 3]
-    cut = client.completions.create(**ask, stop=[stop]).choices[0]
+    cut = client.completions.create(**(ask | {"stop": [stop]})).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == first[: first.index(stop)]
 
@@ -256,8 +268,8 @@ def test_an_adapter_is_called_by_name_and_served_by_vllm_with_its_own_weights(
 ) -> None:
     client = _client(real_fleet)
     (engine,) = real_fleet.engines()
-    ask = {"messages": [{"role": "user", "content": "Ahoy there"}], "max_tokens": 8,
-           "temperature": 0}  # fmt: skip
+    ask: _ChatAsk = {"messages": [{"role": "user", "content": "Ahoy there"}], "max_tokens": 8,
+                     "temperature": 0}  # fmt: skip
 
     raw = client.chat.completions.with_raw_response.create(model=TINY_ADAPTER, **ask)
     adapted = raw.parse()

@@ -134,7 +134,7 @@ def test_the_published_visibility_hash_matches_the_database(
 ) -> None:
     publish_visibility(redis_client)
     entries = {
-        name.decode(): json.loads(value)
+        (name.decode() if isinstance(name, bytes) else name): json.loads(value)
         for name, value in redis_client.hgetall(VISIBILITY_HASH).items()
     }
     for name in [*Model.objects.values_list("name", flat=True), "acme-tone"]:

@@ -16,7 +16,13 @@ from django.conf import settings
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
-from tenants.actions import do_create_api_key, do_record_key_use, do_revoke_api_key, do_update_quota
+from tenants.actions import (
+    do_create_api_key,
+    do_record_key_use,
+    do_revoke_api_key,
+    do_update_quota,
+    load_principal_from_database,
+)
 from tenants.keys import (
     MISSING_KEY_TTL_S,
     KeyAuthenticator,
@@ -40,6 +46,13 @@ async def database_is_down(raw_key: str) -> KeyPrincipal | None:
     raise AssertionError("the hot path asked PostgreSQL")
 
 
+async def authenticated(authenticator: KeyAuthenticator, raw_key: str) -> KeyPrincipal:
+    """The key's principal: the key must be admitted."""
+    principal = await authenticator.authenticate(raw_key)
+    assert principal is not None, "the key was refused"
+    return principal
+
+
 async def test_a_new_key_is_admitted_from_redis_without_asking_postgres(
     acme: Tenant, aredis: aioredis.Redis
 ) -> None:
@@ -55,7 +68,9 @@ async def test_a_key_missing_from_redis_is_found_in_postgres_and_written_back(
 ) -> None:
     key, raw = await sync_to_async(create_key)(acme)
     await aredis.delete(key_record_name(hash_key(raw)))
-    principal = await KeyAuthenticator(aredis).authenticate(raw)
+    principal = await KeyAuthenticator(
+        aredis, load_from_database=load_principal_from_database
+    ).authenticate(raw)
     assert principal is not None and principal.key_id == key.pk
     assert await aredis.exists(key_record_name(hash_key(raw)))
 
@@ -64,7 +79,7 @@ async def test_it_refuses_an_unknown_key_and_a_malformed_one(
     acme: Tenant, aredis: aioredis.Redis
 ) -> None:
     _, raw = await sync_to_async(create_key)(acme)
-    authenticator = KeyAuthenticator(aredis)
+    authenticator = KeyAuthenticator(aredis, load_from_database=load_principal_from_database)
     assert await authenticator.authenticate(raw[:-1] + ("0" if raw[-1] != "0" else "1")) is None
     assert await authenticator.authenticate("not-a-key") is None
 
@@ -74,7 +89,9 @@ async def test_it_refuses_an_expired_key_even_from_its_cache(
 ) -> None:
     soon = timezone.now() + timedelta(seconds=1)
     _, raw = await sync_to_async(create_key)(acme, expires_at=soon)
-    authenticator = KeyAuthenticator(aredis, cache_ttl_s=60)
+    authenticator = KeyAuthenticator(
+        aredis, cache_ttl_s=60, load_from_database=load_principal_from_database
+    )
     assert await authenticator.authenticate(raw) is not None
     await asyncio.sleep(1.1)
     assert await authenticator.authenticate(raw) is None
@@ -84,14 +101,16 @@ async def test_a_quota_change_reaches_a_running_authenticator(
     acme: Tenant, aredis: aioredis.Redis
 ) -> None:
     _, raw = await sync_to_async(create_key)(acme)
-    authenticator = KeyAuthenticator(aredis, cache_ttl_s=60)
+    authenticator = KeyAuthenticator(
+        aredis, cache_ttl_s=60, load_from_database=load_principal_from_database
+    )
     await authenticator.start()
     try:
-        assert (await authenticator.authenticate(raw)).limits.requests_per_minute == 600
+        assert (await authenticated(authenticator, raw)).limits.requests_per_minute == 600
         quota = await Quota.objects.aget(tenant=acme)
         await sync_to_async(do_update_quota)(quota, requests_per_minute=7)
         await asyncio.sleep(0.3)
-        assert (await authenticator.authenticate(raw)).limits.requests_per_minute == 7
+        assert (await authenticated(authenticator, raw)).limits.requests_per_minute == 7
     finally:
         await authenticator.close()
 
@@ -101,7 +120,9 @@ def test_a_key_override_only_tightens_the_tenants_quota(acme: Tenant) -> None:
 
     key, _ = create_key(acme)
     KeyQuotaOverride.objects.create(api_key=key, requests_per_minute=5, tokens_per_minute=10**9)
-    limits = build_principal(key).limits
+    principal = build_principal(key)
+    assert principal is not None
+    limits = principal.limits
     assert (limits.requests_per_minute, limits.tenant_requests_per_minute) == (5, 600)
     assert limits.tokens_per_minute == limits.tenant_tokens_per_minute == 200_000
 
@@ -110,8 +131,8 @@ async def test_last_use_reaches_postgres_off_the_hot_path(
     acme: Tenant, aredis: aioredis.Redis
 ) -> None:
     key, raw = await sync_to_async(create_key)(acme)
-    authenticator = KeyAuthenticator(aredis)
-    principal = await authenticator.authenticate(raw)
+    authenticator = KeyAuthenticator(aredis, load_from_database=load_principal_from_database)
+    principal = await authenticated(authenticator, raw)
     authenticator.touch(principal.key_id)
     assert (await ApiKey.objects.aget(pk=key.pk)).last_used_at is None
     await authenticator.flush_touches()
@@ -188,7 +209,10 @@ async def test_a_repeated_unknown_key_asks_postgres_once_across_processes(
 ) -> None:
     raw, _ = generate_raw_key()
     # three gateway processes, each past its own few seconds of in-process cache every time
-    workers = [KeyAuthenticator(aredis, cache_ttl_s=0) for _ in range(3)]
+    workers = [
+        KeyAuthenticator(aredis, cache_ttl_s=0, load_from_database=load_principal_from_database)
+        for _ in range(3)
+    ]
     for _ in range(10):
         for worker in workers:
             assert await worker.authenticate(raw) is None
@@ -201,7 +225,9 @@ async def test_a_repeated_unknown_key_asks_postgres_once_while_redis_is_down(
 ) -> None:
     raw, _ = generate_raw_key()
     unreachable = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    authenticator = KeyAuthenticator(unreachable, timeout_s=0.5)
+    authenticator = KeyAuthenticator(
+        unreachable, timeout_s=0.5, load_from_database=load_principal_from_database
+    )
     try:
         for _ in range(20):
             assert await authenticator.authenticate(raw) is None
@@ -214,14 +240,16 @@ async def test_a_key_created_after_a_miss_works_at_once(
     acme: Tenant, aredis: aioredis.Redis
 ) -> None:
     raw, _ = generate_raw_key()
-    running = KeyAuthenticator(aredis, cache_ttl_s=60)
+    running = KeyAuthenticator(
+        aredis, cache_ttl_s=60, load_from_database=load_principal_from_database
+    )
     await running.start()
     try:
         assert await running.authenticate(raw) is None  # remembered as unknown, here and in Redis
         key, _ = await sync_to_async(create_key)(acme, raw_key=raw)
         # another process, which never saw the key, finds it in Redis without PostgreSQL
         other = KeyAuthenticator(aredis, load_from_database=database_is_down)
-        assert (await other.authenticate(raw)).key_id == key.pk
+        assert (await authenticated(other, raw)).key_id == key.pk
         # and the process that missed it drops its memory of the miss on the key's event
         deadline = time.monotonic() + 1.0
         while (principal := await running.authenticate(raw)) is None:
@@ -250,7 +278,7 @@ async def test_a_miss_overtaken_by_the_keys_creation_is_not_remembered(
         aredis, cache_ttl_s=60, load_from_database=created_while_looking
     )
     assert await authenticator.authenticate(raw) is None
-    assert (await authenticator.authenticate(raw)).key_id == created[0].pk
+    assert (await authenticated(authenticator, raw)).key_id == created[0].pk
     assert len(created) == 1
 
 

@@ -31,6 +31,13 @@ async def admit(limiter: RateLimiter, principal: Any, **kw: Any) -> Any:
     return await limiter.admit(principal, request_id=rid(), **kw)
 
 
+async def counter(aredis: aioredis.Redis, key: str) -> int:
+    """A month counter the limiter keeps in Redis; it must exist."""
+    value = await aredis.get(key)
+    assert value is not None, f"no counter {key}"
+    return int(value)
+
+
 async def test_it_refuses_the_request_past_the_requests_per_minute(aredis: aioredis.Redis) -> None:
     limiter = RateLimiter(aredis)
     principal = principal_with(requests_per_minute=5)
@@ -82,7 +89,7 @@ async def test_it_refunds_unused_tokens_at_settle(aredis: aioredis.Redis) -> Non
     second = await admit(limiter, principal, prompt_tokens=100, max_tokens=700)
     assert second.allowed
     month = first.reservation.month
-    assert int(await aredis.get(month_tokens_key(principal.tenant_id, month))) == 150 + 800
+    assert await counter(aredis, month_tokens_key(principal.tenant_id, month)) == 150 + 800
 
 
 async def test_a_second_settle_of_the_same_reservation_changes_nothing(
@@ -99,8 +106,8 @@ async def test_a_second_settle_of_the_same_reservation_changes_nothing(
     ]
     month = admission.reservation.month
     assert applied == [True, False]
-    assert int(await aredis.get(month_tokens_key(principal.tenant_id, month))) == 110
-    assert int(await aredis.get(month_spend_key(principal.tenant_id, month))) == 7
+    assert await counter(aredis, month_tokens_key(principal.tenant_id, month)) == 110
+    assert await counter(aredis, month_spend_key(principal.tenant_id, month)) == 7
 
 
 async def test_settle_commands_run_in_the_callers_pipeline(aredis: aioredis.Redis) -> None:
@@ -118,7 +125,7 @@ async def test_settle_commands_run_in_the_callers_pipeline(aredis: aioredis.Redi
     assert await aredis.xlen("usage-test") == 1
     assert await aredis.zcard(admission.reservation.lease_keys[0]) == 0
     month = admission.reservation.month
-    assert int(await aredis.get(month_tokens_key(principal.tenant_id, month))) == 45
+    assert await counter(aredis, month_tokens_key(principal.tenant_id, month)) == 45
 
 
 async def test_it_refuses_a_stream_past_the_concurrent_streams(aredis: aioredis.Redis) -> None:
