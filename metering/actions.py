@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import date
 from typing import Any
 
 from django.db.models import QuerySet
@@ -85,11 +84,3 @@ def _as_id(value: int | str) -> int:
         return int(value)
     except (TypeError, ValueError):
         raise Http404("No such row.") from None
-
-
-def close_month_for_all(month: date) -> int:
-    count = 0
-    for tenant in Tenant.objects.all():
-        do_close_month(tenant, month)
-        count += 1
-    return count
