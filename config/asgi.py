@@ -25,7 +25,7 @@ from config.routing import websocket_urlpatterns  # noqa: E402
 from serving.gateway.asgi import GatewayApp  # noqa: E402
 
 
-class BrowserOriginValidator(OriginValidator):  # type: ignore[misc]
+class BrowserOriginValidator(OriginValidator):
     """Refuses a browser page from another site; lets API clients (no Origin) through.
 
     Cross-site WebSocket hijacking rides on a browser's cookies, so a browser's Origin must

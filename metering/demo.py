@@ -23,7 +23,7 @@ TIER_MULTIPLIERS = {"interactive": "1.25", "standard": "1", "batch": "0.5"}
 EFFECTIVE_FROM = datetime(2025, 1, 1, tzinfo=UTC)
 
 
-def seed(details: dict) -> None:  # type: ignore[type-arg]
+def seed(details: dict) -> None:
     for model, (inp, cached, out) in DEMO_PRICES.items():
         PriceSheet.objects.update_or_create(
             model=model,

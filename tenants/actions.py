@@ -187,7 +187,7 @@ def do_update_tenant(tenant: Tenant, **changes: Any) -> Tenant:
 @transaction.atomic
 def do_delete_tenant(tenant: Tenant) -> None:
     keys = list(ApiKey.objects.filter(tenant=tenant))
-    tombstones = [(key.secret_hash, None) for key in keys]
+    tombstones: list[tuple[str, KeyPrincipal | None]] = [(key.secret_hash, None) for key in keys]
     tenant_id = tenant.pk
     tenant.delete()
     transaction.on_commit(lambda: _write_records(tombstones, [f"tenant:{tenant_id}"]))

@@ -25,6 +25,11 @@ MAX_BUCKETS = 2_400
 BUCKET_LENGTH = {"hour": timedelta(hours=1), "day": timedelta(days=1), "month": timedelta(days=28)}
 
 
+def invalid(field: serializers.Field[Any, Any, Any, Any]) -> serializers.ValidationError:
+    """The field's own "invalid" message as DRF's error (what `field.fail` raises)."""
+    return serializers.ValidationError(field.error_messages["invalid"], code="invalid")
+
+
 @extend_schema_field(OpenApiTypes.DATETIME)
 class InstantField(serializers.Field[datetime, str, str, Any]):
     """An ISO 8601 date-time, or a date meaning its midnight UTC."""
@@ -37,13 +42,13 @@ class InstantField(serializers.Field[datetime, str, str, Any]):
         text = str(data).strip()
         try:
             parsed = parse_datetime(text)
-            if parsed is None:
-                day = parse_date(text)
-                if day is None:
-                    self.fail("invalid")
-                parsed = datetime.combine(day, time.min)
+            day = parse_date(text) if parsed is None else None
         except ValueError:  # well formed but impossible, e.g. 2026-02-30
-            self.fail("invalid")
+            parsed = day = None
+        if parsed is None:
+            if day is None:
+                raise invalid(self)
+            parsed = datetime.combine(day, time.min)
         if timezone.is_naive(parsed):
             parsed = parsed.replace(tzinfo=UTC)
         return parsed
@@ -65,7 +70,7 @@ class MonthField(serializers.Field[date, str, str, Any]):
         except ValueError:
             day = None
         if day is None:
-            self.fail("invalid")
+            raise invalid(self)
         return day.replace(day=1)
 
     def to_representation(self, value: date) -> str:

@@ -21,8 +21,6 @@ from django.db.models.functions import Trunc
 from metering.models import HourlyRollup, UsageEvent, micros_to_usd
 from metering.rollups import ERROR_STATUSES
 
-TOKEN_FIELDS = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
-
 
 def usage_buckets(
     events: QuerySet[UsageEvent], start: datetime, end: datetime, granularity: str
@@ -37,7 +35,9 @@ def usage_buckets(
             requests=Count("request_id"),
             errors=Count("request_id", filter=Q(status__in=ERROR_STATUSES)),
             spend_micros=Sum("price_charged_usd_micros"),
-            **{name: Sum(name) for name in TOKEN_FIELDS},
+            prompt_tokens=Sum("prompt_tokens"),
+            cached_prompt_tokens=Sum("cached_prompt_tokens"),
+            completion_tokens=Sum("completion_tokens"),
         )
         .order_by("period")
     )
@@ -46,7 +46,9 @@ def usage_buckets(
             "period": row["period"],
             "requests": row["requests"],
             "errors": row["errors"],
-            **{name: row[name] or 0 for name in TOKEN_FIELDS},
+            "prompt_tokens": row["prompt_tokens"] or 0,
+            "cached_prompt_tokens": row["cached_prompt_tokens"] or 0,
+            "completion_tokens": row["completion_tokens"] or 0,
             "spend_micros": row["spend_micros"] or 0,
         }
         for row in rows
@@ -54,7 +56,14 @@ def usage_buckets(
 
 
 def usage_totals(buckets: list[dict[str, Any]]) -> dict[str, int]:
-    names = ("requests", "errors", *TOKEN_FIELDS, "spend_micros")
+    names = (
+        "requests",
+        "errors",
+        "prompt_tokens",
+        "cached_prompt_tokens",
+        "completion_tokens",
+        "spend_micros",
+    )
     return {name: sum(bucket[name] for bucket in buckets) for name in names}
 
 

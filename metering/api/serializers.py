@@ -85,7 +85,7 @@ class UsageBucketSerializer(serializers.Serializer[dict[str, Any]]):
 
 
 class UsageTotalsSerializer(UsageBucketSerializer):
-    period = None  # type: ignore[assignment]
+    period = None
 
 
 class UsageReportSerializer(serializers.Serializer[dict[str, Any]]):

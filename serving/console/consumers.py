@@ -15,7 +15,7 @@ from serving.console.live import FLEET_GROUP
 from serving.console.queries import fleet_snapshot
 
 
-class FleetLiveConsumer(AsyncJsonWebsocketConsumer):  # type: ignore[misc]
+class FleetLiveConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
         user = self.scope.get("user")
         if not getattr(user, "is_staff", False) or not getattr(user, "is_active", False):

@@ -75,7 +75,7 @@ def bearer_scheme_extension() -> Any:
     """drf-spectacular learns the scheme from this class when it is imported."""
     from drf_spectacular.extensions import OpenApiAuthenticationExtension
 
-    class ApiKeyScheme(OpenApiAuthenticationExtension):  # type: ignore[misc]
+    class ApiKeyScheme(OpenApiAuthenticationExtension):
         target_class = "tenants.api.authentication.ApiKeyAuthentication"
         name = "apiKey"
 

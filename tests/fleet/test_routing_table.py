@@ -79,7 +79,7 @@ def test_the_version_moves_only_when_the_content_changes(
 def test_a_new_version_is_announced_on_the_updates_channel(
     fleet: Fleet, redis_client: redis.Redis
 ) -> None:
-    pubsub = redis_client.pubsub()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+    pubsub = redis_client.pubsub()  # unannotated in redis-py
     pubsub.subscribe(ROUTING_UPDATES_CHANNEL)
     pubsub.get_message(timeout=1)  # the subscribe confirmation
     version = publish_routing_table()

@@ -16,6 +16,7 @@ from django.contrib.auth import get_user_model
 from django.urls import URLPattern, resolve
 from rest_framework.test import APIClient
 
+from config.jobs import Enqueue
 from metering import ingest
 from metering.api import urls as metering_urls
 from metering.invoices import do_build_invoice
@@ -29,7 +30,6 @@ from metering.models import (
 )
 from metering.pricing import PRICE_BOOK_KEY
 from metering.rollups import empty_buckets
-from config.jobs import Enqueue
 from metering.tasks import publish_prices
 from registry.models import Visibility
 from tenants.actions import do_create_api_key
@@ -615,7 +615,7 @@ def test_margin_by_an_unknown_dimension_is_a_400(staff: Any) -> None:
 
 def metering_snapshot(redis_client: Any) -> str:
     rows = {
-        model.__name__: sorted(map(str, model.objects.values()))
+        model.__name__: sorted(map(str, model._default_manager.values()))
         for model in apps.get_app_config("metering").get_models()
     }
     return json.dumps([rows, str(redis_client.get(PRICE_BOOK_KEY))], default=str)
