@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import redis
@@ -248,15 +248,16 @@ def _set_grants(row: Model | Adapter, tenant_ids: Iterable[int] | None) -> None:
         row.granted_tenants.set(list(tenant_ids))
 
 
-def _apply(row: Any, changes: Mapping[str, Any], allowed: set[str]) -> None:
-    unknown = set(changes) - allowed
+def _apply(row: Any, changes: Mapping[str, Any], allowed: Collection[str]) -> None:
+    unknown = set(changes).difference(allowed)
     if unknown:
         raise ValidationError(f"These fields cannot be changed: {', '.join(sorted(unknown))}.")
     for name, value in changes.items():
         setattr(row, name, value)
 
 
-MODEL_FIELDS = {
+# What the model actions may write, in the order the API shows them.
+MODEL_FIELDS = (
     "name",
     "family",
     "description",
@@ -267,13 +268,13 @@ MODEL_FIELDS = {
     "head_dim",
     "max_context",
     "visibility",
-}
+)
 
 
 def _save_visible(
     obj: Model | Adapter,
     changes: dict[str, Any],
-    allowed: set[str],
+    allowed: Collection[str],
     granted_tenant_ids: Iterable[int] | None,
 ) -> Any:
     """The one write path of models and adapters: validate, save, grant, republish who

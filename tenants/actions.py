@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -316,7 +316,8 @@ def do_revoke_api_key(key: ApiKey, acting_user: Any) -> ApiKey:
 
 # ---------------------------------------------------------------- quotas
 
-QUOTA_FIELDS = {
+# What `do_update_quota` may change, in the order the API shows them.
+QUOTA_FIELDS = (
     "requests_per_minute",
     "tokens_per_minute",
     "concurrent_streams",
@@ -327,7 +328,7 @@ QUOTA_FIELDS = {
     "soft_alert_fraction",
     "hard_budget",
     "allowed_tiers",
-}
+)
 OVERRIDE_FIELDS = {
     "requests_per_minute",
     "tokens_per_minute",
@@ -359,8 +360,8 @@ def do_set_key_override(override: KeyQuotaOverride, **changes: Any) -> KeyQuotaO
     return override
 
 
-def _check_fields(changes: dict[str, Any], allowed: set[str]) -> None:
-    unknown = set(changes) - allowed
+def _check_fields(changes: dict[str, Any], allowed: Collection[str]) -> None:
+    unknown = set(changes).difference(allowed)
     if unknown:
         raise ValueError(f"Cannot change {', '.join(sorted(unknown))}.")
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from registry.actions import MODEL_FIELDS
 from registry.models import (
     Adapter,
     Deployment,
@@ -43,22 +44,7 @@ class ModelSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Model]):
 
     class Meta:
         model = Model
-        fields = [
-            "id",
-            "name",
-            "family",
-            "description",
-            "params_b",
-            "layers",
-            "hidden",
-            "kv_heads",
-            "head_dim",
-            "max_context",
-            "kv_bytes_per_token_bf16",
-            "visibility",
-            "granted_tenants",
-            "created_at",
-        ]
+        fields = ["id", *MODEL_FIELDS, "kv_bytes_per_token_bf16", "granted_tenants", "created_at"]
         read_only_fields = ["id", "created_at"]
 
 

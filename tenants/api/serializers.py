@@ -9,6 +9,7 @@ from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
 from serving.gateway.guardrails import PatternError, check_blocked_patterns
+from tenants.actions import QUOTA_FIELDS
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Scope, Tenant
 
 
@@ -91,18 +92,7 @@ class QuotaSerializer(serializers.ModelSerializer[Quota]):
 
     class Meta:
         model = Quota
-        fields = [
-            "requests_per_minute",
-            "tokens_per_minute",
-            "concurrent_streams",
-            "max_tokens_cap",
-            "max_context_tokens",
-            "monthly_token_budget",
-            "monthly_spend_budget_usd",
-            "soft_alert_fraction",
-            "hard_budget",
-            "allowed_tiers",
-        ]
+        fields = list(QUOTA_FIELDS)
 
 
 class KeyQuotaOverrideSerializer(serializers.ModelSerializer[KeyQuotaOverride]):
