@@ -173,18 +173,14 @@ def main() -> int:
              "--no-access-log", "--lifespan", "off"],
             env,
         )  # fmt: skip
-        supervisor.spawn(
-            "worker",
-            [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--queues", "realtime",
-             "--concurrency", "2", "-n", "realtime@%h"],
-            env,
-        )  # fmt: skip
-        supervisor.spawn(
-            "worker-batch",
-            [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--queues", "batch",
-             "--concurrency", "1", "-n", "batch@%h"],
-            env,
-        )  # fmt: skip
+        # One worker per queue (CELERY_TASK_ROUTES): a long invoice run never delays an ingest.
+        for name, queue, concurrency in (("worker", "realtime", 2), ("worker-batch", "batch", 1)):
+            supervisor.spawn(
+                name,
+                [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--queues", queue,
+                 "--concurrency", str(concurrency), "-n", f"{queue}@%h"],
+                env,
+            )  # fmt: skip
         supervisor.spawn(
             "beat",
             [venv_bin("celery"), "-A", "config", "beat", "-l", "WARNING",

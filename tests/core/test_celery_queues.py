@@ -36,8 +36,9 @@ def kubernetes_worker_queues() -> set[str]:
 
 
 def make_run_worker_queues() -> set[str]:
+    """The queues of the workers `make run` starts, read off scripts/run.py's worker table."""
     source = (ROOT / "scripts/run.py").read_text()
-    return {q for group in re.findall(r'"--queues", "([a-z,]+)"', source) for q in group.split(",")}
+    return set(re.findall(r'\("worker[a-z-]*", "([a-z]+)", \d+\)', source))
 
 
 def test_every_task_is_registered_and_every_beat_entry_names_one() -> None:
