@@ -190,6 +190,8 @@ REDIS_WORKER_TIMEOUT_S = env_float("REDIS_WORKER_TIMEOUT_S", 5.0)
 # Runtime files: embedded PostgreSQL and Redis, logs, the gateway's usage spool, the demo's
 # tiny model. On Kubernetes an emptyDir per pod.
 PLATFORM_VAR_DIR = Path(env_str("PLATFORM_VAR_DIR", str(BASE_DIR / "var"))).resolve()
+# The platform's own URL as its node agents reach it (the demo fleet's agents join here).
+PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL", "http://127.0.0.1:8000")
 
 # The /v1 gateway (serving/gateway): routing policy and upstream timeouts.
 GATEWAY_ROUTER_POLICY = env_str("GATEWAY_ROUTER_POLICY", "cost_aware")

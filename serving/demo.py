@@ -78,7 +78,7 @@ def demo_pools() -> tuple[DemoPool, ...]:
 
 
 def var_dir() -> Path:
-    return Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var"))
+    return settings.PLATFORM_VAR_DIR
 
 
 def tiny_model_dir() -> Path:

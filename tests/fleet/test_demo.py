@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from pytest_django import Settings
 
 from registry.models import Adapter, Deployment, Model, ModelVersion, Visibility
 from serving import demo
@@ -130,9 +131,9 @@ def test_the_tiny_model_is_seeded_public_on_the_cpu_pool_once(
 
 
 def test_the_whole_demo_seeds_in_order_and_a_second_run_changes_no_row(
-    gpu_classes: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_client: Any
+    gpu_classes: None, tmp_path: Path, settings: Settings, redis_client: Any
 ) -> None:
-    monkeypatch.setenv("PLATFORM_VAR_DIR", str(tmp_path))
+    settings.PLATFORM_VAR_DIR = tmp_path
     call_command("seed_demo", stdout=StringIO())
     first = _fleet_rows()
     call_command("seed_demo", stdout=StringIO())

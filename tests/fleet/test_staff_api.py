@@ -55,12 +55,12 @@ def test_staff_list_a_nodes_gpus(staff, make_pool, register) -> None:
 
 
 def test_the_demo_fleet_lists_one_agent_per_demo_node(
-    gpu_classes, tmp_path, monkeypatch, capsys
+    gpu_classes, tmp_path, settings, capsys
 ) -> None:
     from serving import demo
 
-    monkeypatch.setenv("PLATFORM_VAR_DIR", str(tmp_path))
-    monkeypatch.setenv("PLATFORM_PUBLIC_URL", "http://cp.test:8000")
+    settings.PLATFORM_VAR_DIR = tmp_path
+    settings.PLATFORM_PUBLIC_URL = "http://cp.test:8000"
     details: dict = {"extra": {}}
     demo.seed(details)
     (tmp_path / "demo.json").write_text(json.dumps(details))

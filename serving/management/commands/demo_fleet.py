@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -24,8 +22,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if not options["commands"]:
             raise CommandError("nothing to do: pass --commands")
-        var = Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var"))
-        demo = var / "demo.json"
+        demo = settings.PLATFORM_VAR_DIR / "demo.json"
         details = json.loads(demo.read_text()) if demo.exists() else {}
-        control_plane = os.environ.get("PLATFORM_PUBLIC_URL", "http://127.0.0.1:8000")
+        control_plane = settings.PLATFORM_PUBLIC_URL
         self.stdout.write(json.dumps(agent_commands(details, control_plane)))

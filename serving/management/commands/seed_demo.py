@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -24,7 +23,7 @@ class Command(BaseCommand):
     help = "Create the demo fleet, models, tenants and users (idempotent)."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        var = Path(os.environ.get("PLATFORM_VAR_DIR", settings.BASE_DIR / "var"))
+        var = settings.PLATFORM_VAR_DIR
         var.mkdir(parents=True, exist_ok=True)
         path = var / "demo.json"
         details: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
