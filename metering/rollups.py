@@ -7,10 +7,9 @@ arrived, leaves the same rows a single run over the same events would.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -39,11 +38,6 @@ def hour_floor(at: datetime) -> datetime:
     return at.replace(minute=0, second=0, microsecond=0)
 
 
-def bucket_of(ms: float) -> int:
-    """Bucket i holds [bound i-1, bound i): the same rule as PostgreSQL's width_bucket."""
-    return bisect.bisect_right(LATENCY_BUCKETS_MS, ms)
-
-
 def empty_buckets() -> list[int]:
     return [0] * (len(LATENCY_BUCKETS_MS) + 1)
 
@@ -61,14 +55,6 @@ def percentile_ms(buckets: Sequence[int], q: float) -> float | None:
         if seen >= rank and count:
             return LATENCY_BUCKETS_MS[min(index, len(LATENCY_BUCKETS_MS) - 1)]
     return LATENCY_BUCKETS_MS[-1]
-
-
-def merge_buckets(rows: Iterable[Sequence[int]]) -> list[int]:
-    merged = empty_buckets()
-    for row in rows:
-        for i, count in enumerate(row):
-            merged[i] += count
-    return merged
 
 
 # --- cost to serve ----------------------------------------------------------------------

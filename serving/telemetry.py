@@ -87,11 +87,6 @@ def read_replica(client: redis.Redis, replica_id: str) -> dict[str, Any] | None:
     return None if raw is None else orjson.loads(raw)
 
 
-def read_node(client: redis.Redis, node_id: int) -> dict[str, Any] | None:
-    raw = client.get(node_key(node_id))
-    return None if raw is None else orjson.loads(raw)
-
-
 def read_routing_telemetry(client: redis.Redis) -> dict[str, dict[str, Any]]:
     """Every replica's compact telemetry, in one call (what the gateway refreshes from)."""
     rows = client.hgetall(ROUTING_TELEMETRY_KEY)

@@ -334,19 +334,3 @@ def bursty(
     peak = max(base_rate_per_s, burst_rate_per_s)
     arrivals = _thinned(rate_at, peak, duration_s, rng)
     return _requests_at(arrivals, lengths or LengthMix(), tenants, rng, "bu")
-
-
-def scale_rate(requests: Sequence[SimRequest], multiplier: float) -> list[SimRequest]:
-    """The same requests with inter-arrival times divided by `multiplier`."""
-    return [
-        SimRequest(
-            r.request_id,
-            r.arrival_s / multiplier,
-            r.prompt_tokens,
-            r.output_tokens,
-            r.tenant,
-            r.tier,
-            r.block_hashes,
-        )
-        for r in requests
-    ]

@@ -28,12 +28,6 @@ class PlacementResult:
     kv_gb_per_gpu_for_one_sequence: float
     usable_gb_per_gpu: float
 
-    @property
-    def headroom_gb_per_gpu(self) -> float:
-        return (
-            self.usable_gb_per_gpu - self.weights_gb_per_gpu - self.kv_gb_per_gpu_for_one_sequence
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class Placement:
