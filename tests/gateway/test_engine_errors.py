@@ -6,23 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
 import redis
+from openai.types.chat import ChatCompletionMessageParam
 
-from metering.usage import USAGE_STREAM, UsageEvent
+from metering.usage import UsageEvent
 from serving.gateway.upstream import error_event
 from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog, wait_until
 from tests.gateway.test_websocket import chat_body, converse
+from tests.metering.helpers import stream_events
 
-MESSAGES = [{"role": "user", "content": "a long story please"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "a long story please"}]
 
 
 def usage_events(client: redis.Redis) -> list[UsageEvent]:
-    return [UsageEvent.from_json(fields[b"e"]) for _, fields in client.xrange(USAGE_STREAM)]
+    return stream_events(client)
 
 
 def only_usage_event(client: redis.Redis) -> UsageEvent:
@@ -93,18 +96,24 @@ def test_the_flat_error_event_of_some_vllm_versions_is_a_failure_too() -> None:
 
 
 def test_an_error_event_without_a_usable_code_is_taken_as_the_engines_fault() -> None:
-    for chunk in (
+    chunks: tuple[dict[str, Any], ...] = (
         {"error": {"message": "boom"}},
         {"error": "boom"},
         {"error": {"message": "boom", "code": "oops"}},
-    ):
+    )
+    for chunk in chunks:
         failure = error_event(chunk)
         assert failure is not None
         assert (failure.status, failure.engine_message) == (500, "boom")
 
 
 def test_an_ordinary_chunk_is_not_an_error_event() -> None:
-    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": None}
+    chunk: dict[str, Any] = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [],
+        "usage": None,
+    }
     assert error_event(chunk) is None
     assert error_event({**chunk, "error": None}) is None
 

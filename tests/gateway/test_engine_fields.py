@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 
 from metering.usage import USAGE_STREAM
+from serving.gateway.contracts import ExchangeServices
 from serving.gateway.pipeline import Exchange, engine_cache_salt
 from serving.gateway.routing import ReplicaEndpoint
 from serving.gateway.schemas import (
@@ -20,6 +21,7 @@ from serving.gateway.schemas import (
     CompletionRequest,
     parse_body,
 )
+from tenants.keys import KeyPrincipal
 from tests.gateway.conftest import MODEL
 
 BODY: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
@@ -43,10 +45,10 @@ def _payload(body: dict[str, Any], tenant_id: int = 7) -> dict[str, Any]:
 
     request = parse_body(CompletionRequest, orjson.dumps(body))
     exchange = Exchange(
-        gateway=None,
+        gateway=cast(ExchangeServices, None),
         kind="completion",
         body=request,
-        principal=SimpleNamespace(tenant_id=tenant_id),
+        principal=cast(KeyPrincipal, SimpleNamespace(tenant_id=tenant_id)),
         tier="standard",
         max_tokens=4,
     )

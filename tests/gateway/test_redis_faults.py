@@ -12,8 +12,8 @@ import pytest
 import redis
 from django.conf import settings as django_settings
 
-from metering.usage import USAGE_STREAM, UsageEvent
-from serving.gateway.routing import ROUTING_TABLE_KEY
+from metering.usage import UsageEvent
+from serving.redis_contracts import ROUTING_TABLE_KEY
 from tenants.limiter import (
     ADMIT_SCRIPT,
     month_of,
@@ -23,6 +23,7 @@ from tenants.limiter import (
 )
 from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog, wait_until
 from tests.gateway.redis_proxy import RedisProxy
+from tests.metering.helpers import stream_events
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +68,7 @@ def stream(base: str, secret: str, max_tokens: int = 3) -> httpx.Response:
 
 
 def events(client: redis.Redis) -> dict[str, UsageEvent]:
-    found = (UsageEvent.from_json(fields[b"e"]) for _, fields in client.xrange(USAGE_STREAM))
-    return {event.request_id: event for event in found}
+    return {event.request_id: event for event in stream_events(client)}
 
 
 def leases(client: redis.Redis, tenant_id: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import orjson
 import pytest
@@ -134,7 +135,7 @@ def test_a_key_revoked_while_the_socket_is_open_stops_at_its_next_generation(ws_
         headers = {"Authorization": f"Bearer {key.secret}"}
         async with websockets.connect(url, additional_headers=headers) as socket:
             await socket.send(chat_body())
-            first = {}
+            first: dict[str, Any] = {}
             while first.get("type") != "done":
                 first = orjson.loads(await asyncio.wait_for(socket.recv(), 20))
             await sync_to_async(do_revoke_api_key)(key.key, None)
