@@ -1,7 +1,7 @@
 """Live per-deployment figures the rollout controller compares: the interface and its sources.
 
-The gateway records one request at settle with `record_request` (or `arecord_request` from
-async code). The controller reads a window with `window_stats(deployment_id, since)`, where
+The gateway records one request at settle with `add_request`, inside the settle's own Redis
+pipeline (`record_request` does the same alone, with a sync client). The controller reads a window with `window_stats(deployment_id, since)`, where
 `since` is a *mark*: a snapshot of the deployment's counters taken with `mark()` when the
 window opened (a step started, a rollout started). A window is "counters now minus counters
 then", so it is exact whatever the tick timing, costs one HGETALL per deployment, and needs
@@ -175,13 +175,6 @@ def record_request(redis: Any, deployment_id: int | str, **outcome: Any) -> None
     pipe = redis.pipeline(transaction=False)
     add_request(pipe, deployment_id, **outcome)
     pipe.execute()
-
-
-async def arecord_request(redis: Any, deployment_id: int | str, **outcome: Any) -> None:
-    """`record_request` for redis.asyncio clients."""
-    pipe = redis.pipeline(transaction=False)
-    add_request(pipe, deployment_id, **outcome)
-    await pipe.execute()
 
 
 def stats_from_counters(counters: Mapping[str, int]) -> DeploymentWindowStats:

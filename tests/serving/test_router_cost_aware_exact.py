@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +31,10 @@ NOW = 1_000.0
 HASHES = (101, 102, 103, 104)
 # Every group scanned in full and no near-tie draw: the answer is unique, no sampling.
 EXHAUSTIVE = RouterConfig(near_tie_fraction=0.0, full_scan_max=1_000)
+# The same without a looser tier giving way to tighter ones when nothing meets.
+EXHAUSTIVE_NO_YIELD = RouterConfig(
+    near_tie_fraction=0.0, full_scan_max=1_000, yield_to_tighter_tiers=False
+)
 
 
 def shapes() -> list[ReplicaPerf]:
@@ -113,8 +118,10 @@ def build(fields: list[dict], seed: int) -> RouterState:
 def exhaustive_choice(
     state: RouterState, request: RouteRequest, config: RouterConfig
 ) -> tuple[set[str], bool]:
-    """Every candidate predicted with `predict`: the cheapest meeting one, else the least bad
-    (the smallest miss, the cheaper between equal misses). Returns every replica tied for it."""
+    """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
+    looser than the tightest objective (`yield_to_tighter_tiers`), the cheapest one missing
+    by at most `queue_over_slo_factor`; else the least bad (the smallest miss, the cheaper
+    between equal misses). Returns every replica tied for it."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
     tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
@@ -148,12 +155,27 @@ def exhaustive_choice(
                 missing.append(((violation, replica.price_per_hour * discount), replica.replica_id))
     if meeting:
         return {min(meeting)[1]}, True
+    objectives = [t.ttft_s for t in config.slo_tiers.values() if t.ttft_s is not None]
+    yields = (
+        config.yield_to_tighter_tiers
+        and bool(objectives)
+        and (tier.ttft_s is None or tier.ttft_s > min(objectives))
+    )
+    tolerable = [
+        ((price, violation), replica_id)
+        for (violation, price), replica_id in missing
+        if violation <= config.queue_over_slo_factor
+    ]
+    if yields and tolerable:
+        best_tolerable = min(key for key, _ in tolerable)
+        return {replica_id for key, replica_id in tolerable if key == best_tolerable}, False
     if missing:
         best = min(key for key, _ in missing)
         return {replica_id for key, replica_id in missing if key == best}, False
     return set(), False
 
 
+@pytest.mark.parametrize("config", [EXHAUSTIVE, EXHAUSTIVE_NO_YIELD], ids=["yield", "no-yield"])
 @settings(max_examples=300, deadline=None)
 @given(
     fleet=st.lists(replica_fields, min_size=1, max_size=8),
@@ -161,7 +183,7 @@ def exhaustive_choice(
     seed=st.integers(0, 1_000),
 )
 def test_cost_aware_decides_as_an_exhaustive_search_over_predict(
-    fleet: list[dict], ask: dict, seed: int
+    config: RouterConfig, fleet: list[dict], ask: dict, seed: int
 ) -> None:
     state = build(fleet, seed)
     request = RouteRequest(
@@ -175,9 +197,9 @@ def test_cost_aware_decides_as_an_exhaustive_search_over_predict(
         prefix_hashes=HASHES if ask["prefix"] else (),
         allowed_regions=frozenset({"eu-west"}) if ask["eu_only"] else None,
     )
-    expected_ids, expected_meets = exhaustive_choice(state, request, EXHAUSTIVE)
+    expected_ids, expected_meets = exhaustive_choice(state, request, config)
 
-    decision = CostAware(state, EXHAUSTIVE).choose(request, NOW)
+    decision = CostAware(state, config).choose(request, NOW)
 
     chosen = decision.replica
     assert (chosen is None) == (not expected_ids)
@@ -185,5 +207,5 @@ def test_cost_aware_decides_as_an_exhaustive_search_over_predict(
         assert chosen.replica_id in expected_ids
     if chosen is not None:
         assert decision.meets_slo == expected_meets
-        blocks = decision.cached_tokens // EXHAUSTIVE.prefix_block_tokens
-        assert decision.predicted_ttft_s == predict(chosen, request, NOW, EXHAUSTIVE, blocks).ttft_s
+        blocks = decision.cached_tokens // config.prefix_block_tokens
+        assert decision.predicted_ttft_s == predict(chosen, request, NOW, config, blocks).ttft_s
