@@ -70,9 +70,13 @@ def start(
     argv: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        argv, cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        argv,
+        cwd=cwd,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
@@ -118,28 +122,71 @@ def prepare_platform(env: dict[str, str], upstream: str) -> str:
     admin, _ = get_user_model().objects.get_or_create(username="bench-admin", is_staff=True)
     tenant = Tenant.objects.filter(slug="bench").first() or do_create_tenant("bench", "Bench")
     do_update_quota(
-        tenant.quota, requests_per_minute=10_000_000, tokens_per_minute=1_000_000_000,
-        concurrent_streams=100_000, max_tokens_cap=4096,
-    )  # fmt: skip
+        tenant.quota,
+        requests_per_minute=10_000_000,
+        tokens_per_minute=1_000_000_000,
+        concurrent_streams=100_000,
+        max_tokens_cap=4096,
+    )
     _, secret = do_create_api_key(tenant, "bench", admin, ["inference"])
     if not PriceSheet.objects.filter(model=MODEL).exists():
         PriceSheet.objects.create(
-            model=MODEL, input_usd_per_mtok=Decimal("0.2"), cached_input_usd_per_mtok=Decimal("0.05"),
-            output_usd_per_mtok=Decimal("0.6"), effective_from=datetime.now(UTC) - timedelta(days=1),
-        )  # fmt: skip
+            model=MODEL,
+            input_usd_per_mtok=Decimal("0.2"),
+            cached_input_usd_per_mtok=Decimal("0.05"),
+            output_usd_per_mtok=Decimal("0.6"),
+            effective_from=datetime.now(UTC) - timedelta(days=1),
+        )
     publish_price_book(client)
-    client.hset(VISIBILITY_HASH, MODEL, orjson.dumps(
-        {"kind": "model", "base_model": MODEL, "public": True, "tenants": [], "max_context": 131072,
-         "created": 0}))  # fmt: skip
-    table = {"version": 1, "models": {MODEL: {"deployments": [{
-        "deployment_id": "1", "version": "v1", "weight": 100, "slo_tier": "standard",
-        "replicas": [{"replica_id": "bench-1", "endpoint": upstream, "pool": "h100",
-                      "region": "us-east", "gpu_class": "H100-SXM-80GB", "model_spec": MODEL,
-                      "price_per_hour": 3.49, "tensor_parallel": 1, "max_num_seqs": 1024}]}]}}}  # fmt: skip
+    client.hset(
+        VISIBILITY_HASH,
+        MODEL,
+        orjson.dumps(
+            {
+                "kind": "model",
+                "base_model": MODEL,
+                "public": True,
+                "tenants": [],
+                "max_context": 131072,
+                "created": 0,
+            }
+        ),
+    )
+    table = {
+        "version": 1,
+        "models": {
+            MODEL: {
+                "deployments": [
+                    {
+                        "deployment_id": "1",
+                        "version": "v1",
+                        "weight": 100,
+                        "slo_tier": "standard",
+                        "replicas": [
+                            {
+                                "replica_id": "bench-1",
+                                "endpoint": upstream,
+                                "pool": "h100",
+                                "region": "us-east",
+                                "gpu_class": "H100-SXM-80GB",
+                                "model_spec": MODEL,
+                                "price_per_hour": 3.49,
+                                "tensor_parallel": 1,
+                                "max_num_seqs": 1024,
+                            }
+                        ],
+                    }
+                ]
+            }
+        },
+    }
     client.set(ROUTING_TABLE_KEY, orjson.dumps(table))
     # Telemetry that never goes stale during the run: the router sees an idle, fresh replica.
-    client.hset(ROUTING_TELEMETRY_KEY, "bench-1", orjson.dumps(
-        {"running": 0, "waiting": 0, "kv": 0.0, "scraped_at": time.time() + 3600}))  # fmt: skip
+    client.hset(
+        ROUTING_TELEMETRY_KEY,
+        "bench-1",
+        orjson.dumps({"running": 0, "waiting": 0, "kv": 0.0, "scraped_at": time.time() + 3600}),
+    )
     return str(secret)
 
 
@@ -169,9 +216,13 @@ class Result:
 async def one_stream(session: aiohttp.ClientSession, url: str, key: str) -> float:
     # Usage is asked for, as a metered client does; it also spares LiteLLM from counting
     # tokens itself (it would look for a Hugging Face tokenizer it cannot download here).
-    body = {"model": MODEL, "stream": True, "max_tokens": TOKENS,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": "Say something short."}]}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": TOKENS,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "Say something short."}],
+    }
     started = time.perf_counter()
     ttft = None
     tail = b""
@@ -192,8 +243,9 @@ async def load(target: str, url: str, key: str, concurrency: int, seconds: float
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=60)
     result = Result(target, concurrency, 0, 0, seconds, [])
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                     json_serialize=lambda v: orjson.dumps(v).decode()) as session:  # fmt: skip
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, json_serialize=lambda v: orjson.dumps(v).decode()
+    ) as session:
         for _ in range(min(concurrency, 20)):  # warm connections and caches
             with contextlib.suppress(Exception):
                 await one_stream(session, url, key)
@@ -233,28 +285,69 @@ def main() -> int:
         "BENCH_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/platform_bench"
     )
     redis_url = base_env.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/12")
-    env = {**base_env, "DATABASE_URL": database, "REDIS_URL": redis_url, "DEBUG": "false",
-           "SECRET_KEY": "bench-" + "k" * 60, "SECURE_SSL_REDIRECT": "false",
-           "LOG_LEVEL": "WARNING", "PLATFORM_VAR_DIR": str(logs)}  # fmt: skip
+    env = {
+        **base_env,
+        "DATABASE_URL": database,
+        "REDIS_URL": redis_url,
+        "DEBUG": "false",
+        "SECRET_KEY": "bench-" + "k" * 60,
+        "SECURE_SSL_REDIRECT": "false",
+        "LOG_LEVEL": "WARNING",
+        "PLATFORM_VAR_DIR": str(logs),
+    }
     processes: list[subprocess.Popen[bytes]] = []
     try:
         sim_port = free_port()
-        processes.append(start(
-            [sys.executable, "-m", "serving.enginesim", MODEL, "--served-model-name", MODEL,
-             "--port", str(sim_port), "--sim-gpu-class", "H100-SXM-80GB", "--max-model-len", "8192",
-             "--max-num-seqs", "4096", "--sim-fixed-ttft-ms", str(args.ttft_ms),
-             "--sim-fixed-itl-ms", str(args.itl_ms)],
-            env, logs / "sim.log"))  # fmt: skip
+        processes.append(
+            start(
+                [
+                    sys.executable,
+                    "-m",
+                    "serving.enginesim",
+                    MODEL,
+                    "--served-model-name",
+                    MODEL,
+                    "--port",
+                    str(sim_port),
+                    "--sim-gpu-class",
+                    "H100-SXM-80GB",
+                    "--max-model-len",
+                    "8192",
+                    "--max-num-seqs",
+                    "4096",
+                    "--sim-fixed-ttft-ms",
+                    str(args.ttft_ms),
+                    "--sim-fixed-itl-ms",
+                    str(args.itl_ms),
+                ],
+                env,
+                logs / "sim.log",
+            )
+        )
         upstream = f"http://127.0.0.1:{sim_port}"
         wait_http(f"{upstream}/health")
         key = prepare_platform(env, upstream)
 
         ours_port = free_port()
-        processes.append(start(
-            [str(Path(sys.executable).parent / "uvicorn"), "config.asgi:application",
-             "--port", str(ours_port), "--workers", str(args.workers), "--no-access-log",
-             "--lifespan", "off", "--log-level", "warning"],
-            env, logs / "ours.log"))  # fmt: skip
+        processes.append(
+            start(
+                [
+                    str(Path(sys.executable).parent / "uvicorn"),
+                    "config.asgi:application",
+                    "--port",
+                    str(ours_port),
+                    "--workers",
+                    str(args.workers),
+                    "--no-access-log",
+                    "--lifespan",
+                    "off",
+                    "--log-level",
+                    "warning",
+                ],
+                env,
+                logs / "ours.log",
+            )
+        )
         consumer = start(
             [sys.executable, "manage.py", "metering_consume"], env, logs / "ingest.log"
         )
@@ -264,11 +357,26 @@ def main() -> int:
         before_url = None
         if args.baseline:
             before_port = free_port()
-            processes.append(start(
-                [str(Path(sys.executable).parent / "uvicorn"), "config.asgi:application",
-                 "--port", str(before_port), "--workers", str(args.workers), "--no-access-log",
-                 "--lifespan", "off", "--log-level", "warning"],
-                env, logs / "before.log", cwd=args.baseline.resolve()))  # fmt: skip
+            processes.append(
+                start(
+                    [
+                        str(Path(sys.executable).parent / "uvicorn"),
+                        "config.asgi:application",
+                        "--port",
+                        str(before_port),
+                        "--workers",
+                        str(args.workers),
+                        "--no-access-log",
+                        "--lifespan",
+                        "off",
+                        "--log-level",
+                        "warning",
+                    ],
+                    env,
+                    logs / "before.log",
+                    cwd=args.baseline.resolve(),
+                )
+            )
             wait_http(f"http://127.0.0.1:{before_port}/healthz")
             before_url = f"http://127.0.0.1:{before_port}/v1/chat/completions"
 
@@ -286,17 +394,34 @@ def main() -> int:
                 k: v for k, v in base_env.items() if k not in {"DATABASE_URL", "REDIS_URL"}
             }
             # No network here: LiteLLM's bundled model cost map instead of fetching one.
-            litellm_env.update(LITELLM_MASTER_KEY=litellm_key, LITELLM_LOCAL_MODEL_COST_MAP="True",
-                               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")  # fmt: skip
-            processes.append(start(
-                [args.litellm, "--config", str(config), "--port", str(litellm_port),
-                 "--num_workers", str(args.workers)],
-                litellm_env, logs / "litellm.log"))  # fmt: skip
+            litellm_env.update(
+                LITELLM_MASTER_KEY=litellm_key,
+                LITELLM_LOCAL_MODEL_COST_MAP="True",
+                HF_HUB_OFFLINE="1",
+                TRANSFORMERS_OFFLINE="1",
+            )
+            processes.append(
+                start(
+                    [
+                        args.litellm,
+                        "--config",
+                        str(config),
+                        "--port",
+                        str(litellm_port),
+                        "--num_workers",
+                        str(args.workers),
+                    ],
+                    litellm_env,
+                    logs / "litellm.log",
+                )
+            )
             wait_http(f"http://127.0.0.1:{litellm_port}/health/liveliness")
             litellm_url = f"http://127.0.0.1:{litellm_port}/v1/chat/completions"
 
-        targets = [("direct", f"{upstream}/v1/chat/completions", "none"),
-                   ("ours", f"http://127.0.0.1:{ours_port}/v1/chat/completions", key)]  # fmt: skip
+        targets = [
+            ("direct", f"{upstream}/v1/chat/completions", "none"),
+            ("ours", f"http://127.0.0.1:{ours_port}/v1/chat/completions", key),
+        ]
         if before_url:
             targets.append(("before", before_url, key))
         if litellm_url:
@@ -306,8 +431,11 @@ def main() -> int:
             for name, url, secret in targets:
                 result = asyncio.run(load(name, url, secret, level, args.seconds))
                 results.append(result)
-                print(f"  {name:8} c={level:<4} {result.streams_per_s:8.1f} streams/s "
-                      f"p50 {result.pct(0.5):7.1f} ms  errors {result.errors}", flush=True)  # fmt: skip
+                print(
+                    f"  {name:8} c={level:<4} {result.streams_per_s:8.1f} streams/s "
+                    f"p50 {result.pct(0.5):7.1f} ms  errors {result.errors}",
+                    flush=True,
+                )
         print_table(results, args)
         return 0
     finally:
@@ -319,8 +447,10 @@ def main() -> int:
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
     direct = {r.concurrency: r for r in results if r.target == "direct"}
     print()
-    print(f"{TOKENS}-token streams, {args.itl_ms:g} ms between tokens, upstream TTFT {args.ttft_ms:g} ms, "
-          f"{args.workers} gateway workers, {args.seconds:g} s per cell")  # fmt: skip
+    print(
+        f"{TOKENS}-token streams, {args.itl_ms:g} ms between tokens, upstream TTFT {args.ttft_ms:g} ms, "
+        f"{args.workers} gateway workers, {args.seconds:g} s per cell"
+    )
     header = (
         "target",
         "streams",
@@ -337,8 +467,10 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         base = direct[r.concurrency]
         added50 = "" if r.target == "direct" else f"{r.pct(0.5) - base.pct(0.5):.1f} ms"
         added99 = "" if r.target == "direct" else f"{r.pct(0.99) - base.pct(0.99):.1f} ms"
-        print(f"| {r.target} | {r.concurrency} | {r.streams_per_s:.1f} | {r.pct(0.5):.1f} ms | "
-              f"{r.pct(0.99):.1f} ms | {added50} | {added99} | {r.errors} |")  # fmt: skip
+        print(
+            f"| {r.target} | {r.concurrency} | {r.streams_per_s:.1f} | {r.pct(0.5):.1f} ms | "
+            f"{r.pct(0.99):.1f} ms | {added50} | {added99} | {r.errors} |"
+        )
     by = {(r.target, r.concurrency): r for r in results}
     top = max(r.concurrency for r in results)
     if ("litellm", top) in by:

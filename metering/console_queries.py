@@ -28,8 +28,9 @@ from metering.models import HourlyRollup, UsageEvent, micros_to_usd
 def month_start(today: date | None = None) -> datetime:
     now = timezone.now()
     day = today or now.date()
-    return now.replace(year=day.year, month=day.month, day=1, hour=0, minute=0, second=0,
-                       microsecond=0)  # fmt: skip
+    return now.replace(
+        year=day.year, month=day.month, day=1, hour=0, minute=0, second=0, microsecond=0
+    )
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,15 @@ def margin_by_model_and_pool(since: datetime) -> list[dict[str, Any]]:
     for row in rows:
         revenue = float(micros_to_usd(row["revenue"] or 0))
         cost = float(micros_to_usd(row["cost"] or 0))
-        result.append({
-            **row, "revenue_usd": revenue, "cost_usd": cost, "margin_usd": revenue - cost,
-            "margin_pct": (revenue - cost) / revenue * 100 if revenue else None,
-        })  # fmt: skip
+        result.append(
+            {
+                **row,
+                "revenue_usd": revenue,
+                "cost_usd": cost,
+                "margin_usd": revenue - cost,
+                "margin_pct": (revenue - cost) / revenue * 100 if revenue else None,
+            }
+        )
     return result
 
 
@@ -137,11 +143,17 @@ def router_saving(since: datetime) -> list[dict[str, Any]]:
             continue
         cheapest = min(rates, key=rates.__getitem__)
         homogeneous = rates[cheapest] * tokens
-        result.append({
-            "model": model, "pools": len(pools), "tokens": tokens, "actual_usd": actual,
-            "cheapest_pool": cheapest, "homogeneous_usd": homogeneous,
-            "saving_usd": homogeneous - actual,
-        })  # fmt: skip
+        result.append(
+            {
+                "model": model,
+                "pools": len(pools),
+                "tokens": tokens,
+                "actual_usd": actual,
+                "cheapest_pool": cheapest,
+                "homogeneous_usd": homogeneous,
+                "saving_usd": homogeneous - actual,
+            }
+        )
     return result
 
 

@@ -48,12 +48,30 @@ BATCH_SIZE = 5000
 MIN_IDLE_MS = 30_000
 
 COLUMNS: tuple[str, ...] = (
-    "request_id", "tenant_id", "key_id", "model", "version_id", "adapter", "deployment_id",
-    "pool", "replica_id", "priority", "prompt_tokens", "cached_prompt_tokens",
-    "completion_tokens", "status", "finish_reason", "queue_ms", "ttft_ms", "total_ms",
-    "gpu_seconds", "cost_to_serve_usd_micros", "price_charged_usd_micros",
-    "started_at", "ended_at",
-)  # fmt: skip
+    "request_id",
+    "tenant_id",
+    "key_id",
+    "model",
+    "version_id",
+    "adapter",
+    "deployment_id",
+    "pool",
+    "replica_id",
+    "priority",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "status",
+    "finish_reason",
+    "queue_ms",
+    "ttft_ms",
+    "total_ms",
+    "gpu_seconds",
+    "cost_to_serve_usd_micros",
+    "price_charged_usd_micros",
+    "started_at",
+    "ended_at",
+)
 # Columns the gateway leaves at 0 may be absent from older events; every other one must be there.
 _DEFAULTED = frozenset(COLUMNS) - {"gpu_seconds", "cost_to_serve_usd_micros"}
 

@@ -114,9 +114,16 @@ def invoice_as_dict(invoice: Invoice) -> dict[str, Any]:
 
 
 INVOICE_CSV_HEADER = [
-    "tenant", "month", "status", "model", "requests", "prompt_tokens", "cached_prompt_tokens",
-    "completion_tokens", "amount_usd",
-]  # fmt: skip
+    "tenant",
+    "month",
+    "status",
+    "model",
+    "requests",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "amount_usd",
+]
 
 
 def invoice_as_csv(invoice: Invoice) -> str:

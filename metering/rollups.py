@@ -28,9 +28,25 @@ logger = logging.getLogger(__name__)
 
 # Upper bounds (ms) of latency buckets; the last bucket is everything above the last bound.
 LATENCY_BUCKETS_MS: tuple[float, ...] = (
-    25, 50, 100, 200, 300, 500, 750, 1000, 1500, 2000, 3000, 5000, 7500, 10_000, 20_000,
-    30_000, 60_000, 120_000,
-)  # fmt: skip
+    25,
+    50,
+    100,
+    200,
+    300,
+    500,
+    750,
+    1000,
+    1500,
+    2000,
+    3000,
+    5000,
+    7500,
+    10_000,
+    20_000,
+    30_000,
+    60_000,
+    120_000,
+)
 ERROR_STATUSES = ("error", "upstream_failed")
 
 
@@ -71,10 +87,17 @@ def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
         UsageEvent.objects.filter(started_at__gte=hour, started_at__lt=hour + timedelta(hours=1))
         .exclude(replica_id="")
         .values_list(
-            "request_id", "replica_id", "pool", "model", "prompt_tokens",
-            "cached_prompt_tokens", "completion_tokens", "ttft_ms", "total_ms",
+            "request_id",
+            "replica_id",
+            "pool",
+            "model",
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "completion_tokens",
+            "ttft_ms",
+            "total_ms",
         )
-    )  # fmt: skip
+    )
     by_replica: dict[tuple[str, str, str], list[cost.ServedRequest]] = defaultdict(list)
     for rid, replica, pool, model, prompt, cached, completion, ttft, total in events:
         decode_ms = max(0.0, (total or 0.0) - (ttft or total or 0.0))

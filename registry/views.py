@@ -111,9 +111,17 @@ def create_deployment(request: HttpRequest) -> HttpResponse:
         deployment = _deployment_from(request.POST)
         fields = {
             name: getattr(deployment, name)
-            for name in ("model_version", "pool", "tensor_parallel", "replicas_min",
-                         "replicas_max", "replicas_desired", "engine_args", "slo_tier")
-        }  # fmt: skip
+            for name in (
+                "model_version",
+                "pool",
+                "tensor_parallel",
+                "replicas_min",
+                "replicas_max",
+                "replicas_desired",
+                "engine_args",
+                "slo_tier",
+            )
+        }
         if deployment.name:
             fields["name"] = deployment.name
         created = actions.do_create_deployment(**fields)
@@ -173,9 +181,13 @@ def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
     return render(
         request,
         "console/rollout.html",
-        {"rollout": rollout, "transitions": transitions, "decision": rollout.last_decision,
-         "gate": gate},
-    )  # fmt: skip
+        {
+            "rollout": rollout,
+            "transitions": transitions,
+            "decision": rollout.last_decision,
+            "gate": gate,
+        },
+    )
 
 
 @staff_required

@@ -56,16 +56,22 @@ async def one_request(client: openai.AsyncOpenAI, models: list[str], rng: random
     try:
         if rng.random() < 0.8:
             stream = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_headers={"x-priority": tier},
-            )  # fmt: skip
+                model=model,
+                messages=messages,
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_headers={"x-priority": tier},
+            )
             async for _ in stream:
                 pass
         else:
             await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=max_tokens,
+                model=model,
+                messages=messages,
+                max_tokens=max_tokens,
                 extra_headers={"x-priority": tier},
-            )  # fmt: skip
+            )
     except openai.APIError as error:
         print(f"demo request to {model} ({tier}) failed: {error}", flush=True)
 

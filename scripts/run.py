@@ -169,24 +169,53 @@ def main() -> int:
         manage(env, "seed_demo")
         supervisor.spawn(
             "web",
-            [venv_bin("uvicorn"), "config.asgi:application", "--host", host, "--port", str(port),
-             "--no-access-log", "--lifespan", "off"],
+            [
+                venv_bin("uvicorn"),
+                "config.asgi:application",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--no-access-log",
+                "--lifespan",
+                "off",
+            ],
             env,
-        )  # fmt: skip
+        )
         # One worker per queue (CELERY_TASK_ROUTES): a long invoice run never delays an ingest.
         for name, queue, concurrency in (("worker", "realtime", 2), ("worker-batch", "batch", 1)):
             supervisor.spawn(
                 name,
-                [venv_bin("celery"), "-A", "config", "worker", "-l", "WARNING", "--queues", queue,
-                 "--concurrency", str(concurrency), "-n", f"{queue}@%h"],
+                [
+                    venv_bin("celery"),
+                    "-A",
+                    "config",
+                    "worker",
+                    "-l",
+                    "WARNING",
+                    "--queues",
+                    queue,
+                    "--concurrency",
+                    str(concurrency),
+                    "-n",
+                    f"{queue}@%h",
+                ],
                 env,
-            )  # fmt: skip
+            )
         supervisor.spawn(
             "beat",
-            [venv_bin("celery"), "-A", "config", "beat", "-l", "WARNING",
-             "-s", str(var / "celerybeat-schedule")],
+            [
+                venv_bin("celery"),
+                "-A",
+                "config",
+                "beat",
+                "-l",
+                "WARNING",
+                "-s",
+                str(var / "celerybeat-schedule"),
+            ],
             env,
-        )  # fmt: skip
+        )
         for name, argv in demo_fleet_commands(env):
             supervisor.spawn(name, argv, env)
         wait_ready(f"http://{host}:{port}/readyz", supervisor)
@@ -224,8 +253,10 @@ def build_tiny_model(env: dict[str, str], var: Path) -> None:
         )
     subprocess.run(
         [python, "scripts/build_tiny_model.py", str(var / "models" / "tiny-llama")],
-        cwd=ROOT, env=env, check=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        check=True,
+    )
 
 
 def demo_fleet_commands(env: dict[str, str]) -> list[tuple[str, list[str]]]:
@@ -234,8 +265,11 @@ def demo_fleet_commands(env: dict[str, str]) -> list[tuple[str, list[str]]]:
         return []
     result = subprocess.run(
         [sys.executable, "manage.py", "demo_fleet", "--commands"],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         if "Unknown command" in result.stderr:
             return []
@@ -254,10 +288,18 @@ def start_demo_traffic(supervisor: Supervisor, env: dict[str, str], host: str, p
         return
     supervisor.spawn(
         "traffic",
-        [sys.executable, "scripts/demo_traffic.py", "--base-url", f"http://{host}:{port}/v1",
-         "--api-key", key, "--rate", rate],
+        [
+            sys.executable,
+            "scripts/demo_traffic.py",
+            "--base-url",
+            f"http://{host}:{port}/v1",
+            "--api-key",
+            key,
+            "--rate",
+            rate,
+        ],
         env,
-    )  # fmt: skip
+    )
 
 
 def print_banner(env: dict[str, str], host: str, port: int) -> None:

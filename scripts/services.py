@@ -135,17 +135,41 @@ class EmbeddedPostgres:
         self._stop_leftover()
         if not (self.data_dir / "PG_VERSION").exists():
             subprocess.run(
-                [self._bin("initdb"), "-D", str(self.data_dir), "-U", "postgres",
-                 "--auth=trust", "--encoding=UTF8", "--no-instructions"],
-                check=True, user=user, stdout=subprocess.DEVNULL,
-            )  # fmt: skip
+                [
+                    self._bin("initdb"),
+                    "-D",
+                    str(self.data_dir),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--no-instructions",
+                ],
+                check=True,
+                user=user,
+                stdout=subprocess.DEVNULL,
+            )
         self.process = subprocess.Popen(
-            [self._bin("postgres"), "-D", str(self.data_dir), "-p", str(self.port),
-             "-h", "127.0.0.1", "-k", str(self.data_dir), "-c", "fsync=off",
-             "-c", "max_connections=200"],
-            user=user, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [
+                self._bin("postgres"),
+                "-D",
+                str(self.data_dir),
+                "-p",
+                str(self.port),
+                "-h",
+                "127.0.0.1",
+                "-k",
+                str(self.data_dir),
+                "-c",
+                "fsync=off",
+                "-c",
+                "max_connections=200",
+            ],
+            user=user,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         wait_for_port(self.port, 60, self.process)
         self._wait_accepting()
         return self.process
@@ -194,12 +218,30 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             # Usage waiting in the stream and the monthly token counters must survive a stop:
             # an append-only file, synced every second, plus a snapshot a minute.
-            [str(binary), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--dir", str(self.data_dir), "--save", "60", "1",
-             "--appendonly", "no" if from_snapshot else "yes", "--appendfsync", "everysec",
-             "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                str(binary),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--save",
+                "60",
+                "1",
+                "--appendonly",
+                "no" if from_snapshot else "yes",
+                "--appendfsync",
+                "everysec",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         wait_for_port(self.port, 30, self.process)
         if from_snapshot:
             self._turn_on_append_only()

@@ -199,21 +199,33 @@ def agent_commands(details: dict[str, Any], control_plane: str) -> list[dict[str
                 {
                     "name": name,
                     "argv": [
-                        sys.executable, "-m", "serving.agent",
-                        "--control-plane", control_plane,
-                        "--token", tokens[demo.name],
+                        sys.executable,
+                        "-m",
+                        "serving.agent",
+                        "--control-plane",
+                        control_plane,
+                        "--token",
+                        tokens[demo.name],
                         *_node_kind(demo),
-                        "--node-name", name,
-                        "--state-dir", str(state_root / name),
+                        "--node-name",
+                        name,
+                        "--state-dir",
+                        str(state_root / name),
                     ],
                 }
-            )  # fmt: skip
+            )
     return commands
 
 
 def _node_kind(demo: DemoPool) -> list[str]:
     if demo is CPU_POOL:
         # vLLM's CPU build loads in 25 to 75 s on two cores: give it time.
-        return ["--cpu-slots", str(demo.gpus_per_node), "--vllm-python", settings.VLLM_PYTHON,
-                "--ready-timeout", "600"]  # fmt: skip
+        return [
+            "--cpu-slots",
+            str(demo.gpus_per_node),
+            "--vllm-python",
+            settings.VLLM_PYTHON,
+            "--ready-timeout",
+            "600",
+        ]
     return ["--simulate-gpus", f"{demo.gpu_class}:{demo.gpus_per_node}", "--sim-time-scale", "1"]

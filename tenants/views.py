@@ -68,9 +68,14 @@ def create_key(request: HttpRequest, slug: str) -> HttpResponse:
         return redirect("portal-keys", slug=tenant.slug)
     keys = ApiKey.objects.filter(tenant=tenant).select_related("created_by")
     context = portal_context(
-        request, tenant, keys=keys, scopes=KEY_SCOPES, new_key=key, secret=secret,
+        request,
+        tenant,
+        keys=keys,
+        scopes=KEY_SCOPES,
+        new_key=key,
+        secret=secret,
         now=timezone.now(),
-    )  # fmt: skip
+    )
     # Shown once: the page carrying the secret must not be cached anywhere.
     response = render(request, "portal/keys.html", context)
     response["Cache-Control"] = "no-store"

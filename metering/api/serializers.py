@@ -54,12 +54,30 @@ class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Usa
     class Meta:
         model = UsageEvent
         fields = [
-            "request_id", "tenant_id", "key_id", "model", "version_id", "adapter",
-            "deployment_id", "pool", "replica_id", "priority", "prompt_tokens",
-            "cached_prompt_tokens", "completion_tokens", "status", "finish_reason", "queue_ms",
-            "ttft_ms", "total_ms", "started_at", "ended_at", "price_charged_usd",
-            "gpu_seconds", "cost_to_serve_usd",
-        ]  # fmt: skip
+            "request_id",
+            "tenant_id",
+            "key_id",
+            "model",
+            "version_id",
+            "adapter",
+            "deployment_id",
+            "pool",
+            "replica_id",
+            "priority",
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "completion_tokens",
+            "status",
+            "finish_reason",
+            "queue_ms",
+            "ttft_ms",
+            "total_ms",
+            "started_at",
+            "ended_at",
+            "price_charged_usd",
+            "gpu_seconds",
+            "cost_to_serve_usd",
+        ]
         extra_kwargs = {
             "replica_id": {"help_text": "Staff only."},
             "gpu_seconds": {"help_text": "Staff only."},
@@ -114,11 +132,28 @@ class RollupSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[HourlyR
     class Meta:
         model = HourlyRollup
         fields = [
-            "id", "hour", "tenant_id", "model", "adapter", "pool", "tier", "requests", "errors",
-            "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "revenue_usd",
-            "gpu_seconds", "cost_to_serve_usd", "ttft_p50_ms", "ttft_p95_ms", "total_p50_ms",
-            "total_p95_ms", "ttft_buckets", "total_buckets",
-        ]  # fmt: skip
+            "id",
+            "hour",
+            "tenant_id",
+            "model",
+            "adapter",
+            "pool",
+            "tier",
+            "requests",
+            "errors",
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "completion_tokens",
+            "revenue_usd",
+            "gpu_seconds",
+            "cost_to_serve_usd",
+            "ttft_p50_ms",
+            "ttft_p95_ms",
+            "total_p50_ms",
+            "total_p95_ms",
+            "ttft_buckets",
+            "total_buckets",
+        ]
         extra_kwargs = {"gpu_seconds": {"help_text": "Staff only."}}
 
     @extend_schema_field(OpenApiTypes.DECIMAL)
@@ -154,9 +189,13 @@ class InvoiceLineSerializer(serializers.ModelSerializer[InvoiceLine]):
     class Meta:
         model = InvoiceLine
         fields = [
-            "model", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens",
+            "model",
+            "requests",
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "completion_tokens",
             "amount_usd",
-        ]  # fmt: skip
+        ]
 
 
 class InvoiceSerializer(serializers.ModelSerializer[Invoice]):
@@ -167,8 +206,15 @@ class InvoiceSerializer(serializers.ModelSerializer[Invoice]):
     class Meta:
         model = Invoice
         fields = [
-            "id", "tenant", "month", "status", "total_usd", "created_at", "finalized_at", "lines",
-        ]  # fmt: skip
+            "id",
+            "tenant",
+            "month",
+            "status",
+            "total_usd",
+            "created_at",
+            "finalized_at",
+            "lines",
+        ]
 
 
 class CloseMonthSerializer(serializers.Serializer[Any]):
@@ -204,10 +250,18 @@ class PriceSheetSerializer(serializers.ModelSerializer[PriceSheet]):
     class Meta:
         model = PriceSheet
         fields = [
-            "id", "model", "adapter", "tenant", "input_usd_per_mtok", "cached_input_usd_per_mtok",
-            "output_usd_per_mtok", "tier_multipliers", "effective_from", "effective_until",
+            "id",
+            "model",
+            "adapter",
+            "tenant",
+            "input_usd_per_mtok",
+            "cached_input_usd_per_mtok",
+            "output_usd_per_mtok",
+            "tier_multipliers",
+            "effective_from",
+            "effective_until",
             "created_at",
-        ]  # fmt: skip
+        ]
         read_only_fields = ["id", "created_at"]
         # The unique constraint is checked in validate(): DRF's generated validator skips a
         # row whose tenant is null, and the list price is exactly that row.

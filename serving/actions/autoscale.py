@@ -256,9 +256,14 @@ def _read_memory(
 
 
 def _write_memory(
-    client: redis.Redis, deployment_id: int, now_s: float, raw: int, reactive_raw: int,
-    history: dict[str, list[float]], period_s: float | None,
-) -> None:  # fmt: skip
+    client: redis.Redis,
+    deployment_id: int,
+    now_s: float,
+    raw: int,
+    reactive_raw: int,
+    history: dict[str, list[float]],
+    period_s: float | None,
+) -> None:
     """Append the raw recommendation to the stabilization window, and keep the minute's
     highest reactive one in the history. One round trip."""
     raw_key = RAW_KEY.format(deployment_id=deployment_id)
@@ -322,9 +327,15 @@ def do_autoscale_deployment(
         deployment=deployment, state__in=(Replica.State.PENDING, Replica.State.STARTING)
     ).count()
     decision = recommend(
-        samples, now_s=now_s, current=current, bounds=bounds, config=config,
-        recent_raw=recent, forecast=forecast, starting=starting,
-    )  # fmt: skip
+        samples,
+        now_s=now_s,
+        current=current,
+        bounds=bounds,
+        config=config,
+        recent_raw=recent,
+        forecast=forecast,
+        starting=starting,
+    )
     _write_memory(
         client, deployment.pk, now_s, decision.raw, decision.reactive, history, forecast_period_s
     )

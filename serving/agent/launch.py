@@ -75,14 +75,21 @@ def engine_path(artifact: str) -> str:
 
 def _engine_flags(spec: ReplicaSpec, host: str) -> list[str]:
     flags = [
-        "--served-model-name", spec.served_model_name,
-        "--host", host,
-        "--port", str(spec.port),
-        "--tensor-parallel-size", str(spec.tensor_parallel_size),
-        "--gpu-memory-utilization", str(spec.gpu_memory_utilization),
-        "--max-model-len", str(spec.max_model_len),
-        "--max-num-seqs", str(spec.max_num_seqs),
-    ]  # fmt: skip
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(spec.port),
+        "--tensor-parallel-size",
+        str(spec.tensor_parallel_size),
+        "--gpu-memory-utilization",
+        str(spec.gpu_memory_utilization),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        str(spec.max_num_seqs),
+    ]
     if spec.quantization is not None:
         flags += ["--quantization", spec.quantization]
     # "auto" is vLLM's default; leaving it out keeps the command line to what was asked for.

@@ -18,9 +18,16 @@ class GpuPoolSerializer(serializers.ModelSerializer):
     class Meta:
         model = GpuPool
         fields = [
-            "id", "name", "gpu_class", "region", "usd_per_gpu_hour", "price_per_gpu_hour",
-            "spot", "labels", "created_at",
-        ]  # fmt: skip
+            "id",
+            "name",
+            "gpu_class",
+            "region",
+            "usd_per_gpu_hour",
+            "price_per_gpu_hour",
+            "spot",
+            "labels",
+            "created_at",
+        ]
 
 
 class GpuSerializer(serializers.ModelSerializer):
@@ -37,9 +44,17 @@ class NodeSerializer(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = [
-            "id", "pool", "hostname", "agent_url", "status", "health", "scheduling",
-            "last_heartbeat_at", "registered_at", "gpus",
-        ]  # fmt: skip
+            "id",
+            "pool",
+            "hostname",
+            "agent_url",
+            "status",
+            "health",
+            "scheduling",
+            "last_heartbeat_at",
+            "registered_at",
+            "gpus",
+        ]
         read_only_fields = fields
 
 
@@ -49,9 +64,21 @@ class ReplicaSerializer(serializers.ModelSerializer):
     class Meta:
         model = Replica
         fields = [
-            "id", "deployment", "node", "gpu_indices", "port", "state", "last_error", "restarts",
-            "pid", "created_at", "started_at", "ready_at", "draining_since", "stopped_at",
-        ]  # fmt: skip
+            "id",
+            "deployment",
+            "node",
+            "gpu_indices",
+            "port",
+            "state",
+            "last_error",
+            "restarts",
+            "pid",
+            "created_at",
+            "started_at",
+            "ready_at",
+            "draining_since",
+            "stopped_at",
+        ]
         read_only_fields = fields
 
 

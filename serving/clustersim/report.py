@@ -176,16 +176,40 @@ def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
     with requests_path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(
-            ["request_id", "tenant", "tier", "arrival_s", "prompt_tokens", "output_tokens",
-             "replica", "gpu_class", "ttft_s", "tpot_s", "finished_s", "preemptions", "failed"]
-        )  # fmt: skip
+            [
+                "request_id",
+                "tenant",
+                "tier",
+                "arrival_s",
+                "prompt_tokens",
+                "output_tokens",
+                "replica",
+                "gpu_class",
+                "ttft_s",
+                "tpot_s",
+                "finished_s",
+                "preemptions",
+                "failed",
+            ]
+        )
         for r in result.records:
             writer.writerow(
-                [r.request.request_id, r.request.tenant, r.request.tier,
-                 f"{r.request.arrival_s:.4f}", r.request.prompt_tokens, r.output_tokens,
-                 r.replica_id or "", r.gpu_class or "", _fmt(r.ttft_s), _fmt(r.tpot_s),
-                 _fmt(r.finished_s), r.preemptions, r.failed or ""]
-            )  # fmt: skip
+                [
+                    r.request.request_id,
+                    r.request.tenant,
+                    r.request.tier,
+                    f"{r.request.arrival_s:.4f}",
+                    r.request.prompt_tokens,
+                    r.output_tokens,
+                    r.replica_id or "",
+                    r.gpu_class or "",
+                    _fmt(r.ttft_s),
+                    _fmt(r.tpot_s),
+                    _fmt(r.finished_s),
+                    r.preemptions,
+                    r.failed or "",
+                ]
+            )
     summary_path = out_dir / "summary.csv"
     rows = summary_rows(summary)
     fields = list(dict.fromkeys(key for row in rows for key in row))
@@ -200,9 +224,14 @@ def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
         writer.writerow(["at_s", "running", "waiting", "kv_usage", *(f"ready_{p}" for p in pools)])
         for point in result.timeline:
             writer.writerow(
-                [f"{point.at_s:.1f}", point.running, point.waiting, f"{point.kv_usage:.4f}",
-                 *(point.ready.get(p, 0) for p in pools)]
-            )  # fmt: skip
+                [
+                    f"{point.at_s:.1f}",
+                    point.running,
+                    point.waiting,
+                    f"{point.kv_usage:.4f}",
+                    *(point.ready.get(p, 0) for p in pools),
+                ]
+            )
     return [requests_path, summary_path, timeline_path]
 
 

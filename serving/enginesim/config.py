@@ -94,10 +94,16 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-time-scale", type=float, default=1.0, help="10 = ten times faster")
     sim.add_argument("--sim-crash-after-tokens", type=int, default=None)
     sim.add_argument("--sim-error-rate", type=float, default=0.0)
-    sim.add_argument("--sim-error-status", type=int, default=500,
-                     help="HTTP status of the simulated errors")  # fmt: skip
-    sim.add_argument("--sim-error-after-tokens", type=int, default=None, metavar="N",
-                     help="fail every generation after N tokens, as vLLM does mid-stream")  # fmt: skip
+    sim.add_argument(
+        "--sim-error-status", type=int, default=500, help="HTTP status of the simulated errors"
+    )
+    sim.add_argument(
+        "--sim-error-after-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fail every generation after N tokens, as vLLM does mid-stream",
+    )
     sim.add_argument("--sim-hang", action="store_true")
     sim.add_argument("--sim-slow-start", type=float, default=0.0, metavar="SECONDS")
     sim.add_argument("--sim-fixed-ttft-ms", type=float, default=None)

@@ -88,10 +88,21 @@ class EngineMetrics:
         )
         self._synced = {"queries": 0, "hits": 0, "prompt": 0, "generation": 0, "preemptions": 0}
         # vLLM exports every series from the start, at zero, before the first request.
-        for family in (self.running, self.waiting, self.kv_usage, self.gpu_cache,
-                       self.prefix_queries, self.prefix_hits, self.prompt_tokens,
-                       self.generation_tokens, self.preemptions, self.ttft, self.itl, self.e2e,
-                       self.queue):  # fmt: skip
+        for family in (
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            self.gpu_cache,
+            self.prefix_queries,
+            self.prefix_hits,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+        ):
             family.labels(**self.labels)
 
     def observe_first_token(self, ttft_s: float) -> None:

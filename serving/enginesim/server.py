@@ -614,9 +614,12 @@ async def _complete(state: ServerState, gen: Generation) -> web.Response:
     try:
         async for emission in tokens:
             if fail_after is not None and reply.completion_tokens >= fail_after:
-                return error_response(simulated_error(
-                    state.config, f"simulated engine failure after {reply.completion_tokens} tokens"
-                ))  # fmt: skip
+                return error_response(
+                    simulated_error(
+                        state.config,
+                        f"simulated engine failure after {reply.completion_tokens} tokens",
+                    )
+                )
             reply.add(emission)
             state.count_emitted(emission.tokens)
             if reply.finish_reason is not None:

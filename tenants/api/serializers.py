@@ -21,9 +21,15 @@ class TenantSerializer(serializers.ModelSerializer[Tenant]):
     class Meta:
         model = Tenant
         fields = [
-            "id", "slug", "name", "status", "allowed_regions", "fail_open", "blocked_patterns",
+            "id",
+            "slug",
+            "name",
+            "status",
+            "allowed_regions",
+            "fail_open",
+            "blocked_patterns",
             "created_at",
-        ]  # fmt: skip
+        ]
         read_only_fields = ["id", "created_at"]
 
     def validate_blocked_patterns(self, patterns: list[str]) -> list[str]:

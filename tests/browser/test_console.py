@@ -28,27 +28,38 @@ def deployment_on(pool: GpuPool, replicas: int = 2) -> Deployment:
     model = make_model("llama-3.1-8b")
     version = approved_version(model, "v1", "bf16")
     return Deployment.objects.create(
-        name="llama-8b-h100", model_version=version, pool=pool, replicas_min=1,
-        replicas_max=4, replicas_desired=replicas, engine_args={"max_model_len": 4096},
-    )  # fmt: skip
+        name="llama-8b-h100",
+        model_version=version,
+        pool=pool,
+        replicas_min=1,
+        replicas_max=4,
+        replicas_desired=replicas,
+        engine_args={"max_model_len": 4096},
+    )
 
 
 def h100_pool() -> GpuPool:
     return GpuPool.objects.create(
-        name="h100-us-east", gpu_class=GpuClass.objects.get(name="H100-SXM-80GB"),
+        name="h100-us-east",
+        gpu_class=GpuClass.objects.get(name="H100-SXM-80GB"),
         region="us-east",
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
 def serving_fleet(gpu_classes: None, redis_client: redis.Redis) -> dict[str, Any]:
     """One node with two GPUs, each running a ready replica with fresh telemetry."""
     pool = h100_pool()
-    node = Node.objects.create(pool=pool, hostname="gpu-node-1", agent_url="http://gpu-node-1:9100",
-                               last_heartbeat_at=timezone.now())  # fmt: skip
+    node = Node.objects.create(
+        pool=pool,
+        hostname="gpu-node-1",
+        agent_url="http://gpu-node-1:9100",
+        last_heartbeat_at=timezone.now(),
+    )
     for index in range(2):
-        Gpu.objects.create(node=node, index=index, uuid=f"GPU-{index}", name="H100",
-                           memory_mb=81559)  # fmt: skip
+        Gpu.objects.create(
+            node=node, index=index, uuid=f"GPU-{index}", name="H100", memory_mb=81559
+        )
     deployment = deployment_on(pool)
     replicas = [
         Replica.objects.create(
@@ -61,10 +72,17 @@ def serving_fleet(gpu_classes: None, redis_client: redis.Redis) -> dict[str, Any
         for index in range(2)
     ]
     scraped = [
-        (r.replica_id, {"num_requests_running": 3, "num_requests_waiting": 1,
-                        "kv_cache_usage_perc": 0.25, "generation_tokens_total": 1000})
+        (
+            r.replica_id,
+            {
+                "num_requests_running": 3,
+                "num_requests_waiting": 1,
+                "kv_cache_usage_perc": 0.25,
+                "generation_tokens_total": 1000,
+            },
+        )
         for r in replicas
-    ]  # fmt: skip
+    ]
     gpus = [{"index": i, "utilization_pct": 80.0} for i in range(2)]
     telemetry.store_latest(redis_client, node.pk, gpus, scraped, timezone.now())
     return {"node": node, "replicas": replicas}
@@ -84,11 +102,15 @@ def test_an_admin_sees_the_live_fleet_change_when_a_replica_stops(
     node, (kept, stopped) = serving_fleet["node"], serving_fleet["replicas"]
     fleet_nodes.do_record_heartbeat(
         node,
-        {"gpus": [{"index": 0, "utilization_pct": 80.0}], "events": [], "replicas": [
-            {"replica_id": kept.replica_id, "state": "Ready"},
-            {"replica_id": stopped.replica_id, "state": "Stopped"},
-        ]},
-    )  # fmt: skip
+        {
+            "gpus": [{"index": 0, "utilization_pct": 80.0}],
+            "events": [],
+            "replicas": [
+                {"replica_id": kept.replica_id, "state": "Ready"},
+                {"replica_id": stopped.replica_id, "state": "Stopped"},
+            ],
+        },
+    )
     assert Replica.objects.get(pk=stopped.pk).state == Replica.State.STOPPED
     in_thread(publish_fleet_snapshot)
 
@@ -101,13 +123,17 @@ def test_an_admin_sees_the_live_fleet_change_when_a_replica_stops(
 
 
 def test_the_overview_chart_shows_the_recent_history_as_soon_as_the_page_loads(
-    gateway_server: GatewayServer, serving_fleet: dict[str, Any], redis_client: redis.Redis,
+    gateway_server: GatewayServer,
+    serving_fleet: dict[str, Any],
+    redis_client: redis.Redis,
     page: Page,
-) -> None:  # fmt: skip
+) -> None:
     node, replicas = serving_fleet["node"], serving_fleet["replicas"]
     for generated in (2000, 4000, 6000):
-        scraped = [(r.replica_id, {"num_requests_waiting": 1, "generation_tokens_total": generated})
-                   for r in replicas]  # fmt: skip
+        scraped = [
+            (r.replica_id, {"num_requests_waiting": 1, "generation_tokens_total": generated})
+            for r in replicas
+        ]
         telemetry.store_latest(redis_client, node.pk, [], scraped, timezone.now())
         in_thread(publish_fleet_snapshot)
     make_user("ops", is_staff=True)
@@ -161,6 +187,7 @@ def test_an_admin_pauses_and_resumes_a_rollout(
     assert rollout.step_started_at >= paused_at - timedelta(seconds=1)
     assert page.locator("#rollout-weight").inner_text() == weight
     assert [t.to_state for t in rollout.transitions.order_by("created_at")][-2:] == [
-        "paused", "running",
-    ]  # fmt: skip
+        "paused",
+        "running",
+    ]
     screenshot(page, "console-rollout-paused-and-resumed")

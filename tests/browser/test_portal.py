@@ -88,9 +88,12 @@ def acme(gpu_classes: None) -> Tenant:
 
 
 def test_a_developer_creates_a_key_streams_a_reply_and_sees_it_in_usage(
-    gateway_server: GatewayServer, fleet: Fleet, acme: Tenant, redis_client: redis.Redis,
+    gateway_server: GatewayServer,
+    fleet: Fleet,
+    acme: Tenant,
+    redis_client: redis.Redis,
     page: Page,
-) -> None:  # fmt: skip
+) -> None:
     make_model("llama-3.1-8b")
     # Slow enough (time scale 1: real H100 speed) that tokens arrive over a few hundred ms.
     fleet.start(time_scale=1)
@@ -173,11 +176,20 @@ def test_a_viewer_cannot_create_a_key(
 def usage_day(tenant: Tenant, days_ago: int, tokens: int, price_usd: float) -> None:
     started = timezone.now() - timedelta(days=days_ago)
     UsageEvent.objects.create(
-        request_id=f"req-{tenant.slug}-{days_ago}", tenant_id=tenant.pk, model="llama-3.1-8b",
-        priority="standard", prompt_tokens=tokens // 2, cached_prompt_tokens=0,
-        completion_tokens=tokens - tokens // 2, status="ok", queue_ms=1.0, total_ms=900.0,
-        price_charged_usd_micros=round(price_usd * 1e6), started_at=started, ended_at=started,
-    )  # fmt: skip
+        request_id=f"req-{tenant.slug}-{days_ago}",
+        tenant_id=tenant.pk,
+        model="llama-3.1-8b",
+        priority="standard",
+        prompt_tokens=tokens // 2,
+        cached_prompt_tokens=0,
+        completion_tokens=tokens - tokens // 2,
+        status="ok",
+        queue_ms=1.0,
+        total_ms=900.0,
+        price_charged_usd_micros=round(price_usd * 1e6),
+        started_at=started,
+        ended_at=started,
+    )
 
 
 @pytest.mark.parametrize("width", [1280, 768, 390])

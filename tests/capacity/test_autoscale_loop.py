@@ -43,17 +43,27 @@ def fleet() -> Callable[..., tuple[Deployment, list[Replica]]]:
             )
         spec = load_model_specs()["llama-3.1-8b"]
         model = Model.objects.create(
-            name="llama-3.1-8b", family="llama", params_b=spec.params_b, layers=spec.layers,
-            hidden=spec.hidden, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+            name="llama-3.1-8b",
+            family="llama",
+            params_b=spec.params_b,
+            layers=spec.layers,
+            hidden=spec.hidden,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
             max_context=spec.max_context,
-        )  # fmt: skip
+        )
         version = ModelVersion.objects.create(
             model=model, version="v1", artifact_uri="hf://org/llama", status="approved"
         )
         deployment = Deployment.objects.create(
-            name="llama", model_version=version, pool=pool, replicas_min=1, replicas_max=6,
-            replicas_desired=desired, slo_tier="interactive",
-        )  # fmt: skip
+            name="llama",
+            model_version=version,
+            pool=pool,
+            replicas_min=1,
+            replicas_max=6,
+            replicas_desired=desired,
+            slo_tier="interactive",
+        )
         replicas = [
             Replica.objects.create(
                 deployment=deployment, node=node, gpu_indices=[i], state=Replica.State.READY
@@ -126,8 +136,9 @@ def settle(client: redis.Redis, deployment: Deployment, count: int, ttft_s: floa
     """What the gateway's settle pipeline records per request (registry.rollout_metrics)."""
     pipe = client.pipeline(transaction=False)
     for _ in range(count):
-        add_request(pipe, deployment.pk, ok=True, ttft_s=ttft_s, output_tokens=50,
-                    finish_reason="stop")  # fmt: skip
+        add_request(
+            pipe, deployment.pk, ok=True, ttft_s=ttft_s, output_tokens=50, finish_reason="stop"
+        )
     pipe.execute()
 
 

@@ -22,9 +22,16 @@ def window(
     replicas: int, running_per_replica: float, now: float = 100.0, **kw: float
 ) -> list[FleetSample]:
     return [
-        FleetSample(now - age, replicas, int(replicas * running_per_replica), 0, kw.get("kv", 0.2), kw.get("ttft"))
+        FleetSample(
+            now - age,
+            replicas,
+            int(replicas * running_per_replica),
+            0,
+            kw.get("kv", 0.2),
+            kw.get("ttft"),
+        )
         for age in (40, 30, 20, 10, 0)
-    ]  # fmt: skip
+    ]
 
 
 def test_it_scales_up_at_once_when_replicas_run_over_target() -> None:

@@ -167,8 +167,12 @@ def test_the_report_writes_csv_and_png(tmp_path: Path) -> None:
     summary = summarize(result)
     paths = write_csv(result, summary, tmp_path) + plot(result, summary, tmp_path)
     assert {p.name for p in paths} == {
-        "requests.csv", "summary.csv", "timeline.csv", "ttft_cdf.png", "timeline.png"
-    }  # fmt: skip
+        "requests.csv",
+        "summary.csv",
+        "timeline.csv",
+        "ttft_cdf.png",
+        "timeline.png",
+    }
     assert (tmp_path / "ttft_cdf.png").read_bytes()[:4] == b"\x89PNG"
     assert len((tmp_path / "requests.csv").read_text().splitlines()) == len(result.records) + 1
 
@@ -188,9 +192,19 @@ def test_slo_attainment_counts_requests_over_the_objective_as_misses() -> None:
 
 def test_the_cli_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     cli_main(
-        ["--workload", "poisson", "--rate", "2", "--duration", "20",
-         "--fleet", "H100-SXM-80GB:1,L40S-48GB:1", "--out", str(tmp_path)]
-    )  # fmt: skip
+        [
+            "--workload",
+            "poisson",
+            "--rate",
+            "2",
+            "--duration",
+            "20",
+            "--fleet",
+            "H100-SXM-80GB:1,L40S-48GB:1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "cost_aware on 1x H100-SXM-80GB + 1x L40S-48GB" in out
     assert (tmp_path / "summary.csv").exists()
@@ -200,9 +214,22 @@ def test_a_static_comparison_sizes_for_the_autoscaled_peak(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     cli_main(
-        ["--workload", "poisson", "--rate", "12", "--duration", "200", "--fleet",
-         "H100-SXM-80GB:1", "--autoscale", "1:4", "--cold-start", "20", "--compare-static"]
-    )  # fmt: skip
+        [
+            "--workload",
+            "poisson",
+            "--rate",
+            "12",
+            "--duration",
+            "200",
+            "--fleet",
+            "H100-SXM-80GB:1",
+            "--autoscale",
+            "1:4",
+            "--cold-start",
+            "20",
+            "--compare-static",
+        ]
+    )
     assert "static provisioning for the peak" in capsys.readouterr().out
 
 

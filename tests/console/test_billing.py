@@ -44,13 +44,23 @@ def test_a_margin_on_no_revenue_has_no_percentage() -> None:
 
 def rollup(model: str, pool: str, revenue_usd: float, cost_usd: float) -> HourlyRollup:
     return HourlyRollup.objects.create(
-        hour=hour_floor(timezone.now() - timedelta(hours=2)), tenant_id=1, model=model,
-        adapter="", pool=pool, tier="standard", requests=3, errors=0, prompt_tokens=300,
-        cached_prompt_tokens=0, completion_tokens=90, gpu_seconds=3600.0,
+        hour=hour_floor(timezone.now() - timedelta(hours=2)),
+        tenant_id=1,
+        model=model,
+        adapter="",
+        pool=pool,
+        tier="standard",
+        requests=3,
+        errors=0,
+        prompt_tokens=300,
+        cached_prompt_tokens=0,
+        completion_tokens=90,
+        gpu_seconds=3600.0,
         cost_to_serve_usd_micros=round(cost_usd * 1e6),
         revenue_usd_micros=round(revenue_usd * 1e6),
-        ttft_buckets=empty_buckets(), total_buckets=empty_buckets(),
-    )  # fmt: skip
+        ttft_buckets=empty_buckets(),
+        total_buckets=empty_buckets(),
+    )
 
 
 def billing_page() -> str:

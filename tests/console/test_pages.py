@@ -64,8 +64,15 @@ def pool(db: None) -> GpuPool:
     )
 
 
-CONSOLE_PAGES = ["/console/", "/console/fleet/", "/console/models/", "/console/rollouts/",
-                 "/console/tenants/", "/console/billing/", "/console/router/"]  # fmt: skip
+CONSOLE_PAGES = [
+    "/console/",
+    "/console/fleet/",
+    "/console/models/",
+    "/console/rollouts/",
+    "/console/tenants/",
+    "/console/billing/",
+    "/console/router/",
+]
 
 
 @pytest.mark.parametrize("path", CONSOLE_PAGES)
@@ -147,9 +154,16 @@ def test_a_post_without_a_csrf_token_is_refused(acme: Tenant) -> None:
 def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: GpuPool) -> None:
     version = approved_version(make_model("llama-3.1-70b"), "v1", "bf16")
     staff = client_for(user("ops", is_staff=True))
-    form = {"model_version": version.pk, "pool": pool.pk, "tensor_parallel": 1,
-            "max_model_len": 8192, "replicas_min": 1, "replicas_desired": 1,
-            "replicas_max": 1, "slo_tier": "standard"}  # fmt: skip
+    form = {
+        "model_version": version.pk,
+        "pool": pool.pk,
+        "tensor_parallel": 1,
+        "max_model_len": 8192,
+        "replicas_min": 1,
+        "replicas_desired": 1,
+        "replicas_max": 1,
+        "slo_tier": "standard",
+    }
     reply = staff.post("/console/deployments/check/", form)
     assert b"Does not fit" in reply.content
     assert not Deployment.objects.exists()
@@ -172,10 +186,12 @@ def test_the_fleet_snapshot_counts_gpus_by_state_and_prices_every_ready_gpu(
         deployment=deployment, node=node, gpu_indices=[1], state=Replica.State.STARTING
     )
     telemetry.store_latest(
-        redis_client, node.pk, [{"index": 0, "utilization_pct": 60.0}],
+        redis_client,
+        node.pk,
+        [{"index": 0, "utilization_pct": 60.0}],
         [(ready.replica_id, {"num_requests_waiting": 3, "kv_cache_usage_perc": 0.5})],
         timezone.now(),
-    )  # fmt: skip
+    )
     snapshot = fleet_snapshot(redis_client)
     counts = snapshot["gpus"]["H100-SXM-80GB"]
     assert (counts["ready"], counts["starting"], counts["idle"]) == (1, 1, 2)
@@ -206,10 +222,12 @@ def test_the_overview_embeds_the_history_the_broadcaster_recorded(
     )
     for generated in (1000, 3000):
         telemetry.store_latest(
-            redis_client, node.pk, [],
+            redis_client,
+            node.pk,
+            [],
             [(ready.replica_id, {"num_requests_waiting": 2, "generation_tokens_total": generated})],
             timezone.now(),
-        )  # fmt: skip
+        )
         publish_fleet_snapshot()
 
     reply = client_for(user("ops", is_staff=True)).get("/console/")
@@ -258,9 +276,12 @@ def test_the_playground_offers_only_what_is_deployed_and_the_adapters_on_it(
     deployed = make_model("llama-3.1-8b")
     make_model("llama-3.1-405b")  # visible, but nothing serves it
     Adapter.objects.create(
-        name="acme-tone", base_version=approved_version(deployed, "v1", "bf16"), rank=8,
-        artifact_uri="s3://adapters/acme-tone/", owner_tenant=acme,
-    )  # fmt: skip
+        name="acme-tone",
+        base_version=approved_version(deployed, "v1", "bf16"),
+        rank=8,
+        artifact_uri="s3://adapters/acme-tone/",
+        owner_tenant=acme,
+    )
     redis_client.set(ROUTING_TABLE_KEY, b'{"version": 1, "models": {"llama-3.1-8b": {}}}')
     page = client_for(member(acme, "dev", Role.DEVELOPER)).get("/portal/acme/playground/")
     options = page.content.decode()

@@ -22,13 +22,27 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_real_worker_runs_a_task_sent_through_redis(redis_client: redis.Redis) -> None:
     queue = f"test-{uuid.uuid4().hex[:8]}"
     worker = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", queue,
-         "--pool", "solo", "-l", "WARNING", "-n", f"{queue}@%h"],
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "worker",
+            "-Q",
+            queue,
+            "--pool",
+            "solo",
+            "-l",
+            "WARNING",
+            "-n",
+            f"{queue}@%h",
+        ],
         cwd=ROOT,
         env={**os.environ, "REDIS_URL": settings.REDIS_URL},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    )
     try:
         token = uuid.uuid4().hex
         ping.apply_async(args=[token], queue=queue)

@@ -29,14 +29,23 @@ def _fleet_rows() -> dict[str, Any]:
         "tokens": sorted(JoinToken.objects.values_list("pool__name", "name", "token_hash")),
         "deployments": {
             d.name: (
-                str(d.model_version), d.model_version.artifact_uri, d.model_version.quantization,
-                d.model_version.status, d.pool.name, d.tensor_parallel, d.engine_args,
-                d.replicas_min, d.replicas_desired, d.replicas_max, d.status, d.traffic_weight,
+                str(d.model_version),
+                d.model_version.artifact_uri,
+                d.model_version.quantization,
+                d.model_version.status,
+                d.pool.name,
+                d.tensor_parallel,
+                d.engine_args,
+                d.replicas_min,
+                d.replicas_desired,
+                d.replicas_max,
+                d.status,
+                d.traffic_weight,
             )
             for d in Deployment.objects.select_related("model_version__model", "pool")
         },
         "models": {m.name: (m.family, m.spec(), m.visibility) for m in Model.objects.all()},
-    }  # fmt: skip
+    }
 
 
 def test_the_demo_fleet_has_its_four_pools_their_tokens_and_three_models_on_them(
@@ -56,22 +65,62 @@ def test_the_demo_fleet_has_its_four_pools_their_tokens_and_three_models_on_them
     engine_args = {"max_model_len": 8192, "max_num_seqs": 64}
     assert rows["deployments"] == {
         "llama-3-1-70b-h100-us-east": (
-            "llama-3.1-70b@v1", "hf://meta-llama/Llama-3.1-70B-Instruct", "fp8", "approved",
-            "h100-us-east", 2, engine_args, 1, 1, 1, "active", 100,
+            "llama-3.1-70b@v1",
+            "hf://meta-llama/Llama-3.1-70B-Instruct",
+            "fp8",
+            "approved",
+            "h100-us-east",
+            2,
+            engine_args,
+            1,
+            1,
+            1,
+            "active",
+            100,
         ),
         "qwen2-5-7b-a100-us-east": (
-            "qwen2.5-7b@v1", "hf://Qwen/Qwen2.5-7B-Instruct", "bf16", "approved",
-            "a100-us-east", 1, engine_args, 1, 1, 1, "active", 100,
+            "qwen2.5-7b@v1",
+            "hf://Qwen/Qwen2.5-7B-Instruct",
+            "bf16",
+            "approved",
+            "a100-us-east",
+            1,
+            engine_args,
+            1,
+            1,
+            1,
+            "active",
+            100,
         ),
         "llama-3-1-8b-l40s-eu-west": (
-            "llama-3.1-8b@v1", "hf://meta-llama/Llama-3.1-8B-Instruct", "bf16", "approved",
-            "l40s-eu-west", 1, engine_args, 1, 1, 1, "active", 100,
+            "llama-3.1-8b@v1",
+            "hf://meta-llama/Llama-3.1-8B-Instruct",
+            "bf16",
+            "approved",
+            "l40s-eu-west",
+            1,
+            engine_args,
+            1,
+            1,
+            1,
+            "active",
+            100,
         ),
         "llama-3-1-8b-l4-eu-west": (
-            "llama-3.1-8b@v1", "hf://meta-llama/Llama-3.1-8B-Instruct", "bf16", "approved",
-            "l4-eu-west", 1, engine_args, 1, 1, 1, "active", 100,
+            "llama-3.1-8b@v1",
+            "hf://meta-llama/Llama-3.1-8B-Instruct",
+            "bf16",
+            "approved",
+            "l4-eu-west",
+            1,
+            engine_args,
+            1,
+            1,
+            1,
+            "active",
+            100,
         ),
-    }  # fmt: skip
+    }
     specs = load_model_specs()
     assert rows["models"] == {
         name: (name.split("-")[0], specs[name], Visibility.PUBLIC)

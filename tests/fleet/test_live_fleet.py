@@ -45,13 +45,32 @@ class Agents:
 
     def start(self, name: str, join_token: str, gpus: str = "L4-24GB:1") -> None:
         self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", "serving.agent", "--control-plane", self.url,
-             "--token", join_token, "--simulate-gpus", gpus, "--node-name", name,
-             "--state-dir", str(self.state_root / name), "--sim-time-scale", "1",
-             "--restart-backoff-cap", "1", "--stop-grace", "2", "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "serving.agent",
+                "--control-plane",
+                self.url,
+                "--token",
+                join_token,
+                "--simulate-gpus",
+                gpus,
+                "--node-name",
+                name,
+                "--state-dir",
+                str(self.state_root / name),
+                "--sim-time-scale",
+                "1",
+                "--restart-backoff-cap",
+                "1",
+                "--stop-grace",
+                "2",
+                "--log-level",
+                "WARNING",
+            ],
             cwd=ROOT,
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def kill(self, name: str) -> None:
         """SIGKILL the agent alone: its replicas keep running, as when an agent hangs."""

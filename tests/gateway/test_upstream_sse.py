@@ -173,17 +173,44 @@ def test_invalid_utf8_becomes_replacement_characters() -> None:
 # Through UpstreamStream.chunks(), what the pipeline iterates.
 
 VLLM_CHUNKS: list[dict[str, Any]] = [
-    {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-     "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                  "finish_reason": None}]},
-    {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-     "choices": [{"index": 0, "delta": {"content": "Gr\u00fc\u00df \u20ac\U0001f600"},
-                  "finish_reason": None}]},
-    {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-     "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-    {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-     "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}},
-]  # fmt: skip
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        ],
+    },
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": "Gr\u00fc\u00df \u20ac\U0001f600"},
+                "finish_reason": None,
+            }
+        ],
+    },
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+    },
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+    },
+]
 VLLM_STREAM = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in VLLM_CHUNKS)
 VLLM_STREAM += b"data: [DONE]\n\n"
 
@@ -302,9 +329,11 @@ async def test_a_real_aiohttp_response_written_in_awkward_pieces() -> None:
     try:
         async with TestServer(app, host="127.0.0.1") as server:
             upstream = await open_stream(
-                session, f"http://127.0.0.1:{server.port}", "/v1/chat/completions",
+                session,
+                f"http://127.0.0.1:{server.port}",
+                "/v1/chat/completions",
                 {"model": "m", "messages": [], "stream": True},
-            )  # fmt: skip
+            )
             try:
                 chunks = [chunk async for chunk in upstream.chunks()]
             finally:

@@ -86,12 +86,21 @@ def store(tenant: Tenant, at: datetime, **fields: Any) -> UsageEvent:
 
 def rollup(tenant: Tenant, hour: datetime, **fields: Any) -> HourlyRollup:
     values: dict[str, Any] = {
-        "model": "llama-3.1-8b", "adapter": "", "pool": "h100-east", "tier": "standard",
-        "requests": 10, "errors": 1, "prompt_tokens": 1_000, "cached_prompt_tokens": 100,
-        "completion_tokens": 500, "gpu_seconds": 36.0, "cost_to_serve_usd_micros": 40_000,
-        "revenue_usd_micros": 70_000, "ttft_buckets": empty_buckets(),
+        "model": "llama-3.1-8b",
+        "adapter": "",
+        "pool": "h100-east",
+        "tier": "standard",
+        "requests": 10,
+        "errors": 1,
+        "prompt_tokens": 1_000,
+        "cached_prompt_tokens": 100,
+        "completion_tokens": 500,
+        "gpu_seconds": 36.0,
+        "cost_to_serve_usd_micros": 40_000,
+        "revenue_usd_micros": 70_000,
+        "ttft_buckets": empty_buckets(),
         "total_buckets": empty_buckets(),
-    }  # fmt: skip
+    }
     values.update(fields)
     return HourlyRollup.objects.create(hour=hour, tenant_id=tenant.pk, **values)
 
@@ -428,10 +437,13 @@ def test_the_chargeback_needs_a_month(staff: Any) -> None:
 
 def sheet(model: str, **fields: Any) -> PriceSheet:
     values: dict[str, Any] = {
-        "adapter": "", "tenant": None, "input_usd_per_mtok": Decimal("0.5"),
-        "cached_input_usd_per_mtok": Decimal("0.1"), "output_usd_per_mtok": Decimal("1.5"),
+        "adapter": "",
+        "tenant": None,
+        "input_usd_per_mtok": Decimal("0.5"),
+        "cached_input_usd_per_mtok": Decimal("0.1"),
+        "output_usd_per_mtok": Decimal("1.5"),
         "effective_from": JAN,
-    }  # fmt: skip
+    }
     values.update(fields)
     return PriceSheet.objects.create(model=model, **values)
 
@@ -478,12 +490,15 @@ def test_staff_create_a_price_sheet_and_the_price_book_is_republished(
         response = session(staff).post(
             "/api/v1/price-sheets/",
             {
-                "model": "llama-3.1-8b", "input_usd_per_mtok": "0.2",
-                "cached_input_usd_per_mtok": "0.05", "output_usd_per_mtok": "0.4",
-                "tier_multipliers": {"batch": "0.5"}, "effective_from": "2026-02-01T00:00:00Z",
+                "model": "llama-3.1-8b",
+                "input_usd_per_mtok": "0.2",
+                "cached_input_usd_per_mtok": "0.05",
+                "output_usd_per_mtok": "0.4",
+                "tier_multipliers": {"batch": "0.5"},
+                "effective_from": "2026-02-01T00:00:00Z",
             },
             format="json",
-        )  # fmt: skip
+        )
     assert response.status_code == 201, response.json()
     created = PriceSheet.objects.get(pk=response.json()["id"])
     assert (created.output_usd_per_mtok, created.tier_multipliers) == (
@@ -525,12 +540,15 @@ def test_a_second_sheet_starting_at_the_same_time_is_a_400(
     response = session(staff).post(
         "/api/v1/price-sheets/",
         {
-            "model": "llama-3.1-8b", "tenant": None, "input_usd_per_mtok": "1",
-            "cached_input_usd_per_mtok": "1", "output_usd_per_mtok": "1",
+            "model": "llama-3.1-8b",
+            "tenant": None,
+            "input_usd_per_mtok": "1",
+            "cached_input_usd_per_mtok": "1",
+            "output_usd_per_mtok": "1",
             "effective_from": JAN.isoformat(),
         },
         format="json",
-    )  # fmt: skip
+    )
     assert response.status_code == 400
     assert "effective_from" in response.json()
     assert PriceSheet.objects.count() == before
@@ -540,12 +558,14 @@ def test_a_negative_price_is_a_400(acme: Tenant, staff: Any) -> None:
     response = session(staff).post(
         "/api/v1/price-sheets/",
         {
-            "model": "llama-3.1-8b", "input_usd_per_mtok": "-1",
-            "cached_input_usd_per_mtok": "0", "output_usd_per_mtok": "0",
+            "model": "llama-3.1-8b",
+            "input_usd_per_mtok": "-1",
+            "cached_input_usd_per_mtok": "0",
+            "output_usd_per_mtok": "0",
             "effective_from": JAN.isoformat(),
         },
         format="json",
-    )  # fmt: skip
+    )
     assert response.status_code == 400
     assert "input_usd_per_mtok" in response.json()
 
@@ -571,10 +591,29 @@ def test_a_sheet_is_in_force_until_the_next_one_starts(
 
 def test_margin_by_model_is_revenue_minus_cost_from_rollups(acme: Tenant, staff: Any) -> None:
     rows = [
-        rollup(acme, JAN, model="llama-3.1-8b", revenue_usd_micros=90_000, cost_to_serve_usd_micros=30_000),
-        rollup(acme, JAN, model="llama-3.1-8b", pool="l4", revenue_usd_micros=10_000, cost_to_serve_usd_micros=15_000),
-        rollup(acme, JAN, model="qwen2.5-72b", revenue_usd_micros=50_000, cost_to_serve_usd_micros=60_000),
-    ]  # fmt: skip
+        rollup(
+            acme,
+            JAN,
+            model="llama-3.1-8b",
+            revenue_usd_micros=90_000,
+            cost_to_serve_usd_micros=30_000,
+        ),
+        rollup(
+            acme,
+            JAN,
+            model="llama-3.1-8b",
+            pool="l4",
+            revenue_usd_micros=10_000,
+            cost_to_serve_usd_micros=15_000,
+        ),
+        rollup(
+            acme,
+            JAN,
+            model="qwen2.5-72b",
+            revenue_usd_micros=50_000,
+            cost_to_serve_usd_micros=60_000,
+        ),
+    ]
     body = (
         session(staff)
         .get("/api/v1/margin/", {"start": "2026-01-01", "end": "2026-01-02", "by": "model"})
@@ -641,9 +680,11 @@ def test_staff_only_routes_refuse_a_tenant_with_403_and_change_nothing(
         "create sheet": client.post(
             "/api/v1/price-sheets/", {"model": "x", "input_usd_per_mtok": "0"}, format="json"
         ).status_code,
-        "update sheet": client.patch(visible, {"output_usd_per_mtok": "0"}, format="json").status_code,
+        "update sheet": client.patch(
+            visible, {"output_usd_per_mtok": "0"}, format="json"
+        ).status_code,
         "delete sheet": client.delete(visible).status_code,
-    }  # fmt: skip
+    }
     assert answers == dict.fromkeys(answers, 403)
     assert metering_snapshot(redis_client) == before
 

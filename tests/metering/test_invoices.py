@@ -110,12 +110,17 @@ def test_an_invoice_totals_its_events_at_the_prices_in_force_when_they_happened(
         add_usage_event(
             pipe,
             event(
-                tenant.pk, model=model, priority=tier, prompt_tokens=prompt,
-                cached_prompt_tokens=cached, completion_tokens=out,
-                started_at=at.timestamp(), ended_at=at.timestamp() + 1,
+                tenant.pk,
+                model=model,
+                priority=tier,
+                prompt_tokens=prompt,
+                cached_prompt_tokens=cached,
+                completion_tokens=out,
+                started_at=at.timestamp(),
+                ended_at=at.timestamp() + 1,
                 price_charged_usd_micros=gateway_charge,
             ),
-        )  # fmt: skip
+        )
     pipe.execute()
     ingest.Consumer(redis_client, "c1").drain(max_seconds=30)
     invoice = do_close_month(tenant, JANUARY)
@@ -142,8 +147,10 @@ def test_closing_a_month_twice_changes_nothing(acme: Tenant) -> None:
     _store(acme, price_charged_usd_micros=9_999)  # a late event after the close
     second = do_close_month(acme, JANUARY)
     assert (second.pk, second.total_usd_micros, second.finalized_at) == (
-        first.pk, 1_500, first.finalized_at,
-    )  # fmt: skip
+        first.pk,
+        1_500,
+        first.finalized_at,
+    )
 
 
 def test_a_draft_follows_new_events_until_it_is_finalized(acme: Tenant) -> None:
@@ -161,8 +168,9 @@ def test_an_invoice_has_a_line_per_model_in_its_exports(acme: Tenant) -> None:
     rows = list(csv.DictReader(io.StringIO(invoice_as_csv(invoice))))
     as_json = json.loads(json.dumps(invoice_as_dict(invoice)))
     assert [(r["model"], r["amount_usd"]) for r in rows] == [
-        ("llama-3.1-8b", "0.001000"), ("qwen2.5-72b", "0.004000"),
-    ]  # fmt: skip
+        ("llama-3.1-8b", "0.001000"),
+        ("qwen2.5-72b", "0.004000"),
+    ]
     assert [line["model"] for line in as_json["lines"]] == ["llama-3.1-8b", "qwen2.5-72b"]
 
 
@@ -174,5 +182,6 @@ def test_chargeback_groups_invoices_by_the_teams_cost_center(acme: Tenant) -> No
         do_close_month(tenant, JANUARY)
     rows = chargeback_rows(JANUARY)
     assert [(r["cost_center"], r["team"], r["total_usd"]) for r in rows] == [
-        ("CC-100", "Search", "2.000000"), ("globex", "Globex", "2.000000"),
-    ]  # fmt: skip
+        ("CC-100", "Search", "2.000000"),
+        ("globex", "Globex", "2.000000"),
+    ]

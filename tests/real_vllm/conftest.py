@@ -202,16 +202,36 @@ def real_fleet(
         try:
             with log.open("wb") as out:
                 agent = subprocess.Popen(
-                    [sys.executable, "-m", "serving.agent", "--control-plane", gateway.url,
-                     "--token", join_token, "--cpu-slots", "1", "--node-name", "cpu-test-1",
-                     "--vllm-python", settings.VLLM_PYTHON, "--state-dir", str(state),
-                     "--ready-timeout", str(READY_TIMEOUT_S), "--restart-backoff-cap", "1",
-                     "--stop-grace", "5", "--cpu-kv-cache-gib", "1"],
+                    [
+                        sys.executable,
+                        "-m",
+                        "serving.agent",
+                        "--control-plane",
+                        gateway.url,
+                        "--token",
+                        join_token,
+                        "--cpu-slots",
+                        "1",
+                        "--node-name",
+                        "cpu-test-1",
+                        "--vllm-python",
+                        settings.VLLM_PYTHON,
+                        "--state-dir",
+                        str(state),
+                        "--ready-timeout",
+                        str(READY_TIMEOUT_S),
+                        "--restart-backoff-cap",
+                        "1",
+                        "--stop-grace",
+                        "5",
+                        "--cpu-kv-cache-gib",
+                        "1",
+                    ],
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                )  # fmt: skip
+                )
             fleet = RealFleet(gateway, client, deployment.pk, agent, log, django_db_blocker, keys)
             for engine in fleet.wait_ready(1):
                 text = engine.metrics()

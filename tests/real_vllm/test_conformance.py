@@ -120,8 +120,16 @@ def test_models_lists_the_served_name_with_vllms_card(target: Target) -> None:
 
     assert listing["object"] == "list"
     (card,) = [c for c in listing["data"] if c["id"] == TINY_MODEL]
-    assert set(card) == {"id", "object", "created", "owned_by", "root", "parent",
-                         "max_model_len", "permission"}  # fmt: skip
+    assert set(card) == {
+        "id",
+        "object",
+        "created",
+        "owned_by",
+        "root",
+        "parent",
+        "max_model_len",
+        "permission",
+    }
     assert (card["object"], card["owned_by"], card["parent"]) == ("model", "vllm", None)
     assert card["max_model_len"] == 4096
     assert card["permission"][0]["object"] == "model_permission"
@@ -139,8 +147,13 @@ def _events(raw: bytes) -> list[bytes]:
 
 
 def test_a_streamed_chat_is_framed_as_vllm_frames_it(target: Target) -> None:
-    body = {**CHAT, "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        **CHAT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     reply = target.post("/v1/chat/completions", body)
 
     assert reply.status_code == 200
@@ -176,10 +189,22 @@ def test_non_streamed_answers_carry_vllms_fields(target: Target) -> None:
 
     for answer, kind in ((chat, "chat.completion"), (text.json(), "text_completion")):
         assert answer["object"] == kind
-        assert {"id", "object", "created", "model", "choices", "usage",
-                "system_fingerprint"} <= set(answer)  # fmt: skip
-        assert set(answer["usage"]) == {"prompt_tokens", "total_tokens", "completion_tokens",
-                                        "prompt_tokens_details", "completion_tokens_details"}  # fmt: skip
+        assert {
+            "id",
+            "object",
+            "created",
+            "model",
+            "choices",
+            "usage",
+            "system_fingerprint",
+        } <= set(answer)
+        assert set(answer["usage"]) == {
+            "prompt_tokens",
+            "total_tokens",
+            "completion_tokens",
+            "prompt_tokens_details",
+            "completion_tokens_details",
+        }
         choice = answer["choices"][0]
         assert {"index", "logprobs", "finish_reason", "stop_reason"} <= set(choice)
         assert (choice["finish_reason"], answer["usage"]["completion_tokens"]) == ("length", 4)
@@ -192,23 +217,58 @@ def test_non_streamed_answers_carry_vllms_fields(target: Target) -> None:
 @pytest.mark.parametrize(
     ("body", "status", "err_type", "param", "message"),
     [
-        ({"max_tokens": 0}, 400, "BadRequestError", "max_tokens",
-         "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"),
-        ({"max_tokens": -1}, 400, "BadRequestError", "max_tokens",
-         "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)"),
-        ({"temperature": -1}, 400, "BadRequestError", "temperature",
-         "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)"),
-        ({"max_tokens": 4097}, 400, "BadRequestError", "max_tokens",
-         "max_tokens=4097 cannot be greater than max_model_len=4096. Please request fewer "
-         "output tokens. (parameter=max_tokens, value=4097)"),
-        ({"model": "no-such-model"}, 404, "NotFoundError", "model",
-         "The model `no-such-model` does not exist."),
-        ({"cache_salt": ""}, 400, "BadRequestError", "cache_salt",
-         "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)"),
-        ({"prompt": "word " * 4200}, 400, "BadRequestError", "input_tokens",
-         "This model's maximum context length is 4096 tokens."),
+        (
+            {"max_tokens": 0},
+            400,
+            "BadRequestError",
+            "max_tokens",
+            "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        ),
+        (
+            {"max_tokens": -1},
+            400,
+            "BadRequestError",
+            "max_tokens",
+            "max_tokens must be at least 1, got -1. (parameter=max_tokens, value=-1)",
+        ),
+        (
+            {"temperature": -1},
+            400,
+            "BadRequestError",
+            "temperature",
+            "temperature must be non-negative, got -1.0. (parameter=temperature, value=-1.0)",
+        ),
+        (
+            {"max_tokens": 4097},
+            400,
+            "BadRequestError",
+            "max_tokens",
+            "max_tokens=4097 cannot be greater than max_model_len=4096. Please request fewer "
+            "output tokens. (parameter=max_tokens, value=4097)",
+        ),
+        (
+            {"model": "no-such-model"},
+            404,
+            "NotFoundError",
+            "model",
+            "The model `no-such-model` does not exist.",
+        ),
+        (
+            {"cache_salt": ""},
+            400,
+            "BadRequestError",
+            "cache_salt",
+            "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)",
+        ),
+        (
+            {"prompt": "word " * 4200},
+            400,
+            "BadRequestError",
+            "input_tokens",
+            "This model's maximum context length is 4096 tokens.",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_parameters_get_vllms_error_shape(
     target: Target, body: dict[str, Any], status: int, err_type: str, param: str, message: str
 ) -> None:
@@ -223,11 +283,19 @@ def test_bad_parameters_get_vllms_error_shape(
 
 def test_a_prompt_that_leaves_too_little_room_has_its_max_tokens_clamped(target: Target) -> None:
     # vLLM 0.32 answers 200 and stops at the context's end rather than refusing.
-    prompt = target.post("/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 3000,
-                                             "max_tokens": 1})  # fmt: skip
+    prompt = target.post(
+        "/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 3000, "max_tokens": 1}
+    )
     used = prompt.json()["usage"]["prompt_tokens"]
-    reply = target.post("/v1/completions", {"model": TINY_MODEL, "prompt": "word " * 3000,
-                                            "max_tokens": 4096 - used + 50, "ignore_eos": True})  # fmt: skip
+    reply = target.post(
+        "/v1/completions",
+        {
+            "model": TINY_MODEL,
+            "prompt": "word " * 3000,
+            "max_tokens": 4096 - used + 50,
+            "ignore_eos": True,
+        },
+    )
 
     assert reply.status_code == 200
     assert reply.json()["usage"]["total_tokens"] == 4096
@@ -250,8 +318,9 @@ def test_lora_load_and_unload_answer_as_vllm_does(target: Target) -> None:
     after = target.post("/v1/completions", {"model": ADAPTER, "prompt": "Hi", "max_tokens": 2})
 
     assert (loaded.status_code, loaded.text) == (
-        200, f"Success: LoRA adapter '{ADAPTER}' added successfully."
-    )  # fmt: skip
+        200,
+        f"Success: LoRA adapter '{ADAPTER}' added successfully.",
+    )
     assert again.status_code == 400
     assert again.json()["error"]["type"] == "InvalidUserInput"
     assert again.json()["error"]["message"].startswith(
@@ -262,13 +331,16 @@ def test_lora_load_and_unload_answer_as_vllm_does(target: Target) -> None:
     ]
     assert served.status_code == 200 and served.json()["model"] == ADAPTER
     assert (unloaded.status_code, unloaded.text) == (
-        200, f"Success: LoRA adapter '{ADAPTER}' removed successfully."
-    )  # fmt: skip
+        200,
+        f"Success: LoRA adapter '{ADAPTER}' removed successfully.",
+    )
     assert gone.status_code == 404
     assert gone.json()["error"] == {
         "message": f"The lora adapter '{ADAPTER}' cannot be found.",
-        "type": "NotFoundError", "param": None, "code": 404,
-    }  # fmt: skip
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
     assert after.status_code == 404
     assert after.json()["error"]["message"].startswith(f"The model `{ADAPTER}` does not exist.")
 
@@ -288,13 +360,14 @@ READ_METRICS: dict[str, tuple[str, set[str]]] = {
     "vllm:num_preemptions": ("counter", BASE_LABELS),
     "vllm:request_success": ("counter", BASE_LABELS | {"finished_reason"}),
     "vllm:lora_requests_info": (
-        "gauge", {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
+        "gauge",
+        {"max_lora", "running_lora_adapters", "waiting_lora_adapters"},
     ),
     "vllm:time_to_first_token_seconds": ("histogram", BASE_LABELS | {"le"}),
     "vllm:inter_token_latency_seconds": ("histogram", BASE_LABELS | {"le"}),
     "vllm:e2e_request_latency_seconds": ("histogram", BASE_LABELS | {"le"}),
     "vllm:request_queue_time_seconds": ("histogram", BASE_LABELS | {"le"}),
-}  # fmt: skip
+}
 
 
 def test_the_metrics_the_platform_reads_have_vllms_names_types_and_labels(target: Target) -> None:
@@ -323,8 +396,13 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_counted_as_no_finish(
     target: Target,
 ) -> None:
     finished = sample(target.metrics(), "vllm:request_success_total")
-    body = {"model": TINY_MODEL, "prompt": "Go on", "max_tokens": 4000, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": TINY_MODEL,
+        "prompt": "Go on",
+        "max_tokens": 4000,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {target.key}"}
     with httpx.stream("POST", f"{target.url}/v1/completions", json=body, headers=headers) as reply:
         for line in reply.iter_lines():

@@ -33,21 +33,43 @@ for argv in json.load(sys.stdin):
 print(json.dumps(read))
 """
 BASE: dict[str, Any] = {
-    "replica_id": "7", "deployment_id": "3", "model": "hf://meta-llama/Llama-3.1-70B-Instruct",
-    "served_model_name": "llama-3.1-70b", "gpu_indices": [0, 1], "port": 8123,
-    "tensor_parallel_size": 2, "quantization": "fp8", "kv_cache_dtype": "fp8",
-    "max_model_len": 16384, "max_num_seqs": 128, "gpu_memory_utilization": 0.92,
-    "enable_prefix_caching": True, "enable_lora": True, "max_loras": 4, "max_lora_rank": 32,
+    "replica_id": "7",
+    "deployment_id": "3",
+    "model": "hf://meta-llama/Llama-3.1-70B-Instruct",
+    "served_model_name": "llama-3.1-70b",
+    "gpu_indices": [0, 1],
+    "port": 8123,
+    "tensor_parallel_size": 2,
+    "quantization": "fp8",
+    "kv_cache_dtype": "fp8",
+    "max_model_len": 16384,
+    "max_num_seqs": 128,
+    "gpu_memory_utilization": 0.92,
+    "enable_prefix_caching": True,
+    "enable_lora": True,
+    "max_loras": 4,
+    "max_lora_rank": 32,
     "api_key": "ek_x",
-}  # fmt: skip
+}
 SPECS = [
     BASE,
     {**BASE, "quantization": "awq", "kv_cache_dtype": "auto", "enable_lora": False},
-    {**BASE, "gpu_indices": [3], "tensor_parallel_size": 1, "quantization": None,
-     "enable_prefix_caching": False},
-    {**BASE, "model": "file:///var/models/tiny-llama/base", "gpu_indices": [0],
-     "tensor_parallel_size": 1, "quantization": None, "kv_cache_dtype": "auto"},
-]  # fmt: skip
+    {
+        **BASE,
+        "gpu_indices": [3],
+        "tensor_parallel_size": 1,
+        "quantization": None,
+        "enable_prefix_caching": False,
+    },
+    {
+        **BASE,
+        "model": "file:///var/models/tiny-llama/base",
+        "gpu_indices": [0],
+        "tensor_parallel_size": 1,
+        "quantization": None,
+        "kv_cache_dtype": "auto",
+    },
+]
 GPU = LaunchSettings(simulated=False, host="10.0.0.7")
 CPU = LaunchSettings(simulated=False, device="cpu", host="10.0.0.9", cpu_slots=((0, 1),))
 
@@ -75,8 +97,9 @@ def test_vllm_parses_every_command_line_the_agent_writes_to_the_values_of_the_sp
         assert values["tensor_parallel_size"] == spec.tensor_parallel_size
         assert values["gpu_memory_utilization"] == spec.gpu_memory_utilization
         assert (values["max_model_len"], values["max_num_seqs"]) == (
-            spec.max_model_len, spec.max_num_seqs
-        )  # fmt: skip
+            spec.max_model_len,
+            spec.max_num_seqs,
+        )
         assert values["quantization"] == spec.quantization
         assert values["kv_cache_dtype"] == spec.kv_cache_dtype
         assert values["enable_prefix_caching"] is spec.enable_prefix_caching
@@ -84,7 +107,8 @@ def test_vllm_parses_every_command_line_the_agent_writes_to_the_values_of_the_sp
         assert bool(values["enable_lora"]) is spec.enable_lora
         if spec.enable_lora:
             assert (values["max_loras"], values["max_lora_rank"]) == (
-                spec.max_loras, spec.max_lora_rank
-            )  # fmt: skip
+                spec.max_loras,
+                spec.max_lora_rank,
+            )
     assert read[0]["model"] == "meta-llama/Llama-3.1-70B-Instruct"
     assert read[3]["model"] == "/var/models/tiny-llama/base"

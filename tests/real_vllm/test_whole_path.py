@@ -249,9 +249,12 @@ def test_seed_repeats_a_sample_and_stop_cuts_it_where_vllm_finds_the_string(
 ) -> None:
     client = _client(real_fleet)
     ask: CompletionCreateParamsNonStreaming = {
-        "model": TINY_MODEL, "prompt": "The harbour at dawn", "max_tokens": 40,
-        "temperature": 1.0, "seed": 1234,
-    }  # fmt: skip
+        "model": TINY_MODEL,
+        "prompt": "The harbour at dawn",
+        "max_tokens": 40,
+        "temperature": 1.0,
+        "seed": 1234,
+    }
 
     first = client.completions.create(**ask).choices[0].text
     again = client.completions.create(**ask).choices[0].text
@@ -268,8 +271,11 @@ def test_an_adapter_is_called_by_name_and_served_by_vllm_with_its_own_weights(
 ) -> None:
     client = _client(real_fleet)
     (engine,) = real_fleet.engines()
-    ask: _ChatAsk = {"messages": [{"role": "user", "content": "Ahoy there"}], "max_tokens": 8,
-                     "temperature": 0}  # fmt: skip
+    ask: _ChatAsk = {
+        "messages": [{"role": "user", "content": "Ahoy there"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
 
     raw = client.chat.completions.with_raw_response.create(model=TINY_ADAPTER, **ask)
     adapted = raw.parse()
@@ -367,8 +373,13 @@ _IDLE = SimpleNamespace(running=0)
 @contextlib.contextmanager
 def _streaming(fleet: RealFleet, max_tokens: int, tenant: str = "acme") -> Any:
     """A long raw SSE stream through the gateway: yields (request id, its lines)."""
-    body = {"model": TINY_MODEL, "prompt": "Write forever", "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": TINY_MODEL,
+        "prompt": "Write forever",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {fleet.keys[tenant]}"}
     with (
         httpx.Client(timeout=60) as http,

@@ -35,28 +35,42 @@ def _registry_rows() -> dict[str, Any]:
     return {
         "models": {
             m.name: (
-                m.family, m.description, m.params_b, m.layers, m.hidden, m.kv_heads,
-                m.head_dim, m.max_context, m.visibility,
+                m.family,
+                m.description,
+                m.params_b,
+                m.layers,
+                m.hidden,
+                m.kv_heads,
+                m.head_dim,
+                m.max_context,
+                m.visibility,
                 sorted(m.granted_tenants.values_list("slug", flat=True)),
             )
             for m in Model.objects.all()
         },
         "versions": {
             str(v): (
-                v.artifact_uri, v.revision, v.quantization, v.status, v.approved_by_id,
+                v.artifact_uri,
+                v.revision,
+                v.quantization,
+                v.status,
+                v.approved_by_id,
                 v.approved_at,
             )
             for v in ModelVersion.objects.select_related("model")
         },
         "adapters": {
             a.name: (
-                str(a.base_version), a.rank, a.artifact_uri,
-                a.owner_tenant.slug if a.owner_tenant else None, a.visibility,
+                str(a.base_version),
+                a.rank,
+                a.artifact_uri,
+                a.owner_tenant.slug if a.owner_tenant else None,
+                a.visibility,
                 sorted(a.granted_tenants.values_list("slug", flat=True)),
             )
             for a in Adapter.objects.select_related("base_version__model", "owner_tenant")
         },
-    }  # fmt: skip
+    }
 
 
 def test_the_demo_rows_are_the_catalogue_with_an_approved_v1_each(
@@ -68,11 +82,17 @@ def test_the_demo_rows_are_the_catalogue_with_an_approved_v1_each(
         fields = demo.model_fields(spec)
         restricted = name == demo.RESTRICTED_TO_ACME
         assert rows["models"][name] == (
-            fields["family"], "", spec.params_b, spec.layers, spec.hidden, spec.kv_heads,
-            spec.head_dim, spec.max_context,
+            fields["family"],
+            "",
+            spec.params_b,
+            spec.layers,
+            spec.hidden,
+            spec.kv_heads,
+            spec.head_dim,
+            spec.max_context,
             Visibility.RESTRICTED if restricted else Visibility.PUBLIC,
             ["acme"] if restricted else [],
-        )  # fmt: skip
+        )
         quantization = "fp8" if spec.params_b >= 70 else "bf16"
         # Seeded already approved, by no one: there was no review to record.
         assert rows["versions"][f"{name}@v1"] == (
@@ -94,13 +114,22 @@ def test_the_demo_rows_are_the_catalogue_with_an_approved_v1_each(
     assert len(rows["versions"]) == len(load_model_specs()) + 1
     assert rows["adapters"] == {
         "llama-3.1-8b-sql": (
-            "llama-3.1-8b@v1", 16, "s3://demo-adapters/llama-3.1-8b-sql/", None, "public", []
+            "llama-3.1-8b@v1",
+            16,
+            "s3://demo-adapters/llama-3.1-8b-sql/",
+            None,
+            "public",
+            [],
         ),
         "acme-support-tone": (
-            "llama-3.1-8b@v1", 8, "s3://demo-adapters/acme-support-tone/", "acme",
-            "restricted", [],
+            "llama-3.1-8b@v1",
+            8,
+            "s3://demo-adapters/acme-support-tone/",
+            "acme",
+            "restricted",
+            [],
         ),
-    }  # fmt: skip
+    }
 
 
 def test_a_second_seed_changes_no_row(acme: Tenant, redis_client: redis.Redis) -> None:

@@ -24,15 +24,23 @@ async def test_the_agent_process_serves_replicas_and_stops_them_on_sigterm(
     await control_plane.start()
     control_plane.desired = [simulated_spec("r-1", sim=None)]
     agent = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "serving.agent",
-        "--control-plane", control_plane.url,
-        "--token", "join-secret",
-        "--simulate-gpus", "L4-24GB:2",
-        "--sim-time-scale", "50",
-        "--state-dir", str(tmp_path),
-        "--log-level", "WARNING",
+        sys.executable,
+        "-m",
+        "serving.agent",
+        "--control-plane",
+        control_plane.url,
+        "--token",
+        "join-secret",
+        "--simulate-gpus",
+        "L4-24GB:2",
+        "--sim-time-scale",
+        "50",
+        "--state-dir",
+        str(tmp_path),
+        "--log-level",
+        "WARNING",
         cwd=ROOT,
-    )  # fmt: skip
+    )
     try:
         ready = await eventually(
             lambda: (

@@ -68,20 +68,36 @@ def test_a_tp2_fp8_lora_deployment_gets_exactly_the_vllm_argv() -> None:
     argv, _ = build_launch_command(parse_replica_spec(_spec()), GPU_NODE)
 
     assert argv == [
-        "/node/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", "/models/llama-3.1-70b-fp8",
-        "--served-model-name", "llama-70b",
-        "--host", "10.0.0.7",
-        "--port", "8123",
-        "--tensor-parallel-size", "2",
-        "--gpu-memory-utilization", "0.92",
-        "--max-model-len", "16384",
-        "--max-num-seqs", "128",
-        "--quantization", "fp8",
-        "--kv-cache-dtype", "fp8",
+        "/node/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/models/llama-3.1-70b-fp8",
+        "--served-model-name",
+        "llama-70b",
+        "--host",
+        "10.0.0.7",
+        "--port",
+        "8123",
+        "--tensor-parallel-size",
+        "2",
+        "--gpu-memory-utilization",
+        "0.92",
+        "--max-model-len",
+        "16384",
+        "--max-num-seqs",
+        "128",
+        "--quantization",
+        "fp8",
+        "--kv-cache-dtype",
+        "fp8",
         "--enable-prefix-caching",
-        "--enable-lora", "--max-loras", "4", "--max-lora-rank", "32",
-    ]  # fmt: skip
+        "--enable-lora",
+        "--max-loras",
+        "4",
+        "--max-lora-rank",
+        "32",
+    ]
 
 
 def test_the_replica_sees_only_its_gpus_and_gets_its_engine_key_outside_the_argv() -> None:
@@ -171,10 +187,13 @@ def test_the_simulator_runs_with_the_same_engine_flags_plus_its_own() -> None:
     flags = [a for a in real[3:] if a != "10.0.0.7"]
     assert [a for a in simulated[3 : len(real)] if a != "127.0.0.1"] == flags
     assert simulated[len(real) :] == [
-        "--sim-gpu-class", "H100-SXM-80GB",
-        "--sim-model-spec", "llama-3.1-70b",
-        "--sim-time-scale", "20",
-    ]  # fmt: skip
+        "--sim-gpu-class",
+        "H100-SXM-80GB",
+        "--sim-model-spec",
+        "llama-3.1-70b",
+        "--sim-time-scale",
+        "20",
+    ]
 
 
 def test_the_simulator_accepts_every_flag_the_launcher_writes() -> None:

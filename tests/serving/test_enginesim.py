@@ -269,13 +269,22 @@ async def test_the_error_status_sets_what_the_simulated_failures_answer() -> Non
     async with simulator(*FAST, "--sim-error-rate", "1", "--sim-error-status", "401") as base:
         with pytest.raises(openai.AuthenticationError) as raised:
             await client(base).completions.create(model="llama8", prompt="x", max_tokens=2)
-    assert raised.value.body == {"message": "simulated engine failure", "type": "Unauthorized",
-                                 "param": None, "code": 401}  # fmt: skip
+    assert raised.value.body == {
+        "message": "simulated engine failure",
+        "type": "Unauthorized",
+        "param": None,
+        "code": 401,
+    }
 
 
 async def test_a_stream_failing_after_n_tokens_ends_with_vllms_error_event() -> None:
-    body = {"model": "llama8", "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 20, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "llama8",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 20,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with (
         simulator(*FAST, "--sim-error-after-tokens", "3") as base,
         aiohttp.ClientSession() as session,
@@ -287,8 +296,14 @@ async def test_a_stream_failing_after_n_tokens_ends_with_vllms_error_event() -> 
     assert len(events) == 6
     assert events[-1] == "data: [DONE]"
     error = orjson.loads(events[-2].removeprefix("data: "))
-    assert error == {"error": {"message": "simulated engine failure after 3 tokens",
-                               "type": "InternalServerError", "param": None, "code": 500}}  # fmt: skip
+    assert error == {
+        "error": {
+            "message": "simulated engine failure after 3 tokens",
+            "type": "InternalServerError",
+            "param": None,
+            "code": 500,
+        }
+    }
 
 
 async def test_the_openai_client_raises_on_the_mid_stream_error_event() -> None:

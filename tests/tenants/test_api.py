@@ -138,8 +138,14 @@ def test_tenants_list_shows_only_the_callers_tenants(acme: Tenant, globex: Tenan
 # ------------------------------------------------------------ the cross-tenant matrix
 
 METHODS = ["get", "post", "put", "patch", "delete"]
-ANY_BODY = {"name": "x", "scopes": ["manage"], "role": "owner", "username": "globex-owner",
-            "requests_per_minute": 1, "status": "suspended"}  # fmt: skip
+ANY_BODY = {
+    "name": "x",
+    "scopes": ["manage"],
+    "role": "owner",
+    "username": "globex-owner",
+    "requests_per_minute": 1,
+    "status": "suspended",
+}
 
 
 def tenant_scoped_routes(acme_member: int, acme_key: int) -> dict[str, list[str]]:
