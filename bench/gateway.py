@@ -79,6 +79,16 @@ def start(
     )
 
 
+def start_gateway(
+    port: int, workers: int, env: dict[str, str], log: Path, tree: Path = ROOT
+) -> subprocess.Popen[bytes]:
+    """The platform's ASGI server, as checked out in `tree`, from this venv."""
+    uvicorn = str(Path(sys.executable).parent / "uvicorn")
+    argv = [uvicorn, "config.asgi:application", "--port", str(port), "--workers", str(workers)]
+    argv += ["--no-access-log", "--lifespan", "off", "--log-level", "warning"]
+    return start(argv, env, log, cwd=tree)
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
@@ -329,25 +339,7 @@ def main() -> int:
         key = prepare_platform(env, upstream)
 
         ours_port = free_port()
-        processes.append(
-            start(
-                [
-                    str(Path(sys.executable).parent / "uvicorn"),
-                    "config.asgi:application",
-                    "--port",
-                    str(ours_port),
-                    "--workers",
-                    str(args.workers),
-                    "--no-access-log",
-                    "--lifespan",
-                    "off",
-                    "--log-level",
-                    "warning",
-                ],
-                env,
-                logs / "ours.log",
-            )
-        )
+        processes.append(start_gateway(ours_port, args.workers, env, logs / "ours.log"))
         consumer = start(
             [sys.executable, "manage.py", "metering_consume"], env, logs / "ingest.log"
         )
@@ -358,23 +350,8 @@ def main() -> int:
         if args.baseline:
             before_port = free_port()
             processes.append(
-                start(
-                    [
-                        str(Path(sys.executable).parent / "uvicorn"),
-                        "config.asgi:application",
-                        "--port",
-                        str(before_port),
-                        "--workers",
-                        str(args.workers),
-                        "--no-access-log",
-                        "--lifespan",
-                        "off",
-                        "--log-level",
-                        "warning",
-                    ],
-                    env,
-                    logs / "before.log",
-                    cwd=args.baseline.resolve(),
+                start_gateway(
+                    before_port, args.workers, env, logs / "before.log", args.baseline.resolve()
                 )
             )
             wait_http(f"http://127.0.0.1:{before_port}/healthz")

@@ -109,19 +109,9 @@ def placement_check(request: HttpRequest) -> HttpResponse:
 def create_deployment(request: HttpRequest) -> HttpResponse:
     try:
         deployment = _deployment_from(request.POST)
-        fields = {
-            name: getattr(deployment, name)
-            for name in (
-                "model_version",
-                "pool",
-                "tensor_parallel",
-                "replicas_min",
-                "replicas_max",
-                "replicas_desired",
-                "engine_args",
-                "slo_tier",
-            )
-        }
+        # What the form sets; a blank name is left for the action to choose.
+        names = actions.DEPLOYMENT_FIELDS - {"status", "traffic_weight", "name"}
+        fields = {name: getattr(deployment, name) for name in names}
         if deployment.name:
             fields["name"] = deployment.name
         created = actions.do_create_deployment(**fields)
