@@ -286,6 +286,7 @@ def main() -> int:
     parser.add_argument("--itl-ms", type=float, default=10)
     parser.add_argument("--ttft-ms", type=float, default=10)
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision to compare")
+    parser.add_argument("--rounds", type=int, default=1, help="cells per target and concurrency")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -405,15 +406,19 @@ def main() -> int:
             targets.append(("litellm", litellm_url, litellm_key))
         results: list[Result] = []
         for level in levels:
-            for name, url, secret in targets:
-                result = asyncio.run(load(name, url, secret, level, args.seconds))
-                results.append(result)
-                print(
-                    f"  {name:8} c={level:<4} {result.streams_per_s:8.1f} streams/s "
-                    f"p50 {result.pct(0.5):7.1f} ms  errors {result.errors}",
-                    flush=True,
-                )
-        print_table(results, args)
+            for round_ in range(args.rounds):
+                # Alternate which of ours and before goes first, so neither always runs on
+                # the other's warm machine.
+                order = targets if round_ % 2 == 0 else [targets[0], *reversed(targets[1:])]
+                for name, url, secret in order:
+                    result = asyncio.run(load(name, url, secret, level, args.seconds))
+                    results.append(result)
+                    print(
+                        f"  {name:8} c={level:<4} {result.streams_per_s:8.1f} streams/s "
+                        f"p50 {result.pct(0.5):7.1f} ms  errors {result.errors}",
+                        flush=True,
+                    )
+        print_table(merge_rounds(results), args)
         return 0
     finally:
         for process in reversed(processes):
@@ -421,12 +426,26 @@ def main() -> int:
         print(f"logs: {logs}")
 
 
+def merge_rounds(results: list[Result]) -> list[Result]:
+    """One result per target and concurrency: the rounds' streams and TTFTs together."""
+    merged: dict[tuple[str, int], Result] = {}
+    for r in results:
+        into = merged.setdefault(
+            (r.target, r.concurrency), Result(r.target, r.concurrency, 0, 0, 0.0, [])
+        )
+        into.completed += r.completed
+        into.errors += r.errors
+        into.seconds += r.seconds
+        into.ttfts.extend(r.ttfts)
+    return list(merged.values())
+
+
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
     direct = {r.concurrency: r for r in results if r.target == "direct"}
     print()
     print(
         f"{TOKENS}-token streams, {args.itl_ms:g} ms between tokens, upstream TTFT {args.ttft_ms:g} ms, "
-        f"{args.workers} gateway workers, {args.seconds:g} s per cell"
+        f"{args.workers} gateway workers, {args.seconds:g} s per cell, {args.rounds} round(s)"
     )
     header = (
         "target",
