@@ -112,19 +112,22 @@ def total_variation(a: Mapping[str, int], b: Mapping[str, int]) -> float:
     )
 
 
-def _error_rate_check(
-    canary: DeploymentWindowStats, baseline: DeploymentWindowStats, t: GateThresholds
+def _rate_increase_check(
+    name: str, canary_rate: float, baseline_rate: float, baseline_judged: bool, limit: float
 ) -> GateCheck:
-    reference = baseline.error_rate if baseline.requests >= t.min_requests else 0.0
-    increase = canary.error_rate - reference
+    """The canary's rate may exceed the baseline's by at most `limit`; a baseline with too
+    few requests to judge counts as 0 %."""
+    reference = baseline_rate if baseline_judged else 0.0
+    increase = canary_rate - reference
+    label = name.replace("_", " ")
     return GateCheck(
-        name="error_rate",
-        passed=increase <= t.max_error_rate_increase,
+        name=name,
+        passed=increase <= limit,
         value=increase,
-        limit=t.max_error_rate_increase,
+        limit=limit,
         detail=(
-            f"error rate {canary.error_rate:.1%} vs baseline {reference:.1%} "
-            f"(+{increase:.1%}, limit +{t.max_error_rate_increase:.1%})"
+            f"{label} {canary_rate:.1%} vs baseline {reference:.1%} "
+            f"(+{increase:.1%}, limit +{limit:.1%})"
         ),
     )
 
@@ -189,23 +192,6 @@ def _finish_reason_check(
     )
 
 
-def _refusal_check(
-    canary: DeploymentWindowStats, baseline: DeploymentWindowStats, t: GateThresholds
-) -> GateCheck:
-    reference = baseline.refusal_rate if baseline.successes >= t.min_requests else 0.0
-    increase = canary.refusal_rate - reference
-    return GateCheck(
-        name="refusal_rate",
-        passed=increase <= t.max_refusal_rate_increase,
-        value=increase,
-        limit=t.max_refusal_rate_increase,
-        detail=(
-            f"refusal rate {canary.refusal_rate:.1%} vs baseline {reference:.1%} "
-            f"(limit +{t.max_refusal_rate_increase:.1%})"
-        ),
-    )
-
-
 def evaluate_gates(
     canary: DeploymentWindowStats,
     baseline: DeploymentWindowStats,
@@ -216,7 +202,13 @@ def evaluate_gates(
             judged=False, canary_requests=canary.requests, baseline_requests=baseline.requests
         )
     checks = (
-        _error_rate_check(canary, baseline, thresholds),
+        _rate_increase_check(
+            "error_rate",
+            canary.error_rate,
+            baseline.error_rate,
+            baseline.requests >= thresholds.min_requests,
+            thresholds.max_error_rate_increase,
+        ),
         _latency_check(
             "TTFT p99",
             canary.ttft_p99_s,
@@ -233,7 +225,13 @@ def evaluate_gates(
         ),
         _output_length_check(canary, baseline, thresholds),
         _finish_reason_check(canary, baseline, thresholds),
-        _refusal_check(canary, baseline, thresholds),
+        _rate_increase_check(
+            "refusal_rate",
+            canary.refusal_rate,
+            baseline.refusal_rate,
+            baseline.successes >= thresholds.min_requests,
+            thresholds.max_refusal_rate_increase,
+        ),
     )
     return GateVerdict(
         judged=True,
