@@ -72,7 +72,7 @@ def replica_spec(replica: Replica) -> dict[str, Any]:
         "sim": {
             "gpu_class": replica.node.pool.gpu_class.name,
             "model_spec": launch.model_spec,
-            "time_scale": float(getattr(settings, "SERVING_SIM_TIME_SCALE", 1.0)),
+            "time_scale": settings.SERVING_SIM_TIME_SCALE,
         },
         "api_key": engine_api_key(replica.pk),
     }
