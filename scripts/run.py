@@ -37,6 +37,8 @@ from services import (
 )
 
 STOP_GRACE_S = 10.0
+# The model the README's snippet calls: the banner waits until it answers.
+DEMO_MODEL = "llama-3.1-8b"
 COLORS = ["36", "32", "35", "33", "34", "31", "96", "92", "95", "93"]
 
 
@@ -134,6 +136,31 @@ def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 120) -> None
     raise StartupError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
+def wait_serving(
+    base_url: str, api_key: str, model: str, supervisor: Supervisor, timeout_s: float = 180
+) -> bool:
+    """Until `model` answers a one-token chat completion through the gateway: the banner's
+    snippet works the moment it is printed. False (and the caller says so) on a timeout."""
+    body = json.dumps(
+        {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]}
+    ).encode()
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        exited = supervisor.first_exited()
+        if exited is not None:
+            raise StartupError(f"{exited.name} exited with code {exited.process.returncode}")
+        request = urllib.request.Request(f"{base_url}/chat/completions", body, headers)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                if response.status == 200:
+                    return True
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # 404 until a replica is Ready and in the routing table, 503 while it warms
+        time.sleep(1.0)
+    return False
+
+
 def main() -> int:
     host = os.environ.get("HOST", "127.0.0.1")
     port = int(os.environ.get("PORT", "8000"))
@@ -219,6 +246,9 @@ def main() -> int:
         for name, argv in demo_fleet_commands(env):
             supervisor.spawn(name, argv, env)
         wait_ready(f"http://{host}:{port}/readyz", supervisor)
+        key = demo_key()
+        if key and not wait_serving(f"http://{host}:{port}/v1", key, DEMO_MODEL, supervisor):
+            print(f"warning: {DEMO_MODEL} is not answering yet; see the console's fleet page")
         start_demo_traffic(supervisor, env, host, port)
         print_banner(env, host, port)
         while True:
@@ -277,13 +307,19 @@ def demo_fleet_commands(env: dict[str, str]) -> list[tuple[str, list[str]]]:
     return [(item["name"], item["argv"]) for item in json.loads(result.stdout or "[]")]
 
 
+def demo_key() -> str | None:
+    """The demo tenant's API key, as seed_demo wrote it to var/demo.json."""
+    demo = var_dir() / "demo.json"
+    key = json.loads(demo.read_text()).get("acme_api_key") if demo.exists() else None
+    return str(key) if key else None
+
+
 def start_demo_traffic(supervisor: Supervisor, env: dict[str, str], host: str, port: int) -> None:
     """A trickle of requests with the demo key, so the console's live numbers move."""
     rate = env.get("PLATFORM_DEMO_TRAFFIC", "0.5")
     if rate in {"0", "false", "no"}:
         return
-    demo = var_dir() / "demo.json"
-    key = json.loads(demo.read_text()).get("acme_api_key") if demo.exists() else None
+    key = demo_key()
     if not key:
         return
     supervisor.spawn(

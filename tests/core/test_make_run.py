@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,6 +54,34 @@ def wait_for_readyz(port: int, process: subprocess.Popen[bytes], timeout_s: floa
     raise AssertionError("readyz never answered")
 
 
+def wait_for_line(
+    lines: list[str], text: str, process: subprocess.Popen[bytes], timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(text in line for line in lines):
+            return
+        assert process.poll() is None, "make run exited early"
+        time.sleep(0.3)
+    raise AssertionError(f"{text!r} never printed")
+
+
+def chat_status(port: int, key: str) -> int:
+    body = json.dumps(
+        {"model": "llama-3.1-8b", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    ).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        body,
+        {"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+
+
 @pytest.mark.slow
 def test_make_run_answers_readyz_and_sigterm_leaves_no_child_behind(tmp_path: Path) -> None:
     web_port = free_port()
@@ -61,8 +92,19 @@ def test_make_run_answers_readyz_and_sigterm_leaves_no_child_behind(tmp_path: Pa
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    lines: list[str] = []
+    assert process.stdout is not None
+    stdout = process.stdout
+    reader = threading.Thread(
+        target=lambda: lines.extend(line.decode(errors="replace") for line in stdout), daemon=True
+    )
+    reader.start()
     try:
         assert wait_for_readyz(web_port, process, timeout_s=180) == 200
+        # The banner's promise: the README's snippet works the moment it is printed.
+        wait_for_line(lines, "The platform is up.", process, timeout_s=240)
+        key = json.loads((tmp_path / "var" / "demo.json").read_text())["acme_api_key"]
+        assert chat_status(web_port, key) == 200
         descendants = psutil.Process(process.pid).children(recursive=True)
         names = " ".join(" ".join(child.cmdline()) for child in descendants)
         assert "postgres" in names and "redis-server" in names
@@ -75,8 +117,8 @@ def test_make_run_answers_readyz_and_sigterm_leaves_no_child_behind(tmp_path: Pa
     finally:
         if process.poll() is None:
             process.kill()
-        output = process.stdout.read().decode(errors="replace") if process.stdout else ""
-        print(output[-5000:])
+        reader.join(timeout=10)
+        print("".join(lines)[-5000:])
 
 
 def test_make_run_says_clearly_when_the_web_port_is_taken(tmp_path: Path) -> None:
