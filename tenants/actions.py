@@ -77,6 +77,13 @@ def require_role(user: Any, tenant: Tenant, minimum: str) -> None:
         raise PermissionDenied(f"This needs the {minimum} role in {tenant.slug}.")
 
 
+def require_key_owner_or_admin(user: Any, key: ApiKey) -> None:
+    """Changing or revoking a key: a developer may for the keys they created, an admin (or
+    staff) for any key of the tenant. The REST API and the portal both ask this."""
+    own = key.created_by_id is not None and key.created_by_id == getattr(user, "pk", None)
+    require_role(user, key.tenant, Role.DEVELOPER if own else Role.ADMIN)
+
+
 def require_staff(user: Any) -> None:
     if not getattr(user, "is_staff", False):
         raise PermissionDenied("Only platform staff may do this.")

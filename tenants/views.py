@@ -14,7 +14,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -87,6 +87,11 @@ def create_key(request: HttpRequest, slug: str) -> HttpResponse:
 def revoke_key(request: HttpRequest, slug: str, key_id: int) -> HttpResponse:
     tenant = portal_tenant(request, slug, Role.DEVELOPER)
     key = actions.access_api_key(request.user, tenant, key_id)
+    try:
+        actions.require_key_owner_or_admin(request.user, key)
+    except PermissionDenied as refusal:
+        messages.error(request, f"Key {key.name} not revoked: {refusal}")
+        return redirect("portal-keys", slug=tenant.slug)
     actions.do_revoke_api_key(key, request.user)
     messages.info(request, f"Key {key.name} (sk-{key.prefix}-…) revoked.")
     return redirect("portal-keys", slug=tenant.slug)

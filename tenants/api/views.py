@@ -134,9 +134,7 @@ class ApiKeyViewSet(TenantScopedViewSet, mixins.ListModelMixin, mixins.RetrieveM
         return actions.access_api_key(self.request.user, self.tenant, self.kwargs["pk"])
 
     def require_key_owner_or_admin(self, key: ApiKey) -> None:
-        user = self.request.user
-        own = key.created_by_id is not None and key.created_by_id == getattr(user, "pk", None)
-        self.require(Role.DEVELOPER if own else Role.ADMIN)
+        actions.require_key_owner_or_admin(self.request.user, key)
 
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         self.require(Role.DEVELOPER)

@@ -128,6 +128,24 @@ def test_a_viewer_cannot_revoke_a_key(acme: Tenant) -> None:
     assert ApiKey.objects.get(pk=key.pk).revoked_at is None
 
 
+def test_a_developer_revokes_only_the_keys_they_created_and_an_admin_any(acme: Tenant) -> None:
+    owner = member(acme, "boss", Role.ADMIN)
+    dev_account = member(acme, "dev", Role.DEVELOPER)
+    production, _ = do_create_api_key(acme, "prod", owner, ["inference"])
+    own, _ = do_create_api_key(acme, "mine", dev_account, ["inference"])
+    dev = client_for(dev_account)
+
+    refused = dev.post(f"/portal/acme/keys/{production.pk}/revoke/", follow=True)
+    assert "prod not revoked" in refused.content.decode()
+    assert "This needs the admin role in acme." in refused.content.decode()
+    assert ApiKey.objects.get(pk=production.pk).revoked_at is None
+
+    assert dev.post(f"/portal/acme/keys/{own.pk}/revoke/").status_code == 302
+    assert ApiKey.objects.get(pk=own.pk).revoked_at is not None
+    assert client_for(owner).post(f"/portal/acme/keys/{production.pk}/revoke/").status_code == 302
+    assert ApiKey.objects.get(pk=production.pk).revoked_at is not None
+
+
 def test_a_viewer_cannot_mint_a_playground_key(acme: Tenant) -> None:
     viewer = client_for(member(acme, "watcher", Role.VIEWER))
     assert viewer.post("/portal/acme/playground/key/").status_code == 403
