@@ -45,6 +45,12 @@ class TenantViewSet(PlatformModelViewSet):
     def get_object(self) -> Tenant:
         return actions.access_tenant_for_user(self.request.user, self.kwargs["slug"])
 
+    def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        # Refused before the body is validated, so a member cannot learn from "already
+        # exists" which slugs are taken. (Another tenant's object stays a 404: see get_object.)
+        actions.require_staff(request.user)
+        return super().create(request, *args, **kwargs)
+
     def perform_create(self, serializer: Any) -> None:
         actions.require_staff(self.request.user)
         data = serializer.validated_data

@@ -135,6 +135,18 @@ def test_tenants_list_shows_only_the_callers_tenants(acme: Tenant, globex: Tenan
     assert slugs == ["globex"]
 
 
+def test_a_member_creating_a_tenant_is_refused_before_the_slug_is_checked(
+    acme: Tenant, globex: Tenant
+) -> None:
+    for slug in ("globex", "no-such-tenant"):  # taken or free: the same refusal
+        reply = client_for("acme-owner").post(
+            "/api/v1/tenants/", {"slug": slug, "name": "x"}, format="json"
+        )
+        assert reply.status_code == 403
+        assert "exists" not in reply.content.decode()
+    assert not Tenant.objects.filter(slug="no-such-tenant").exists()
+
+
 # ------------------------------------------------------------ the cross-tenant matrix
 
 METHODS = ["get", "post", "put", "patch", "delete"]
