@@ -39,6 +39,7 @@ from services import (
 STOP_GRACE_S = 10.0
 # The model the README's snippet calls: the banner waits until it answers.
 DEMO_MODEL = "llama-3.1-8b"
+WS_MAX_SIZE_BYTES = 4 * 1024 * 1024 + 64 * 1024
 COLORS = ["36", "32", "35", "33", "34", "31", "96", "92", "95", "93"]
 
 
@@ -206,6 +207,10 @@ def main() -> int:
                 "--no-access-log",
                 "--lifespan",
                 "off",
+                # A WebSocket message is at most the gateway's body limit (4 MiB) plus framing;
+                # uvicorn's own default would buffer 16 MiB before the gateway sees it.
+                "--ws-max-size",
+                str(WS_MAX_SIZE_BYTES),
             ],
             env,
         )

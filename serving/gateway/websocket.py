@@ -39,6 +39,10 @@ from tenants.keys import KeyPrincipal
 WEBSOCKET_PATH = "/v1/chat/completions/ws"
 # The close code for a key that is missing, unknown, revoked or may not run inference.
 UNAUTHORIZED = 4401
+# A socket opened without a key in its header has this long to send its auth message, and
+# that message may be this large: an unauthenticated socket holds nothing for long.
+AUTH_DEADLINE_S = 10.0
+MAX_AUTH_MESSAGE_BYTES = 4096
 
 
 async def serve_chat_socket(
@@ -50,9 +54,15 @@ async def serve_chat_socket(
     socket = ChatSocket(await gateway(), scope, send)
     if not await socket.connect():
         return
+    auth_deadline = asyncio.get_running_loop().time() + AUTH_DEADLINE_S
     try:
-        while True:
-            message = await receive()
+        while not socket.closed:
+            try:
+                message = await socket.next_message(receive, auth_deadline)
+            except TimeoutError:
+                late = f"Send an API key within {AUTH_DEADLINE_S:g} s of connecting."
+                await socket.refuse(ApiError(401, late, code="invalid_api_key"))
+                return
             if message["type"] == "websocket.receive":
                 await socket.receive(message)
             elif message["type"] == "websocket.disconnect":
@@ -71,6 +81,7 @@ class ChatSocket:
         self.raw_key: str | None = None
         self.principal: KeyPrincipal | None = None
         self.generation: asyncio.Task[None] | None = None
+        self.closed = False
 
     async def connect(self) -> bool:
         """Accept the handshake, unless its Authorization header names a refused key."""
@@ -83,11 +94,26 @@ class ChatSocket:
         await self._send({"type": "websocket.accept"})
         return True
 
+    async def next_message(self, receive: Receive, auth_deadline: float) -> Message:
+        """The next ASGI event; before the socket is authenticated, only until the deadline."""
+        if self.principal is not None:
+            return await receive()
+        remaining = auth_deadline - asyncio.get_running_loop().time()
+        return await asyncio.wait_for(receive(), timeout=max(0.0, remaining))
+
     async def receive(self, message: Message) -> None:
         text = message.get("text")
         raw = text.encode() if text is not None else (message.get("bytes") or b"")
         if self.principal is None:
+            if len(raw) > MAX_AUTH_MESSAGE_BYTES:
+                too_large = f"An auth message is at most {MAX_AUTH_MESSAGE_BYTES} bytes."
+                await self.refuse(ApiError(413, too_large))
+                return
             await self._receive_auth(raw)
+            return
+        limit = self.gateway.config.max_body_bytes
+        if len(raw) > limit:
+            await self._send_error(ApiError(413, f"A message is at most {limit} bytes."))
             return
         if self.generation is not None and not self.generation.done():
             await self._send_error(ApiError(409, "One generation at a time per socket."))
@@ -101,7 +127,13 @@ class ChatSocket:
                 await self.generation
 
     async def close(self) -> None:
+        self.closed = True
         await self._send({"type": "websocket.close", "code": UNAUTHORIZED})
+
+    async def refuse(self, error: ApiError) -> None:
+        """An error naming why, then the socket closed as unauthorized."""
+        await self._send_error(error)
+        await self.close()
 
     async def _authorize(self, raw_key: str) -> KeyPrincipal | None:
         try:

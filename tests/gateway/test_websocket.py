@@ -150,3 +150,54 @@ def test_a_key_revoked_while_the_socket_is_open_stops_at_its_next_generation(ws_
     assert first["type"] == "done"
     assert second[0]["error"]["code"] == "invalid_api_key"
     assert code == 4401
+
+
+async def silent_socket(url: str) -> tuple[dict, int | None]:
+    """Connect without a key, say nothing: the reply, then the close code."""
+    async with websockets.connect(url) as socket:
+        reply = orjson.loads(await asyncio.wait_for(socket.recv(), 20))
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(socket.recv(), 20)
+        return reply, socket.close_code
+
+
+def test_a_socket_that_never_authenticates_is_closed_at_the_deadline(
+    ws_setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from serving.gateway import websocket
+
+    monkeypatch.setattr(websocket, "AUTH_DEADLINE_S", 0.5)
+    server, _ = ws_setup
+    url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
+    reply, code = asyncio.run(silent_socket(url))
+    assert reply["type"] == "error" and reply["error"]["code"] == "invalid_api_key"
+    assert "within 0.5 s" in reply["error"]["message"]
+    assert code == websocket.UNAUTHORIZED
+
+
+def test_an_oversized_auth_message_closes_and_an_oversized_body_is_a_413(ws_setup) -> None:
+    server, key = ws_setup
+    url = f"ws://127.0.0.1:{server.port}/v1/chat/completions/ws"
+    padded = orjson.dumps({"type": "auth", "api_key": key.secret, "pad": "x" * 8192})
+    replies = asyncio.run(converse(url, {}, [padded]))
+    assert replies[-1]["error"]["message"] == "An auth message is at most 4096 bytes."
+
+    huge = chat_body(user="x" * (5 * 1024 * 1024))
+    replies = asyncio.run(converse(url, {"Authorization": f"Bearer {key.secret}"}, [huge]))
+    assert replies[-1]["type"] == "error"
+    assert replies[-1]["error"]["message"] == f"A message is at most {4 * 1024 * 1024} bytes."
+
+    async def refused_then_served() -> tuple[dict, list[dict]]:
+        headers = {"Authorization": f"Bearer {key.secret}"}
+        async with websockets.connect(url, additional_headers=headers) as socket:
+            await socket.send(huge)
+            refusal = orjson.loads(await asyncio.wait_for(socket.recv(), 20))
+            await socket.send(chat_body())
+            served = [orjson.loads(await asyncio.wait_for(socket.recv(), 20))]
+            while served[-1]["type"] not in {"done", "error"}:
+                served.append(orjson.loads(await asyncio.wait_for(socket.recv(), 20)))
+            return refusal, served
+
+    # The socket stays usable: the next, normal message streams.
+    refusal, served = asyncio.run(refused_then_served())
+    assert refusal["type"] == "error" and served[-1]["type"] == "done"
