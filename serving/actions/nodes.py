@@ -4,6 +4,7 @@ functions; nothing else writes node rows."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 from collections.abc import Iterable
@@ -53,11 +54,22 @@ class RegistrationRefused(Exception):
     """A join token that is unknown, revoked or expired, or a malformed registration."""
 
 
+class NodeAlreadyRegistered(RegistrationRefused):
+    """The hostname is a registered node and the registration does not carry its token."""
+
+
 @transaction.atomic
 def do_register_node(
-    join_secret: str, hostname: str, agent_url: str, gpus: list[dict[str, Any]]
+    join_secret: str,
+    hostname: str,
+    agent_url: str,
+    gpus: list[dict[str, Any]],
+    presented_token: str | None = None,
 ) -> tuple[Node, str]:
-    """Admit an agent into the join token's pool; the same hostname re-uses its node."""
+    """Admit an agent into the join token's pool. A hostname that is already a registered node
+    re-registers only with that node's current token (an agent whose token was refused keeps
+    it for this), or after staff released the node (`do_release_node`): the pool's join token
+    alone never takes over a node, its agent URL or its tenants' traffic."""
     join = (
         JoinToken.objects.select_related("pool")
         .filter(token_hash=hash_token(join_secret), revoked=False)
@@ -68,9 +80,18 @@ def do_register_node(
         raise RegistrationRefused("unknown, revoked or expired join token")
     if not hostname or not agent_url:
         raise RegistrationRefused("hostname and agent_url are required")
-    node, _ = Node.objects.select_for_update().get_or_create(
+    node, created = Node.objects.select_for_update().get_or_create(
         pool=join.pool, hostname=hostname, defaults={"agent_url": agent_url}
     )
+    if (
+        not created
+        and node.token_hash
+        and not hmac.compare_digest(node.token_hash, hash_token(presented_token or ""))
+    ):
+        raise NodeAlreadyRegistered(
+            f"node {hostname} is already registered: re-register with its node token, "
+            "or have staff release it in the console"
+        )
     node.agent_url = agent_url
     node.token_nonce = secrets.token_hex(16)
     token = node_token(node)
@@ -312,6 +333,25 @@ def do_mark_lost_nodes(now: datetime | None = None) -> list[int]:
             request_publish()
             request_reconcile()
     return lost
+
+
+@transaction.atomic
+def do_release_node(node: Node) -> Node:
+    """Staff's approval for a node's agent to register again with the join token alone (its
+    state was lost): the node token is revoked, the node is NotReady until it does."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    node.token_hash = ""
+    node.health = Node.Health.NOT_READY
+    node.save(update_fields=["token_hash", "health"])
+    stop_replicas(
+        node.replicas.filter(state__in=Replica.HOLDING_STATES),
+        "node_released",
+        f"node {node.hostname} released for re-registration",
+    )
+    request_publish()
+    request_reconcile()
+    logger.warning("node %s released: its agent may register again with the join token", node)
+    return node
 
 
 def do_cordon_node(node: Node) -> Node:

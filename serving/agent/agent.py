@@ -63,6 +63,7 @@ class NodeAgent:
         self.credentials: NodeCredentials | None = None
         self.agent_url: str = ""
         self.last_heartbeat_ok_at: float | None = None
+        self._refused_token: str | None = None
         self._store = CredentialStore(config.state_dir, config.control_plane)
         self._apply_lock = asyncio.Lock()
         self._http: aiohttp.ClientSession | None = None
@@ -174,6 +175,8 @@ class NodeAgent:
                 await self.heartbeat_once()
             except Unauthorized:
                 log.warning("control plane refused node %s; registering again", self._node_id())
+                # Kept for the registration: a node that exists re-registers only with it.
+                self._refused_token = self.credentials.node_token
                 self.credentials = None
                 self._store.forget()
                 continue
@@ -194,16 +197,20 @@ class NodeAgent:
                 delay = min(self.config.register_retry_cap_s, delay * 2)
                 continue
             self._store.save(self.credentials)
+            self._refused_token = None
             log.info("registered as node %s", self.credentials.node_id)
             return
 
     def registration(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "join_token": self.config.join_token,
             "hostname": self.config.node_name,
             "agent_url": self.agent_url,
             "gpus": [gpu.to_json() for gpu in self.gpus.inventory()],
         }
+        if self._refused_token is not None:
+            body["node_token"] = self._refused_token
+        return body
 
     async def heartbeat_once(self) -> None:
         """One beat: scrape, send, then act on the desired set the answer carries."""

@@ -46,7 +46,10 @@ def register(request: HttpRequest) -> HttpResponse:
             str(body.get("hostname") or ""),
             str(body.get("agent_url") or ""),
             gpus,
+            presented_token=str(body["node_token"]) if body.get("node_token") else None,
         )
+    except nodes.NodeAlreadyRegistered as refusal:
+        return _error(409, str(refusal))
     except nodes.RegistrationRefused as refusal:
         return _error(401, str(refusal))
     return _json(

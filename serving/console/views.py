@@ -16,6 +16,7 @@ NODE_ACTIONS = {
     "cordon": nodes.do_cordon_node,
     "uncordon": nodes.do_uncordon_node,
     "drain": nodes.do_drain_node,
+    "release": nodes.do_release_node,
 }
 
 

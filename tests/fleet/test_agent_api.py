@@ -51,15 +51,56 @@ def test_a_heartbeat_with_a_wrong_token_is_refused(make_pool: MakePool, register
     assert send_heartbeat(node | {"node_token": "nt_forged"}).status_code == 401
 
 
-def test_registering_the_same_hostname_again_reuses_the_node_and_revokes_the_old_token(
+def post_registration(secret: str, hostname: str, **extra: Any) -> Any:
+    return Client().post(
+        "/api/agent/v1/register",
+        {
+            "join_token": secret,
+            "hostname": hostname,
+            "agent_url": "http://attacker:9100",
+            "gpus": [],
+            **extra,
+        },
+        content_type="application/json",
+    )
+
+
+def test_the_join_token_alone_cannot_take_over_a_registered_node(
     make_pool: MakePool, register: Register
 ) -> None:
     _, secret = make_pool()
     first = register(secret, "gpu-1")
-    second = register(secret, "gpu-1")
-    assert second["node_id"] == first["node_id"]
+    refused = post_registration(secret, "gpu-1")
+    assert refused.status_code == 409
+    assert "already registered" in refused.json()["error"]
+    assert send_heartbeat(first).status_code == 200  # the real node's token still works
+    assert Node.objects.get(pk=first["node_id"]).agent_url == "http://gpu-1.local:9100"
+    wrong = post_registration(secret, "gpu-1", node_token="nt_" + "0" * 64)
+    assert wrong.status_code == 409
+
+
+def test_a_node_re_registers_with_its_own_token_and_the_old_token_is_revoked(
+    make_pool: MakePool, register: Register
+) -> None:
+    _, secret = make_pool()
+    first = register(secret, "gpu-1")
+    again = post_registration(secret, "gpu-1", node_token=first["node_token"])
+    assert again.status_code == 200 and again.json()["node_id"] == first["node_id"]
     assert send_heartbeat(first).status_code == 401
-    assert send_heartbeat(second).status_code == 200
+    assert send_heartbeat({**first, "node_token": again.json()["node_token"]}).status_code == 200
+
+
+def test_after_staff_release_the_join_token_registers_the_node_again(
+    make_pool: MakePool, register: Register
+) -> None:
+    from serving.actions.nodes import do_release_node
+
+    _, secret = make_pool()
+    first = register(secret, "gpu-1")
+    do_release_node(Node.objects.get(pk=first["node_id"]))
+    assert send_heartbeat(first).status_code == 401  # the released token is revoked
+    again = post_registration(secret, "gpu-1")
+    assert again.status_code == 200 and again.json()["node_id"] == first["node_id"]
 
 
 def test_the_heartbeat_answers_with_the_nodes_desired_replicas(

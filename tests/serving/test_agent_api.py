@@ -141,6 +141,9 @@ async def test_a_node_token_the_control_plane_forgot_leads_to_a_new_registration
         await control_plane.stop()
 
     assert len(control_plane.registrations) == 2
+    # The first registration had no token to show; the second proves it is the same node.
+    assert "node_token" not in control_plane.registrations[0]
+    assert control_plane.registrations[1]["node_token"] == "node-token-1"
 
 
 async def test_the_agent_keeps_trying_to_register_until_the_control_plane_answers(
