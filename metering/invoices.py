@@ -93,6 +93,17 @@ def do_close_month(tenant: Tenant, month: date) -> Invoice:
     return do_build_invoice(tenant, month, finalize=True)
 
 
+# An invoice line's columns, in the order the API, the JSON export and the CSV show them.
+INVOICE_LINE_FIELDS = (
+    "model",
+    "requests",
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "completion_tokens",
+    "amount_usd",
+)
+
+
 def invoice_as_dict(invoice: Invoice) -> dict[str, Any]:
     return {
         "tenant": invoice.tenant.slug,
@@ -113,17 +124,7 @@ def invoice_as_dict(invoice: Invoice) -> dict[str, Any]:
     }
 
 
-INVOICE_CSV_HEADER = [
-    "tenant",
-    "month",
-    "status",
-    "model",
-    "requests",
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "completion_tokens",
-    "amount_usd",
-]
+INVOICE_CSV_HEADER = ["tenant", "month", "status", *INVOICE_LINE_FIELDS]
 
 
 def invoice_as_csv(invoice: Invoice) -> str:

@@ -16,6 +16,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from metering.api.filters import MonthField
+from metering.invoices import INVOICE_LINE_FIELDS
 from metering.models import (
     HourlyRollup,
     Invoice,
@@ -188,14 +189,7 @@ class RollupSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[HourlyR
 class InvoiceLineSerializer(serializers.ModelSerializer[InvoiceLine]):
     class Meta:
         model = InvoiceLine
-        fields = [
-            "model",
-            "requests",
-            "prompt_tokens",
-            "cached_prompt_tokens",
-            "completion_tokens",
-            "amount_usd",
-        ]
+        fields = list(INVOICE_LINE_FIELDS)
 
 
 class InvoiceSerializer(serializers.ModelSerializer[Invoice]):

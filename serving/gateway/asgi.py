@@ -29,7 +29,7 @@ from serving.gateway.access import (
     header,
     priority_tier,
 )
-from serving.gateway.errors import ApiError
+from serving.gateway.errors import ApiError, replica_failed
 from serving.gateway.pipeline import END_OF_STREAM, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from serving.gateway.service import Gateway
@@ -376,12 +376,7 @@ class GatewayApp:
                 raise
             except Exception as error:  # the replica died mid-stream
                 if not started:
-                    raise ApiError(
-                        502,
-                        "The model replica failed; please retry.",
-                        code="upstream_error",
-                        error_type="server_error",
-                    ) from error
+                    raise replica_failed() from error
                 await self.stream_error(
                     send,
                     {

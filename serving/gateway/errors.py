@@ -63,6 +63,16 @@ class ApiError(Exception):
         return orjson.dumps(self.payload())
 
 
+def replica_failed() -> ApiError:
+    """A replica failed before the first token and no other could take the request."""
+    return ApiError(
+        502,
+        "The model replica failed; please retry.",
+        code="upstream_error",
+        error_type="server_error",
+    )
+
+
 def invalid_api_key() -> ApiError:
     return ApiError(
         401,

@@ -26,7 +26,7 @@ from serving.engine.tokens import estimate_prompt_tokens, prompt_block_hashes
 from serving.gateway import metrics
 from serving.gateway.access import PRIORITY_HEADER
 from serving.gateway.contracts import ExchangeServices
-from serving.gateway.errors import ApiError
+from serving.gateway.errors import ApiError, replica_failed
 from serving.gateway.guardrails import GuardrailInput, run_guardrails
 from serving.gateway.routing import ReplicaEndpoint
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -399,12 +399,7 @@ class Exchange:
                 f"No replica of '{self.model}' accepted the request right now; retry shortly."
             ) from error
         if last_try:
-            raise ApiError(
-                502,
-                "The model replica failed; please retry.",
-                code="upstream_error",
-                error_type="server_error",
-            ) from error
+            raise replica_failed() from error
 
     def _served_elsewhere(self, tried: set[str]) -> bool:
         """Whether a replica not yet tried would take the request (asked of the router)."""
