@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,20 +122,32 @@ def manage(env: dict[str, str], *args: str) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=env, check=True)
 
 
-def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 120) -> None:
+def poll_until(
+    probe: Callable[[], bool], supervisor: Supervisor, timeout_s: float, every_s: float
+) -> bool:
+    """Until `probe()` is true (False on a timeout); a child that exits is a StartupError."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         exited = supervisor.first_exited()
         if exited is not None:
             raise StartupError(f"{exited.name} exited with code {exited.process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.3)
-    raise StartupError(f"{url} did not answer 200 within {timeout_s:.0f} s")
+        if probe():
+            return True
+        time.sleep(every_s)
+    return False
+
+
+def answers_200(request: urllib.request.Request | str, timeout_s: float) -> bool:
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False  # HTTPError too: 404 until a replica is routed, 503 while it warms
+
+
+def wait_ready(url: str, supervisor: Supervisor, timeout_s: float = 120) -> None:
+    if not poll_until(lambda: answers_200(url, 2), supervisor, timeout_s, 0.3):
+        raise StartupError(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
 def wait_serving(
@@ -146,20 +159,8 @@ def wait_serving(
         {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "ping"}]}
     ).encode()
     headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        exited = supervisor.first_exited()
-        if exited is not None:
-            raise StartupError(f"{exited.name} exited with code {exited.process.returncode}")
-        request = urllib.request.Request(f"{base_url}/chat/completions", body, headers)
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                if response.status == 200:
-                    return True
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass  # 404 until a replica is Ready and in the routing table, 503 while it warms
-        time.sleep(1.0)
-    return False
+    request = urllib.request.Request(f"{base_url}/chat/completions", body, headers)
+    return poll_until(lambda: answers_200(request, 10), supervisor, timeout_s, 1.0)
 
 
 def main() -> int:

@@ -318,13 +318,7 @@ def do_mark_lost_nodes(now: datetime | None = None) -> list[int]:
             health=Node.Health.READY, last_heartbeat_at__lt=cutoff
         )
         for node in silent:
-            node.health = Node.Health.NOT_READY
-            node.save(update_fields=["health"])
-            stop_replicas(
-                node.replicas.filter(state__in=Replica.HOLDING_STATES),
-                "node_lost",
-                f"node {node.hostname} missed 3 heartbeats",
-            )
+            _take_out_of_service(node, "node_lost", f"node {node.hostname} missed 3 heartbeats")
             lost.append(node.pk)
             logger.warning(
                 "node %s is NotReady: no heartbeat since %s", node, node.last_heartbeat_at
@@ -341,17 +335,26 @@ def do_release_node(node: Node) -> Node:
     state was lost): the node token is revoked, the node is NotReady until it does."""
     node = Node.objects.select_for_update().get(pk=node.pk)
     node.token_hash = ""
-    node.health = Node.Health.NOT_READY
-    node.save(update_fields=["token_hash", "health"])
-    stop_replicas(
-        node.replicas.filter(state__in=Replica.HOLDING_STATES),
+    _take_out_of_service(
+        node,
         "node_released",
         f"node {node.hostname} released for re-registration",
+        also_saved=("token_hash",),
     )
     request_publish()
     request_reconcile()
     logger.warning("node %s released: its agent may register again with the join token", node)
     return node
+
+
+def _take_out_of_service(
+    node: Node, kind: str, message: str, also_saved: tuple[str, ...] = ()
+) -> None:
+    """NotReady, and every replica it holds stopped (out of the routing table at the next
+    publish, placed elsewhere at the next reconcile). The caller holds the node's row lock."""
+    node.health = Node.Health.NOT_READY
+    node.save(update_fields=["health", *also_saved])
+    stop_replicas(node.replicas.filter(state__in=Replica.HOLDING_STATES), kind, message)
 
 
 def do_cordon_node(node: Node) -> Node:
