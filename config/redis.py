@@ -3,8 +3,8 @@
 Two timeouts, both declared in settings: `REDIS_SOCKET_TIMEOUT_S` (default) for everything on
 or near a request's path, so a dead Redis fails fast; `REDIS_WORKER_TIMEOUT_S` for background
 work (publishing tables, invoices, ingest) that would rather wait a little than fail.
-The gateway's asyncio client is its own (serving/gateway/service.py): it runs in another
-process with its own pool.
+The gateway's asyncio client is its own (serving/gateway/service.py): the same process may
+hold both, but an event loop must not share a pool with threads.
 """
 
 from __future__ import annotations
