@@ -451,11 +451,12 @@ class CostAware:
                 a, b = ties[first], ties[second]
                 chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
             return self._decision(chosen, chosen[_REASON], request, predictor, queue_advised=False)
-        # A deferred option's rank is a placeholder (infinity): rank it by its price.
+        # A deferred option's rank is a placeholder (infinity): predicted now, it is ranked
+        # with the same discounts as the others.
         scored = [
             (
                 self._violation(option, predictor, tier),
-                option[_RANK] if option[_TTFT] is not None else option[_REPLICA].price_per_hour,
+                option[_RANK] if option[_TTFT] is not None else candidates.deferred_rank(option),
                 option,
             )
             for option in options
@@ -613,6 +614,20 @@ class _Candidates:
             self.best_meeting = rank_price
         self.options.append((rank_price, ttft, tpot, replica, reason, blocks, meets))
         return True
+
+    def deferred_rank(self, option: _Option) -> float:
+        """The rank `consider` would have given a deferred option, from its prediction:
+        the price less the adapter's and the prefix's discounts."""
+        replica, blocks = option[_REPLICA], option[_BLOCKS]
+        adapter = self.adapter
+        discount = 1.0
+        if adapter is not None and adapter in replica.adapters_loaded:
+            discount -= self.config.adapter_bonus
+        if blocks:
+            discount -= self._prefix_discount(
+                self.predictor.predict(replica, blocks).ttft_s, blocks
+            )
+        return replica.price_per_hour * discount
 
     def _prefix_discount(self, ttft: float, blocks: int) -> float:
         """The prefix holder's discount: worth less the closer it is to the objective."""
