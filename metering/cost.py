@@ -1,30 +1,34 @@
-"""Cost to serve: a replica's GPU-time in a window, split across the requests it served.
+"""Cost to serve: a replica's ready GPU time in an hour, split across what it served.
 
 Pure: no Django, no I/O.
 
-Method. A replica holds `gpus` GPUs for the whole window whether they compute or idle, so the
-window costs `gpus x window seconds x pool price per GPU-hour / 3600`. Idle time is part of
-that cost: it is split across the window's requests the same way as busy time (a replica kept
-warm for five requests costs those five requests all of it). A window with no requests leaves
-its cost unattributed; the caller reports it as the pool's idle cost.
+The ledger. A replica holds `gpus` GPUs from the moment it is ready until it stops (draining
+included: it still finishes its streams), so an hour costs `gpus x ready seconds in the hour x
+pool price per GPU-hour / 3600`. The ready seconds come from the replica's state changes
+(metering.ledger), never from the clock: an hour before the replica was ready, or after it
+stopped, costs nothing, and a crash stops the meter until the replica is ready again.
 
-The split is in proportion to the work each request caused, in engine-seconds from the
-roofline of `serving.engine.perf.PerfModel` for that replica's GPU class and model:
+The split. Each request is charged the GPU time its work took, estimated in engine-seconds
+from the roofline of `serving.engine.perf.PerfModel` for the replica's GPU class and model:
 
 - a prefill token weighs `prefill_s(chunk) / chunk`: the per-token time of a typical chunked
   prefill (compute-bound: 2 x params FLOPs per token), chunk = 512 tokens;
 - a decode token weighs `decode_step_s(batch, batch x context) / batch`: one step of the
-  replica's mean decode batch in the window (memory-bound: weights plus KV read once per step,
-  shared by the batch), at the window's mean context;
+  replica's mean decode batch in the hour (memory-bound: weights plus KV read once per step,
+  shared by the batch), at the hour's mean context;
 - a cached prompt token weighs nothing: the prefix cache skipped its prefill.
 
 The mean batch is read from the requests themselves: the sum of their decode times
-(total - TTFT) over the window length is the mean number decoding at once. A decode token
-therefore weighs more on a quiet replica (its step is shared by fewer requests), which is what
-a quiet replica really costs per token.
+(total - TTFT) over the ready time is the mean number decoding at once. A decode token
+therefore weighs more on a quiet replica (its step is shared by fewer requests).
 
-Cost is money, so it is split in whole micro-USD by largest remainder: the parts add up to the
-window's cost exactly. GPU-seconds are split as floats (a measure, not a sum of money).
+What the requests' work does not fill is the replica's idle time, charged to nobody's request
+and reported as the pool's idle cost: capacity kept warm, which is the autoscaler's to shrink,
+not a tenant's doing. When the estimates add up to more than the ready time (the roofline is
+an estimate), the requests' shares are scaled down to fill it exactly and nothing is idle.
+
+Money is split in whole micro-USD by largest remainder: requests' parts plus the idle part add
+up to the replica-hour's cost exactly. GPU-seconds are split as floats (a measure, not money).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from serving.engine.perf import PerfModel
 
 PREFILL_CHUNK_TOKENS = 512
 MAX_BATCH = 256
+US_PER_HOUR = 3_600_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +49,7 @@ class WorkWeights:
     decode_s_per_token: float
 
     def work(self, prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int) -> float:
+        """Engine-seconds of the request's work on one replica (all its GPUs at once)."""
         uncached = max(0, prompt_tokens - max(0, cached_prompt_tokens))
         return uncached * self.prefill_s_per_token + max(0, completion_tokens) * (
             self.decode_s_per_token
@@ -61,19 +67,29 @@ class ServedRequest:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaWindow:
+    """A replica's ready time within one period, on its GPUs at its pool's price."""
+
     replica_id: str
-    window_s: float
+    ready_us: int
     gpus: int
     usd_micros_per_gpu_hour: int
 
     @property
+    def ready_s(self) -> float:
+        return self.ready_us / 1e6
+
+    @property
     def gpu_seconds(self) -> float:
-        return self.window_s * self.gpus
+        return self.ready_us * self.gpus / 1e6
 
     @property
     def cost_usd_micros(self) -> int:
-        numerator = round(self.window_s * 1000) * self.gpus * self.usd_micros_per_gpu_hour
-        return (numerator + 1_800_000) // 3_600_000
+        return gpu_time_usd_micros(self.ready_us * self.gpus, self.usd_micros_per_gpu_hour)
+
+
+def gpu_time_usd_micros(gpu_us: int, usd_micros_per_gpu_hour: int) -> int:
+    """GPU-microseconds at a price per GPU-hour, rounded half up to the micro-USD."""
+    return (gpu_us * usd_micros_per_gpu_hour + US_PER_HOUR // 2) // US_PER_HOUR
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,9 +99,23 @@ class Attribution:
     cost_usd_micros: int
 
 
+@dataclass(frozen=True, slots=True)
+class WindowSplit:
+    """A replica-hour split: what its requests are charged and what is left idle."""
+
+    window: ReplicaWindow
+    requests: list[Attribution]
+    idle_gpu_seconds: float
+    idle_usd_micros: int
+
+    @property
+    def busy_gpu_seconds(self) -> float:
+        return self.window.gpu_seconds - self.idle_gpu_seconds
+
+
 def mean_decode_batch(window: ReplicaWindow, requests: Sequence[ServedRequest]) -> int:
     decoding_s = sum(max(0.0, r.decode_ms) for r in requests) / 1000.0
-    batch = round(decoding_s / window.window_s) if window.window_s > 0 else 1
+    batch = round(decoding_s / window.ready_s) if window.ready_us > 0 else 1
     return min(MAX_BATCH, max(1, batch))
 
 
@@ -110,27 +140,42 @@ def weights_for_window(
     return work_weights(perf, mean_decode_batch(window, requests), mean_context(requests))
 
 
-def attribute(
+def work_cost_usd_micros(
+    weights: WorkWeights, gpus: int, usd_micros_per_gpu_hour: int, request: ServedRequest
+) -> int:
+    """What the request's work costs on a replica of `gpus` GPUs with these weights: the
+    price of its busy GPU time, idle time excluded (the rule `split` charges by)."""
+    work_s = weights.work(
+        request.prompt_tokens, request.cached_prompt_tokens, request.completion_tokens
+    )
+    return gpu_time_usd_micros(round(work_s * 1e6) * gpus, usd_micros_per_gpu_hour)
+
+
+def split(
     window: ReplicaWindow, requests: Sequence[ServedRequest], weights: WorkWeights
-) -> list[Attribution]:
-    """Split the window's GPU-seconds and cost across `requests` by work. Empty when the
-    replica served nothing (its cost is then idle cost, the caller's to report)."""
-    if not requests:
-        return []
+) -> WindowSplit:
+    """Charge each request its work's share of the window, the rest idle (module docstring)."""
+    total_cost = window.cost_usd_micros
     works = [
         weights.work(r.prompt_tokens, r.cached_prompt_tokens, r.completion_tokens) for r in requests
     ]
-    total_work = sum(works)
-    if total_work <= 0:
-        # Requests that failed before any token did no measurable work: share equally.
-        works = [1.0] * len(requests)
-        total_work = float(len(requests))
-    shares = [w / total_work for w in works]
-    micros = split_micros(window.cost_usd_micros, shares)
-    return [
-        Attribution(r.request_id, window.gpu_seconds * share, cost)
+    busy_s = sum(works)
+    if busy_s <= 0 or window.ready_us <= 0:
+        # Nothing served, or only requests that failed before any token: all of it is idle.
+        unpaid = [Attribution(r.request_id, 0.0, 0) for r in requests]
+        return WindowSplit(window, unpaid, window.gpu_seconds, total_cost)
+    busy_fraction = min(1.0, busy_s / window.ready_s)
+    charged_micros = min(total_cost, round(total_cost * busy_fraction))
+    shares = [w / busy_s for w in works]
+    micros = split_micros(charged_micros, shares)
+    charged_gpu_s = window.gpu_seconds * busy_fraction
+    attributions = [
+        Attribution(r.request_id, charged_gpu_s * share, cost)
         for r, share, cost in zip(requests, shares, micros, strict=True)
     ]
+    return WindowSplit(
+        window, attributions, window.gpu_seconds - charged_gpu_s, total_cost - charged_micros
+    )
 
 
 def split_micros(total: int, shares: Sequence[float]) -> list[int]:

@@ -71,9 +71,19 @@ COLUMNS: tuple[str, ...] = (
     "price_charged_usd_micros",
     "started_at",
     "ended_at",
+    "baseline_replica_id",
+    "baseline_pool",
+    "baseline_cost_usd_micros",
 )
-# Columns the gateway leaves at 0 may be absent from older events; every other one must be there.
-_DEFAULTED = frozenset(COLUMNS) - {"gpu_seconds", "cost_to_serve_usd_micros"}
+# Columns the gateway may leave unset or an older gateway did not send; every other one must be there.
+_DEFAULTS: dict[str, object] = {
+    "gpu_seconds": 0.0,
+    "cost_to_serve_usd_micros": 0,
+    "baseline_replica_id": "",
+    "baseline_pool": "",
+    "baseline_cost_usd_micros": 0,
+}
+_DEFAULTED = frozenset(COLUMNS) - set(_DEFAULTS)
 
 _STAGING_DDL = (
     "CREATE TEMP TABLE IF NOT EXISTS metering_usage_staging "
@@ -200,7 +210,7 @@ class Consumer:
         event["price_charged_usd_micros"] = self._price(event)
         event["started_at"] = _timestamp(event["started_at"])
         event["ended_at"] = _timestamp(event["ended_at"])
-        return tuple(event[c] if c in _DEFAULTED else event.get(c, 0) for c in COLUMNS)
+        return tuple(event[c] if c in _DEFAULTED else event.get(c, _DEFAULTS[c]) for c in COLUMNS)
 
     def _price(self, event: dict[str, Any]) -> int:
         assert self._book is not None

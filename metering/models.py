@@ -57,6 +57,10 @@ class UsageEvent(models.Model):
     price_charged_usd_micros = models.BigIntegerField(default=0)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField()
+    # Where least load would have sent it, and what its work would have cost there (metering.cost).
+    baseline_replica_id = models.CharField(max_length=64, blank=True, default="")
+    baseline_pool = models.CharField(max_length=64, blank=True, default="")
+    baseline_cost_usd_micros = models.BigIntegerField(default=0)
 
     class Meta:
         indexes = [

@@ -63,6 +63,10 @@ class UsageEvent:
     gpu_seconds: float = 0.0  # attributed later by metering.cost, never by the gateway
     cost_to_serve_usd_micros: int = 0  # likewise
     price_charged_usd_micros: int = 0
+    # Where the baseline policy (least load) would likely have sent the request, among the
+    # same candidates at the same moment: metering prices the request's work there too.
+    baseline_replica_id: str = ""
+    baseline_pool: str = ""
 
     def to_json(self) -> bytes:
         # orjson serializes a dataclass natively, several times faster than asdict().
