@@ -23,6 +23,7 @@ from serving.router.policies import (
     RoundRobin,
     ScorerWeights,
     WeightedScorer,
+    least_load_pick,
 )
 from serving.router.predict import Prediction, is_candidate, predict
 from serving.router.prefix import PrefixIndex
@@ -56,6 +57,7 @@ __all__ = [
     "WeightedScorer",
     "deployments_in_order",
     "is_candidate",
+    "least_load_pick",
     "predict",
     "split_by_weight",
 ]

@@ -197,6 +197,11 @@ class Decision:
     # True when nothing meets the SLO by a wide margin: the gateway should hold the request
     # in the admission queue, or refuse it with Retry-After, rather than send it now.
     queue_advised: bool = False
+    # Where the baseline policy (least load) would have sent the request at the same moment
+    # among the same candidates (`policies.least_load_pick`), so metering can price the
+    # request's work there too. Set whenever `replica` is: least load walks every live
+    # replica of the deployments the policy looked in.
+    baseline_replica: ReplicaState | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,7 +3,9 @@
 Every policy applies the same hard filters (health, breaker, telemetry age, allowed
 regions, adapter support, prompt fits in KV), picks the deployment by canary weight first,
 falls back to the other weighted deployments when the chosen one has no candidate, and
-records the request's prefix against the chosen replica.
+records the request's prefix against the chosen replica. Every decision also names the
+replica least load would have picked instead (`least_load_pick`), the baseline that the
+router's saving is measured against.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Final, Protocol
 from serving.router.canary import deployments_in_order
 from serving.router.contracts import (
     Decision,
+    DeploymentRoute,
     Reason,
     ReplicaPerf,
     ReplicaState,
@@ -64,7 +67,10 @@ def _decide(
     reason: Reason,
     policy: str,
     cached_blocks: int = 0,
+    *,
+    baseline: ReplicaState | None,
 ) -> Decision:
+    """The decision to send the request to `replica`; `baseline` is least load's pick."""
     prediction = predict(replica, request, now, config, cached_blocks)
     if request.prefix_hashes:
         state.prefix_index.record(request.tenant, request.prefix_hashes, replica.replica_id)
@@ -78,7 +84,67 @@ def _decide(
         predicted_cost_usd=prediction.cost_usd,
         cached_tokens=cached_blocks * config.prefix_block_tokens,
         meets_slo=_meets(prediction, config.tier(request.tier)),
+        baseline_replica=baseline,
     )
+
+
+def _lightest(
+    by_load: LoadBuckets,
+    request: RouteRequest,
+    now: float,
+    config: RouterConfig,
+    random: Callable[[], float] | None = None,
+) -> ReplicaState | None:
+    """A candidate of the lightest load bucket holding one, walking buckets from the
+    lightest and checking `is_candidate` per replica as it is visited.
+
+    Ties: each bucket's members are visited in cyclic order from `int(random() * size)`
+    (one draw per bucket visited), or from its first member when `random` is None, which
+    is deterministic and draws nothing.
+    """
+    buckets = by_load.buckets
+    for load in by_load.loads:
+        members = buckets[load].items
+        size = len(members)
+        start = int(random() * size) if random is not None else 0
+        for position in range(start, start + size):
+            replica = members[position % size]
+            if is_candidate(replica, request, now, config):
+                return replica
+    return None
+
+
+def least_load_pick(
+    state: RouterState,
+    config: RouterConfig,
+    request: RouteRequest,
+    now: float,
+    *,
+    split: DeploymentRoute | None = None,
+) -> ReplicaState | None:
+    """The replica least load would pick for the request now: the same deployment order
+    and hard filters as every policy, the same bucket walk as `LeastLoad`.
+
+    For the baseline of another policy's decision, so it changes nothing that policy does:
+    it draws nothing from `state.rng` (a tie goes to the first candidate of the lightest
+    bucket holding one, where `LeastLoad` itself starts from a random member) and records
+    no prefix.
+
+    `split`: the deployment the canary split chose for the request (the first of
+    `deployments_in_order`), when the caller found a candidate there. Least load's pick is
+    then in it, since every candidate is in its deployment's load buckets, and the walk
+    starts there without hashing the request again (most of this function's cost).
+    """
+    if split is not None:
+        return _lightest(state.by_load(split.deployment_id), request, now, config)
+    route = state.route(request.model)
+    if route is None:
+        return None
+    for deployment in deployments_in_order(route, request):
+        best = _lightest(state.by_load(deployment.deployment_id), request, now, config)
+        if best is not None:
+            return best
+    return None
 
 
 class RoundRobin:
@@ -93,13 +159,14 @@ class RoundRobin:
         route = self.state.route(request.model)
         if route is None:
             return _no_route(request, self.state, self.name)
-        for deployment in deployments_in_order(route, request):
+        for position, deployment in enumerate(deployments_in_order(route, request)):
             live = self.state.live(deployment.deployment_id).items
             start = self._next.get(deployment.deployment_id, 0)
             for step in range(len(live)):
                 replica = live[(start + step) % len(live)]
                 if is_candidate(replica, request, now, self.config):
                     self._next[deployment.deployment_id] = start + step + 1
+                    split = deployment if position == 0 else None
                     return _decide(
                         self.state,
                         self.config,
@@ -108,6 +175,9 @@ class RoundRobin:
                         replica,
                         Reason.ROUND_ROBIN,
                         self.name,
+                        baseline=least_load_pick(
+                            self.state, self.config, request, now, split=split
+                        ),
                     )
         return _no_route(request, self.state, self.name)
 
@@ -122,7 +192,8 @@ class LeastLoad:
     visited, so a replica they exclude is skipped and the walk goes on: the answer is
     the scan's, and only a request that excludes most light replicas pays for a long walk.
     Ties: a random member of the lightest bucket holding a candidate (the bucket's
-    candidates in cyclic order from a random start, the first taken).
+    candidates in cyclic order from a random start, the first taken). Its decision's
+    baseline is its own pick.
     """
 
     name = "least_load"
@@ -135,30 +206,23 @@ class LeastLoad:
         route = self.state.route(request.model)
         if route is None:
             return _no_route(request, self.state, self.name)
+        # A random starting point in each bucket so equal loads do not all land on one replica.
+        random = self.state.rng.random
         for deployment in deployments_in_order(route, request):
-            best = self._lightest(self.state.by_load(deployment.deployment_id), request, now)
+            by_load = self.state.by_load(deployment.deployment_id)
+            best = _lightest(by_load, request, now, self.config, random)
             if best is not None:
                 return _decide(
-                    self.state, self.config, request, now, best, Reason.LEAST_LOAD, self.name
+                    self.state,
+                    self.config,
+                    request,
+                    now,
+                    best,
+                    Reason.LEAST_LOAD,
+                    self.name,
+                    baseline=best,
                 )
         return _no_route(request, self.state, self.name)
-
-    def _lightest(
-        self, by_load: LoadBuckets, request: RouteRequest, now: float
-    ) -> ReplicaState | None:
-        config = self.config
-        random = self.state.rng.random
-        buckets = by_load.buckets
-        for load in by_load.loads:
-            members = buckets[load].items
-            size = len(members)
-            # A random starting point so equal loads do not all land on one replica.
-            start = int(random() * size)
-            for position in range(start, start + size):
-                replica = members[position % size]
-                if is_candidate(replica, request, now, config):
-                    return replica
-        return None
 
 
 @dataclass(slots=True, frozen=True)
@@ -203,11 +267,12 @@ class WeightedScorer:
             if request.prefix_hashes
             else {}
         )
-        for deployment in deployments_in_order(route, request):
+        for position, deployment in enumerate(deployments_in_order(route, request)):
             live = self.state.live(deployment.deployment_id)
             candidates = _candidates(self._pool(live, matches), request, now, self.config)
             if candidates:
                 replica = self._best(candidates, matches, len(request.prefix_hashes))
+                split = deployment if position == 0 else None
                 return _decide(
                     self.state,
                     self.config,
@@ -217,6 +282,7 @@ class WeightedScorer:
                     Reason.SCORED,
                     self.name,
                     matches.get(replica.replica_id, 0),
+                    baseline=least_load_pick(self.state, self.config, request, now, split=split),
                 )
         return _no_route(request, self.state, self.name)
 
@@ -354,10 +420,12 @@ class CostAware:
             else {}
         )
         tier = self.config.tier(request.tier)
-        for deployment in deployments_in_order(route, request):
+        for position, deployment in enumerate(deployments_in_order(route, request)):
             candidates = self._options(deployment.deployment_id, request, now, tier, matches)
             if candidates.options:
-                return self._pick(candidates, request, tier)
+                split = deployment if position == 0 else None
+                baseline = least_load_pick(state, self.config, request, now, split=split)
+                return self._pick(candidates, request, tier, baseline)
         return _no_route(request, state, self.name)
 
     def _options(
@@ -436,7 +504,13 @@ class CostAware:
                 if not wanted:
                     return
 
-    def _pick(self, candidates: _Candidates, request: RouteRequest, tier: SloTier) -> Decision:
+    def _pick(
+        self,
+        candidates: _Candidates,
+        request: RouteRequest,
+        tier: SloTier,
+        baseline: ReplicaState | None,
+    ) -> Decision:
         options, best_meeting = candidates.options, candidates.best_meeting
         predictor = candidates.predictor
         if best_meeting != math.inf:
@@ -450,7 +524,9 @@ class CostAware:
                 second = (first + 1 + randrange(len(ties) - 1)) % len(ties)
                 a, b = ties[first], ties[second]
                 chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
-            return self._decision(chosen, chosen[_REASON], request, predictor, queue_advised=False)
+            return self._decision(
+                chosen, chosen[_REASON], request, predictor, baseline, queue_advised=False
+            )
         # A deferred option's rank is a placeholder (infinity): predicted now, it is ranked
         # with the same discounts as the others.
         scored = [
@@ -469,12 +545,17 @@ class CostAware:
             if within:
                 _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))
                 return self._decision(
-                    chosen, Reason.LEAST_BAD, request, predictor, queue_advised=False
+                    chosen, Reason.LEAST_BAD, request, predictor, baseline, queue_advised=False
                 )
         # The smallest miss; between equal misses, the cheaper replica.
         violation, _, chosen = min(scored, key=lambda triple: (triple[0], triple[1]))
         return self._decision(
-            chosen, Reason.LEAST_BAD, request, predictor, queue_advised=violation > tolerable
+            chosen,
+            Reason.LEAST_BAD,
+            request,
+            predictor,
+            baseline,
+            queue_advised=violation > tolerable,
         )
 
     def _yields(self, tier: SloTier) -> bool:
@@ -497,6 +578,7 @@ class CostAware:
         reason: Reason,
         request: RouteRequest,
         predictor: RequestPredictor,
+        baseline: ReplicaState | None,
         *,
         queue_advised: bool,
     ) -> Decision:
@@ -518,6 +600,7 @@ class CostAware:
             cached_tokens=blocks * self.config.prefix_block_tokens,
             meets_slo=option[_MEETS],
             queue_advised=queue_advised,
+            baseline_replica=baseline,
         )
 
 

@@ -1,9 +1,12 @@
 """Least load through `RouterState.by_load`: the load buckets follow every write to the
-state, and the policy's choice is as light as a scan over all valid candidates finds."""
+state, and the policy's choice is as light as a scan over all valid candidates finds. Every
+policy's decision names least load's pick as its baseline, found without touching the
+policy's random draws or the prefix index."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,6 +14,7 @@ from hypothesis import strategies as st
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs, load_model_specs
 from serving.router import (
+    POLICIES,
     DeploymentRoute,
     LeastLoad,
     ModelRoute,
@@ -20,6 +24,7 @@ from serving.router import (
     RouteRequest,
     RouterState,
     is_candidate,
+    least_load_pick,
 )
 from serving.router.canary import deployments_in_order
 from serving.router.coefficients import coefficients_from_perf
@@ -265,3 +270,80 @@ BASE: dict = {
     "healthy": True,
     "breaker_open": False,
 }
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(replica_fields, min_size=1, max_size=30),
+    operations,
+    request_fields,
+    st.integers(0, 1_000),
+    st.sampled_from(sorted(POLICIES)),
+)
+def test_every_policys_baseline_is_as_light_as_the_scans(
+    fields: list[dict], updates: list[tuple], request_values: dict, seed: int, policy: str
+) -> None:
+    state = build(fields, seed)
+    for operation in updates:
+        apply(state, operation, len(fields))
+    request = make_request(request_values)
+
+    decision = POLICIES[policy](state, CONFIG).choose(request, NOW)
+
+    baseline = decision.baseline_replica
+    assert (baseline is None) == (decision.replica is None)
+    if baseline is not None:
+        assert queue_load(baseline) == scan_minimum(state, request, len(fields))
+        assert is_candidate(baseline, request, NOW, CONFIG)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(replica_fields, min_size=1, max_size=30),
+    st.lists(request_fields, min_size=1, max_size=8),
+    st.integers(0, 1_000),
+    st.sampled_from(sorted(POLICIES)),
+)
+def test_looking_up_the_baseline_leaves_a_policys_own_choices_as_they_were(
+    fields: list[dict], request_values: list[dict], seed: int, policy: str
+) -> None:
+    plain, looked_up = build(fields, seed), build(fields, seed)
+    plain_policy = POLICIES[policy](plain, CONFIG)
+    looked_up_policy = POLICIES[policy](looked_up, CONFIG)
+    requests = [
+        replace(make_request(values), prefix_hashes=(1000 + 2 * n, 1001 + 2 * n))
+        for n, values in enumerate(request_values)
+    ]
+
+    plain_picks, looked_up_picks = [], []
+    for request in requests:
+        plain_picks.append(plain_policy.choose(request, NOW).replica)
+        rng_before = looked_up.rng.getstate()
+        least_load_pick(looked_up, CONFIG, request, NOW)
+        assert looked_up.rng.getstate() == rng_before
+        assert looked_up.prefix_index.longest_matches("acme", request.prefix_hashes) == {}
+        looked_up_picks.append(looked_up_policy.choose(request, NOW).replica)
+
+    assert [r and r.replica_id for r in looked_up_picks] == [
+        r and r.replica_id for r in plain_picks
+    ]
+
+
+def test_least_loads_decision_names_its_own_pick_as_the_baseline() -> None:
+    state = build([{**BASE, "running": 3} for _ in range(4)], seed=5)
+    request = make_request({"prompt_tokens": 200, "adapter": None, "eu_only": False})
+
+    decision = LeastLoad(state, CONFIG).choose(request, NOW)
+
+    assert decision.baseline_replica is decision.replica
+
+
+def test_the_baseline_breaks_ties_on_the_first_candidate_of_the_lightest_bucket() -> None:
+    state = build([{**BASE, "running": 9}] + [{**BASE, "running": 3} for _ in range(4)], seed=5)
+    state.set_breaker("r1", NOW + 10.0)
+    request = make_request({"prompt_tokens": 200, "adapter": None, "eu_only": False})
+
+    picks = {least_load_pick(state, CONFIG, request, NOW).replica_id for _ in range(20)}  # type: ignore[union-attr]
+
+    # r1..r4 joined the load-3 bucket in that order, and r1's breaker is open.
+    assert picks == {"r2"}
