@@ -12,23 +12,56 @@
     return digits;
   }
 
+  // Dollars as the pages' |usd and |usd_rate filters write them (metering/templatetags/money.py):
+  // cents from $1 up ("$1,234.56"); below $1 enough decimals for two significant digits
+  // ("$0.0061"), at most `maxDecimals`, then "<$0.000001"; a loss as "−$12.34" (U+2212).
+  // A rate (`exact`) also keeps the decimals its price has, up to four ("$0.2125").
+  function formatUsd(value, maxDecimals = 6, exact = false) {
+    const amount = value === null || value === undefined ? NaN : Number(value);
+    if (!Number.isFinite(amount)) return "–";
+    if (amount === 0) return "$0.00";
+    const sign = amount < 0 ? "\u2212" : "";
+    const size = Math.abs(amount);
+    const floor = 10 ** -maxDecimals;
+    if (size < floor) return `${sign}<$${floor.toFixed(maxDecimals)}`;
+    let digits = 2;
+    if (size < 1) {
+      const twoDigits = Number(size.toPrecision(2)); // 0.0996 is 0.10: two decimals, not three
+      digits = Math.max(digits, 1 - Math.floor(Math.log10(twoDigits)));
+    }
+    // The decimals the price has: the fewest that write it back exactly (as Python's repr).
+    while (exact && digits < maxDecimals && Number(size.toFixed(digits)) !== size) digits += 1;
+    digits = Math.min(digits, maxDecimals);
+    return sign + "$" + size.toLocaleString("en-US", {
+      minimumFractionDigits: digits, maximumFractionDigits: digits,
+    });
+  }
+
   // A tick label: compact from a thousand up (1.2K, 3.4M), dollars with a $ and cents below $1.
+  // Ticks are `step` apart, so their decimals follow the step; dollars take formatUsd's sign,
+  // "$" and en-US digits.
   function compactNumber(value, step, unit = "") {
     if (value === null || value === undefined || Number.isNaN(value)) return "–";
-    const money = unit === "$" ? { style: "currency", currency: "USD" } : {};
+    const money = unit === "$";
+    const locale = money ? "en-US" : undefined;
+    const shown = money ? Math.abs(value) : value;
     const size = Math.abs(value);
+    let text;
     if (size >= 1000) {
       const scale = 10 ** (3 * Math.floor(Math.log10(size) / 3));
       const digits = Math.min(2, stepDecimals(Math.abs(step || scale) / scale));
-      return new Intl.NumberFormat(undefined, {
-        ...money, notation: "compact", minimumFractionDigits: 0, maximumFractionDigits: digits,
-      }).format(value);
+      text = new Intl.NumberFormat(locale, {
+        notation: "compact", minimumFractionDigits: 0, maximumFractionDigits: digits,
+      }).format(shown);
+    } else {
+      let digits = stepDecimals(Math.abs(step || 1));
+      if (money && digits > 0) digits = Math.max(2, digits);
+      text = new Intl.NumberFormat(locale, {
+        minimumFractionDigits: digits, maximumFractionDigits: digits,
+      }).format(shown);
     }
-    let digits = stepDecimals(Math.abs(step || 1));
-    if (money.style && digits > 0) digits = Math.max(2, digits);
-    return new Intl.NumberFormat(undefined, {
-      ...money, minimumFractionDigits: digits, maximumFractionDigits: digits,
-    }).format(value);
+    if (!money) return text;
+    return (value < 0 ? "\u2212$" : "$") + text;
   }
 
   // uPlot's axis `size` hook: wide enough for the widest tick label, so none is cut off.
@@ -48,6 +81,8 @@
       return Number(value).toLocaleString(undefined, { maximumFractionDigits: digits });
     },
     compactNumber,
+    formatUsd: (value) => formatUsd(value),
+    formatUsdRate: (value) => formatUsd(value, 4, true),
     // A value axis for uPlot: compact labels (unit "$" for dollars) and room for all of them.
     valueAxis(unit = "", options = {}) {
       return {

@@ -2,7 +2,8 @@
 // The chart starts from the recent history embedded in the page, then grows with each one.
 "use strict";
 (function () {
-  const { formatNumber: fmt, valueAxis } = window.platformConsole;
+  const { formatNumber: fmt, formatUsd, formatUsdRate, valueAxis } = window.platformConsole;
+  const MONEY = { usd: formatUsd, usd_rate: formatUsdRate };
   const GPU_STATES = ["ready", "starting", "draining", "failed", "idle", "unavailable"];
   const history = { at: [], tokens: [], queue: [] };
   const HISTORY_POINTS = 300;
@@ -19,9 +20,13 @@
     document.querySelectorAll("[data-live]").forEach((el) => {
       let value = snapshot[el.dataset.live];
       if (value !== null && value !== undefined && el.dataset.scale) value *= Number(el.dataset.scale);
+      if (el.dataset.money) {
+        el.textContent = MONEY[el.dataset.money](value);
+        return;
+      }
       const digits = el.dataset.digits !== undefined ? Number(el.dataset.digits) : 1;
       const shown = fmt(value, digits);
-      el.textContent = shown === "–" ? shown : (el.dataset.prefix || "") + shown + (el.dataset.unit || "");
+      el.textContent = shown === "–" ? shown : shown + (el.dataset.unit || "");
     });
   }
 

@@ -7,13 +7,15 @@ document.addEventListener("DOMContentLoaded", () => {
     document.querySelectorAll(".chart").forEach((el) => { el.textContent = "No usage yet."; el.classList.add("muted"); });
     return;
   }
-  const { valueAxis } = window.platformConsole;
+  const { formatUsd, valueAxis } = window.platformConsole;
+  // The legend shows a hovered point's dollars the way the page writes them.
+  const dollars = (chart, value) => formatUsd(value);
   const width = (el) => el.clientWidth || 600;
   const spendEl = document.getElementById("spend-chart");
-  const spendSeries = [{}, { label: "spend this month ($)", stroke: "#2357d9", fill: "rgba(35,87,217,.08)" }];
+  const spendSeries = [{}, { label: "spend this month", value: dollars, stroke: "#2357d9", fill: "rgba(35,87,217,.08)" }];
   const spendData = [series.at, series.cumulative];
   if (budget !== null) {
-    spendSeries.push({ label: "budget ($)", stroke: "#c53030", dash: [6, 4] });
+    spendSeries.push({ label: "budget", value: dollars, stroke: "#c53030", dash: [6, 4] });
     spendData.push(series.at.map(() => budget));
   }
   const charts = [

@@ -305,3 +305,43 @@ def test_the_playground_offers_only_what_is_deployed_and_the_adapters_on_it(
     options = page.content.decode()
     assert ">llama-3.1-8b<" in options and ">acme-tone<" in options
     assert "llama-3.1-405b" not in options
+
+
+def a_request_of(tenant: Tenant, *, price_usd_micros: int, cost_usd_micros: int) -> None:
+    from metering.models import UsageEvent
+
+    now = timezone.now()
+    UsageEvent.objects.create(
+        request_id="req-small",
+        tenant_id=tenant.pk,
+        model="llama-3.2-1b",
+        priority="standard",
+        prompt_tokens=120,
+        cached_prompt_tokens=0,
+        completion_tokens=30,
+        status="ok",
+        queue_ms=1.0,
+        total_ms=300.0,
+        price_charged_usd_micros=price_usd_micros,
+        cost_to_serve_usd_micros=cost_usd_micros,
+        started_at=now,
+        ended_at=now,
+    )
+
+
+def test_the_usage_page_shows_a_fraction_of_a_cent_and_not_zero(acme: Tenant) -> None:
+    a_request_of(acme, price_usd_micros=6_100, cost_usd_micros=12)
+    page = client_for(member(acme, "dev", Role.DEVELOPER)).get("/portal/acme/usage/")
+    text = page.content.decode()
+    recent = text[text.index('<table id="recent-requests">') :]
+    assert "<td>$0.0061</td>" in recent
+    assert '<div class="budget"><span>$0.0061 <span class="muted">(no budget)' in text
+    assert "$0.00<" not in text
+
+
+def test_the_console_shows_a_tenants_tiny_cost_to_serve(acme: Tenant) -> None:
+    a_request_of(acme, price_usd_micros=6_100, cost_usd_micros=12)
+    staff = client_for(user("ops", is_staff=True))
+    assert "<td>$0.000012</td>" in staff.get("/console/tenants/").content.decode()
+    tenant_page = staff.get("/console/tenants/acme/").content.decode()
+    assert '<div class="value">$0.000012</div>' in tenant_page
