@@ -596,6 +596,12 @@ class Exchange:
         outcome = self.outcome
         principal = self.principal
         replica = outcome.replica
+        # The decision that sent the request to `replica` (a retry's replaces the first's).
+        baseline = (
+            self.decision.baseline_replica
+            if replica is not None and self.decision is not None
+            else None
+        )
         ttft_ms = (
             (outcome.first_token_at - self.started_mono) * 1000
             if outcome.first_token_at is not None
@@ -633,6 +639,8 @@ class Exchange:
             started_at=self.started_at,
             ended_at=ended_at,
             price_charged_usd_micros=charged,
+            baseline_replica_id=baseline.replica_id if baseline else "",
+            baseline_pool=baseline.pool if baseline else "",
         )
 
     def _reservation(self) -> Reservation | None:
