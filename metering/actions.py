@@ -9,7 +9,7 @@ from django.http import Http404
 
 from config.jobs import enqueue_on_commit
 from metering.invoices import do_build_invoice, do_close_month
-from metering.models import HourlyRollup, Invoice, PriceSheet, UsageEvent
+from metering.models import HourlyRollup, Invoice, PriceSheet, ReplicaHour, UsageEvent
 from tenants.actions import require_staff, tenants_for_user
 from tenants.models import Tenant
 
@@ -56,6 +56,13 @@ def access_rollups(user: Any) -> QuerySet[HourlyRollup]:
     if getattr(user, "is_staff", False):
         return HourlyRollup.objects.all()
     return HourlyRollup.objects.filter(tenant_id__in=list(tenant_ids_for_user(user)))
+
+
+def access_replica_hours(user: Any) -> QuerySet[ReplicaHour]:
+    """The GPU-time ledger: a fleet-wide cost no tenant's member may read."""
+    if getattr(user, "is_staff", False):
+        return ReplicaHour.objects.all()
+    return ReplicaHour.objects.none()
 
 
 def access_invoices(user: Any) -> QuerySet[Invoice]:

@@ -13,7 +13,6 @@ pool; so the figure can be negative, and that is shown as it is.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from typing import Any, TypedDict
@@ -22,7 +21,7 @@ from django.db.models import Count, F, Sum
 from django.db.models.functions import TruncDay
 from django.utils import timezone
 
-from metering.models import HourlyRollup, UsageEvent, micros_to_usd
+from metering.models import UsageEvent, micros_to_usd
 
 
 def month_start(today: date | None = None) -> datetime:
@@ -90,71 +89,6 @@ def daily_series(tenant_id: int, days: int = 30) -> dict[str, list[Any]]:
         series["spend"].append(spend)
         series["cumulative"].append(running)
     return series
-
-
-def margin_by_model_and_pool(since: datetime) -> list[dict[str, Any]]:
-    rows = (
-        HourlyRollup.objects.filter(hour__gte=since)
-        .values("model", "pool")
-        .annotate(
-            requests=Sum("requests"),
-            revenue=Sum("revenue_usd_micros"),
-            cost=Sum("cost_to_serve_usd_micros"),
-            gpu_seconds=Sum("gpu_seconds"),
-        )
-        .order_by("model", "pool")
-    )
-    result = []
-    for row in rows:
-        revenue = float(micros_to_usd(row["revenue"] or 0))
-        cost = float(micros_to_usd(row["cost"] or 0))
-        result.append(
-            {
-                **row,
-                "revenue_usd": revenue,
-                "cost_usd": cost,
-                "margin_usd": revenue - cost,
-                "margin_pct": (revenue - cost) / revenue * 100 if revenue else None,
-            }
-        )
-    return result
-
-
-def router_saving(since: datetime) -> list[dict[str, Any]]:
-    """Per model: actual cost, the cheapest homogeneous pool and its estimated cost."""
-    per_pool: dict[str, dict[str, tuple[int, float]]] = defaultdict(dict)
-    rows = (
-        HourlyRollup.objects.filter(hour__gte=since)
-        .exclude(pool="")
-        .values("model", "pool")
-        .annotate(
-            tokens=Sum(F("prompt_tokens") + F("completion_tokens")),
-            cost=Sum("cost_to_serve_usd_micros"),
-        )
-    )
-    for row in rows:
-        per_pool[row["model"]][row["pool"]] = (row["tokens"] or 0, float(row["cost"] or 0) / 1e6)
-    result = []
-    for model, pools in sorted(per_pool.items()):
-        tokens = sum(t for t, _ in pools.values())
-        actual = sum(c for _, c in pools.values())
-        rates = {pool: cost / t for pool, (t, cost) in pools.items() if t}
-        if not rates:
-            continue
-        cheapest = min(rates, key=rates.__getitem__)
-        homogeneous = rates[cheapest] * tokens
-        result.append(
-            {
-                "model": model,
-                "pools": len(pools),
-                "tokens": tokens,
-                "actual_usd": actual,
-                "cheapest_pool": cheapest,
-                "homogeneous_usd": homogeneous,
-                "saving_usd": homogeneous - actual,
-            }
-        )
-    return result
 
 
 class PoolRequests(TypedDict):

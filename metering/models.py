@@ -148,6 +148,8 @@ class HourlyRollup(models.Model):
     gpu_seconds = models.FloatField()
     cost_to_serve_usd_micros = models.BigIntegerField()
     revenue_usd_micros = models.BigIntegerField()
+    # What the same requests would have cost where least load would have sent them.
+    baseline_cost_usd_micros = models.BigIntegerField(default=0)
     ttft_buckets = ArrayField(models.BigIntegerField())
     total_buckets = ArrayField(models.BigIntegerField())
 
@@ -163,6 +165,38 @@ class HourlyRollup(models.Model):
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H}h {self.tenant_id} {self.model}"
+
+
+class ReplicaHour(models.Model):
+    """One replica's GPU time in one hour (metering.ledger), and how it was split: what its
+    requests were charged and the idle rest. Recomputing an hour replaces its rows.
+
+    `cost_usd_micros` is `gpus x ready time x price`; `idle_usd_micros` the part no request
+    was charged, so the hour's request costs plus its idle costs add up to the sum of
+    `cost_usd_micros`, to the micro-USD."""
+
+    hour = models.DateTimeField()
+    replica_id = models.CharField(max_length=64)
+    deployment_id = models.BigIntegerField()
+    model = models.CharField(max_length=128)
+    pool = models.CharField(max_length=64)
+    gpus = models.PositiveSmallIntegerField()
+    usd_micros_per_gpu_hour = models.BigIntegerField()
+    ready_us = models.BigIntegerField()
+    requests = models.BigIntegerField()
+    gpu_seconds = models.FloatField()
+    idle_gpu_seconds = models.FloatField()
+    cost_usd_micros = models.BigIntegerField()
+    idle_usd_micros = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["hour", "replica_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["hour", "replica_id"], name="replica_hour_once")
+        ]
+
+    def __str__(self) -> str:
+        return f"replica {self.replica_id} at {self.hour:%Y-%m-%d %H:00}"
 
 
 class Invoice(models.Model):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
 
@@ -17,12 +18,8 @@ from django.db import connection, transaction
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
-from metering import cost
-from metering.models import HourlyRollup, UsageEvent
-from metering.prices import usd_to_micros
-from serving.engine.perf import PerfModel
-from serving.engine.specs import find_model_spec, load_gpu_specs
-from serving.models import GpuPool
+from metering import cost, ledger
+from metering.models import HourlyRollup, ReplicaHour, UsageEvent
 
 logger = logging.getLogger(__name__)
 
@@ -76,21 +73,92 @@ def percentile_ms(buckets: Sequence[int], q: float) -> float | None:
 # --- cost to serve ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Priced:
+    """A replica of the ledger with its hour's window, work weights and requests."""
+
+    ledger: ledger.ReplicaLedger
+    window: cost.ReplicaWindow
+    weights: cost.WorkWeights | None
+    served: list[cost.ServedRequest]
+
+
+@dataclass(frozen=True, slots=True)
+class _Charge:
+    request_id: str
+    gpu_seconds: float
+    cost_usd_micros: int
+    baseline_usd_micros: int
+
+
+Served = dict[str, list[tuple[cost.ServedRequest, str]]]
+
+
 def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
-    """Split each replica's GPU cost of the hour over the requests it served there; returns
-    how many events were updated. Replicas are assumed up for the whole hour (or up to now for
-    the current hour): replica lifetimes are not recorded yet."""
+    """Split each replica's ready GPU time of the hour (metering.ledger) over the requests it
+    served there, the rest idle (metering.cost.split); price each request's work where least
+    load would have sent it; replace the hour's ReplicaHour rows. Returns how many events were
+    updated. Events of a replica with no ready time in the hour are charged nothing."""
     now = now or timezone.now()
-    end = min(hour + timedelta(hours=1), max(now, hour + timedelta(seconds=1)))
-    window_s = (end - hour).total_seconds()
-    events = list(
-        UsageEvent.objects.filter(started_at__gte=hour, started_at__lt=hour + timedelta(hours=1))
+    end = hour + timedelta(hours=1)
+    events = _served_in(hour, end)
+    priced = {
+        replica.replica_id: _priced(replica, hour, end, events)
+        for replica in ledger.replicas_ready_in(hour, end, now)
+    }
+    charges: list[_Charge] = []
+    rows: list[ReplicaHour] = []
+    for replica_id, served_events in events.items():
+        item = priced.get(replica_id)
+        if item is None:
+            charges.extend(_Charge(served.request_id, 0.0, 0, 0) for served, _ in served_events)
+    for replica_id, item in priced.items():
+        share = cost.split(item.window, item.served, item.weights or cost.WorkWeights(0.0, 0.0))
+        for attribution, (served, baseline) in zip(
+            share.requests, events.get(replica_id, []), strict=True
+        ):
+            moved = _baseline_difference(served, item, priced.get(baseline))
+            charges.append(
+                _Charge(
+                    attribution.request_id,
+                    attribution.gpu_seconds,
+                    attribution.cost_usd_micros,
+                    attribution.cost_usd_micros + moved,
+                )
+            )
+        rows.append(_replica_hour(hour, item, share))
+    _write_charges(charges)
+    ReplicaHour.objects.filter(hour=hour).delete()
+    ReplicaHour.objects.bulk_create(rows)
+    return len(charges)
+
+
+def _priced(
+    replica: ledger.ReplicaLedger, start: datetime, end: datetime, events: Served
+) -> _Priced:
+    window = cost.ReplicaWindow(
+        replica.replica_id,
+        replica.ready_us(start, end),
+        replica.gpus,
+        replica.usd_micros_per_gpu_hour,
+    )
+    served = [request for request, _ in events.get(replica.replica_id, [])]
+    if replica.perf is None:
+        logger.warning("no engine model for replica %s: its time is idle", replica.replica_id)
+        return _Priced(replica, window, None, served)
+    return _Priced(replica, window, cost.weights_for_window(replica.perf, window, served), served)
+
+
+def _served_in(start: datetime, end: datetime) -> Served:
+    """The period's events by replica: each as work to price, with its baseline replica."""
+    rows = (
+        UsageEvent.objects.filter(started_at__gte=start, started_at__lt=end)
         .exclude(replica_id="")
+        .order_by("started_at", "request_id")
         .values_list(
             "request_id",
             "replica_id",
-            "pool",
-            "model",
+            "baseline_replica_id",
             "prompt_tokens",
             "cached_prompt_tokens",
             "completion_tokens",
@@ -98,57 +166,75 @@ def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
             "total_ms",
         )
     )
-    by_replica: dict[tuple[str, str, str], list[cost.ServedRequest]] = defaultdict(list)
-    for rid, replica, pool, model, prompt, cached, completion, ttft, total in events:
+    by_replica: Served = defaultdict(list)
+    for rid, replica, baseline, prompt, cached, completion, ttft, total in rows:
         decode_ms = max(0.0, (total or 0.0) - (ttft or total or 0.0))
-        by_replica[(replica, pool, model)].append(
-            cost.ServedRequest(rid, prompt, cached, completion, decode_ms)
+        by_replica[replica].append(
+            (cost.ServedRequest(rid, prompt, cached, completion, decode_ms), baseline)
         )
-    pools = {p.name: p for p in GpuPool.objects.select_related("gpu_class")}
-    updates: list[cost.Attribution] = []
-    for (replica, pool_name, model), served in by_replica.items():
-        perf = _perf_model(pools.get(pool_name), model)
-        gpu_pool = pools.get(pool_name)
-        if perf is None or gpu_pool is None:
-            logger.warning("no engine model for %s on pool %s; cost left at 0", model, pool_name)
-            continue
-        window = cost.ReplicaWindow(
-            replica, window_s, perf.tensor_parallel, usd_to_micros(gpu_pool.price_per_gpu_hour)
+    return by_replica
+
+
+def _baseline_difference(
+    served: cost.ServedRequest, chosen: _Priced, baseline: _Priced | None
+) -> int:
+    """How much more (or less) the request's work would have cost on the baseline's replica
+    than on its own, both priced by `work_cost_usd_micros`. A baseline replica that served
+    nothing this hour is priced at the chosen replica's batch and context, on its own engine
+    model."""
+    if baseline is None or baseline is chosen or chosen.weights is None:
+        return 0
+    if baseline.ledger.perf is None:
+        return 0
+    weights = baseline.weights
+    if not baseline.served or weights is None:
+        weights = cost.work_weights(
+            baseline.ledger.perf,
+            cost.mean_decode_batch(chosen.window, chosen.served),
+            cost.mean_context(chosen.served),
         )
-        weights = cost.weights_for_window(perf, window, served)
-        updates.extend(cost.attribute(window, served, weights))
-    _write_attributions(updates)
-    return len(updates)
+    there = cost.work_cost_usd_micros(
+        weights, baseline.ledger.gpus, baseline.ledger.usd_micros_per_gpu_hour, served
+    )
+    here = cost.work_cost_usd_micros(
+        chosen.weights, chosen.ledger.gpus, chosen.ledger.usd_micros_per_gpu_hour, served
+    )
+    return there - here
 
 
-def _perf_model(pool: GpuPool | None, model: str) -> PerfModel | None:
-    if pool is None:
-        return None
-    gpu = load_gpu_specs().get(pool.gpu_class.name)
-    spec = find_model_spec(model)
-    if gpu is None or spec is None:
-        return None
-    # The deployment's TP and quantization are not in the event; a model too big for one GPU
-    # in bf16 is assumed spread over the fewest GPUs (1, 2, 4, 8) that hold its weights.
-    for tp in (1, 2, 4, 8):
-        perf = PerfModel(gpu, spec, tensor_parallel=tp)
-        if perf.kv_capacity_tokens > 0:
-            return perf
-    return PerfModel(gpu, spec, tensor_parallel=8)
+def _replica_hour(hour: datetime, item: _Priced, share: cost.WindowSplit) -> ReplicaHour:
+    replica = item.ledger
+    return ReplicaHour(
+        hour=hour,
+        replica_id=replica.replica_id,
+        deployment_id=replica.deployment_id,
+        model=replica.model,
+        pool=replica.pool,
+        gpus=replica.gpus,
+        usd_micros_per_gpu_hour=replica.usd_micros_per_gpu_hour,
+        ready_us=item.window.ready_us,
+        requests=len(item.served),
+        gpu_seconds=item.window.gpu_seconds,
+        idle_gpu_seconds=share.idle_gpu_seconds,
+        cost_usd_micros=item.window.cost_usd_micros,
+        idle_usd_micros=share.idle_usd_micros,
+    )
 
 
-def _write_attributions(updates: Sequence[cost.Attribution]) -> None:
-    if not updates:
+def _write_charges(charges: Sequence[_Charge]) -> None:
+    if not charges:
         return
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE metering_usageevent AS e SET gpu_seconds = u.g, cost_to_serve_usd_micros = u.c "
-            "FROM unnest(%s::text[], %s::float8[], %s::bigint[]) AS u(id, g, c) "
+            "UPDATE metering_usageevent AS e SET gpu_seconds = u.g, "
+            "cost_to_serve_usd_micros = u.c, baseline_cost_usd_micros = u.b "
+            "FROM unnest(%s::text[], %s::float8[], %s::bigint[], %s::bigint[]) AS u(id, g, c, b) "
             "WHERE e.request_id = u.id",
             [
-                [u.request_id for u in updates],
-                [u.gpu_seconds for u in updates],
-                [u.cost_usd_micros for u in updates],
+                [c.request_id for c in charges],
+                [c.gpu_seconds for c in charges],
+                [c.cost_usd_micros for c in charges],
+                [c.baseline_usd_micros for c in charges],
             ],
         )
 
@@ -159,7 +245,8 @@ _ROLLUP_SQL = """
 SELECT tenant_id, model, adapter, pool, priority,
        count(*), count(*) FILTER (WHERE status = ANY(%(errors)s)),
        sum(prompt_tokens), sum(cached_prompt_tokens), sum(completion_tokens),
-       sum(gpu_seconds), sum(cost_to_serve_usd_micros), sum(price_charged_usd_micros)
+       sum(gpu_seconds), sum(cost_to_serve_usd_micros), sum(price_charged_usd_micros),
+       sum(baseline_cost_usd_micros)
 FROM metering_usageevent
 WHERE started_at >= %(start)s AND started_at < %(end)s
 GROUP BY tenant_id, model, adapter, pool, priority
@@ -175,10 +262,23 @@ GROUP BY 1, 2, 3, 4, 5, 6
 
 Dims = tuple[int, str, str, str, str]
 # A row of _ROLLUP_SQL: the dimensions, count(*), the error count, the token sums (sum of an
-# integer column: bigint), the GPU seconds (float8), then the two micros sums (sum of a bigint
-# column: numeric, which psycopg reads as Decimal).
+# integer column: bigint), the GPU seconds (float8), then the three micros sums (sum of a
+# bigint column: numeric, which psycopg reads as Decimal).
 RollupRow = tuple[
-    int, str, str, str, str, int, int, int, int, int, float | None, Decimal | None, Decimal | None
+    int,
+    str,
+    str,
+    str,
+    str,
+    int,
+    int,
+    int,
+    int,
+    int,
+    float | None,
+    Decimal | None,
+    Decimal | None,
+    Decimal | None,
 ]
 SqlParams = dict[str, list[str] | list[float] | datetime]
 
@@ -219,7 +319,7 @@ def _rollup(
     hour: datetime, g: RollupRow, ttft_buckets: list[int], total_buckets: list[int]
 ) -> HourlyRollup:
     tenant_id, model, adapter, pool, tier, requests, errors = g[:7]
-    prompt, cached, completion, gpu_s, cost_micros, revenue = g[7:]
+    prompt, cached, completion, gpu_s, cost_micros, revenue, baseline = g[7:]
     return HourlyRollup(
         hour=hour,
         tenant_id=tenant_id,
@@ -235,6 +335,7 @@ def _rollup(
         gpu_seconds=gpu_s or 0.0,
         cost_to_serve_usd_micros=int(cost_micros or 0),
         revenue_usd_micros=int(revenue or 0),
+        baseline_cost_usd_micros=int(baseline or 0),
         ttft_buckets=ttft_buckets,
         total_buckets=total_buckets,
     )

@@ -2,7 +2,8 @@
 
 BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "metering-ingest": {"task": "metering.ingest", "schedule": 1.0},
-    "metering-rollups": {"task": "metering.rollup_recent_hours", "schedule": 300.0},
+    # Every minute: the margin report and the ledger are current to within a minute.
+    "metering-rollups": {"task": "metering.rollup_recent_hours", "schedule": 60.0},
     "metering-invoices": {"task": "metering.refresh_invoices", "schedule": 3600.0},
     "metering-budgets": {"task": "metering.check_budgets", "schedule": 60.0},
     # Also at start-up of the gateway's readers: a book lost from Redis comes back in a minute.

@@ -67,6 +67,7 @@ class UsageEvent:
     # same candidates at the same moment: metering prices the request's work there too.
     baseline_replica_id: str = ""
     baseline_pool: str = ""
+    baseline_cost_usd_micros: int = 0  # priced later by metering.rollups, never by the gateway
 
     def to_json(self) -> bytes:
         # orjson serializes a dataclass natively, several times faster than asdict().

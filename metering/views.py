@@ -3,7 +3,7 @@ invoices and models with their prices (members)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib.auth.decorators import login_required
@@ -15,14 +15,9 @@ from prometheus_client import REGISTRY
 
 from config.views import staff_required
 from metering import actions
-from metering.console_queries import (
-    daily_series,
-    decisions_by_reason,
-    margin_by_model_and_pool,
-    month_to_date,
-    router_saving,
-)
-from metering.models import PriceSheet
+from metering.api.queries import MARGIN_PCT_MIN_REVENUE_MICROS, margin_report
+from metering.console_queries import daily_series, decisions_by_reason, month_to_date
+from metering.models import HourlyRollup, PriceSheet, ReplicaHour
 from registry.actions import visible_models_for_tenant
 from registry.models import Deployment
 from tenants import actions as tenant_actions
@@ -31,30 +26,27 @@ from tenants.views import portal_context, portal_tenant
 
 WINDOW = timedelta(days=30)
 RECENT_REQUESTS = 50
-# Under this revenue (over the window) a margin percentage measures how little traffic there
-# was, not pricing: GPUs kept warm for a few demo requests read as -40,000 %.
-MARGIN_PCT_MIN_REVENUE_USD = 10.0
 
 
-def margin_as_shown(row: dict[str, Any]) -> dict[str, Any]:
-    """A margin row as the billing page shows it: the dollars always (sign apart, so a loss
-    reads -$12.34), the percentage only from MARGIN_PCT_MIN_REVENUE_USD of revenue up."""
-    shown_pct = row["revenue_usd"] >= MARGIN_PCT_MIN_REVENUE_USD
-    return {
-        **row,
-        "margin_pct": row["margin_pct"] if shown_pct else None,
-        "margin_abs_usd": abs(row["margin_usd"]),
+def margin_reports(since: datetime, now: datetime) -> dict[str, Any]:
+    """The margin report by pool, model and tenant over the window, as the API computes it."""
+    reports = {
+        by: margin_report(HourlyRollup.objects.all(), ReplicaHour.objects.all(), since, now, by)
+        for by in ("pool", "model", "tenant")
     }
+    return {"totals": reports["pool"]["totals"], "reports": reports}
 
 
 @staff_required
 def billing(request: HttpRequest) -> HttpResponse:
-    since = timezone.now() - WINDOW
+    now = timezone.now()
+    since = now - WINDOW
     context = {
+        **margin_reports(since, now),
+        "since": since,
         "invoices": actions.access_invoices(request.user)[:100],
-        "margins": [margin_as_shown(row) for row in margin_by_model_and_pool(since)],
-        "margin_pct_min_revenue_usd": MARGIN_PCT_MIN_REVENUE_USD,
         "sheets": actions.access_price_sheets(request.user).select_related("tenant"),
+        "margin_pct_min_revenue_usd": MARGIN_PCT_MIN_REVENUE_MICROS / 1_000_000,
     }
     return render(request, "console/billing.html", context)
 
@@ -73,13 +65,13 @@ def _router_counter() -> list[dict[str, object]]:
 
 @staff_required
 def router(request: HttpRequest) -> HttpResponse:
-    since = timezone.now() - WINDOW
-    savings = router_saving(since)
+    now = timezone.now()
+    since = now - WINDOW
     context = {
+        **margin_reports(since, now),
+        "since": since,
         "decisions": _router_counter(),
         "by_pool": decisions_by_reason(since),
-        "savings": savings,
-        "total_saving": sum(row["saving_usd"] for row in savings),
     }
     return render(request, "console/router.html", context)
 

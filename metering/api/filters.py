@@ -127,7 +127,7 @@ class PriceSheetQuery(serializers.Serializer[Any]):
 
 
 class MarginQuery(TimeRangeQuery):
-    by = serializers.ChoiceField(choices=["model", "pool"], default="model")
+    by = serializers.ChoiceField(choices=["model", "pool", "tenant"], default="model")
 
 
 class MonthQuery(serializers.Serializer[Any]):

@@ -290,20 +290,39 @@ class PriceSheetSerializer(serializers.ModelSerializer[PriceSheet]):
 
 
 class MarginRowSerializer(serializers.Serializer[dict[str, Any]]):
-    key = serializers.CharField(help_text="The model or pool name.")
+    key = serializers.CharField(help_text="The model, pool or tenant slug; `idle` by tenant.")
     requests = serializers.IntegerField()
-    gpu_seconds = serializers.FloatField()
+    gpu_seconds = serializers.FloatField(help_text="GPU time charged: requests' plus idle.")
+    idle_gpu_seconds = serializers.FloatField(help_text="Ready GPU time no request used.")
     revenue_usd = serializers.DecimalField(**USD)
-    cost_usd = serializers.DecimalField(**USD)
+    request_cost_usd = serializers.DecimalField(**USD, help_text="The requests' work.")
+    idle_cost_usd = serializers.DecimalField(**USD)
+    cost_usd = serializers.DecimalField(**USD, help_text="Cost to serve: request plus idle.")
     margin_usd = serializers.DecimalField(**USD)
-    margin_pct = serializers.FloatField(allow_null=True)
+    margin_pct = serializers.FloatField(
+        allow_null=True, help_text="Of revenue; null under $10 of revenue, where it means nothing."
+    )
+    least_load_request_cost_usd = serializers.DecimalField(
+        **USD, help_text="The same requests' work where least load would have sent them."
+    )
+    saving_vs_least_load_usd = serializers.DecimalField(
+        **USD, help_text="least_load_request_cost_usd - request_cost_usd."
+    )
+
+
+MARGIN_COLUMNS: tuple[str, ...] = tuple(MarginRowSerializer().fields)
+
+
+class MarginTotalsSerializer(MarginRowSerializer):
+    fleet_gpu_seconds = serializers.FloatField(help_text="Ready GPU time of the whole fleet.")
+    fleet_cost_usd = serializers.DecimalField(**USD, help_text="That time at the pools' prices.")
 
 
 class MarginReportSerializer(serializers.Serializer[dict[str, Any]]):
     start = serializers.DateTimeField()
     end = serializers.DateTimeField()
     by = serializers.CharField()
-    totals = MarginRowSerializer()
+    totals = MarginTotalsSerializer()
     rows = MarginRowSerializer(many=True)
 
 

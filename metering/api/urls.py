@@ -10,7 +10,10 @@ rollups/                                      every tenant's rollups (staff)
 invoices/close/                               POST {tenant, month}: finalize, idempotent (staff)
 chargeback/export.csv?month=YYYY-MM           a month's invoices per team (staff)
 price-sheets/[{id}/]                          read (visible models); write (staff)
-margin/                                       revenue - cost to serve by model or pool (staff)
+margin/                                       revenue - cost to serve, idle included, and the
+                                              saving against least load, by model, pool or
+                                              tenant (staff)
+margin/export.csv                             the same report as CSV (staff)
 """
 
 from django.urls import URLPattern, URLResolver, path
@@ -75,4 +78,9 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("price-sheets/", price_sheets, name="price-sheet-list"),
     path("price-sheets/<int:pk>/", price_sheet, name="price-sheet-detail"),
     path("margin/", views.MarginViewSet.as_view({"get": "report"}), name="margin"),
+    path(
+        "margin/export.csv",
+        views.MarginViewSet.as_view({"get": "export_csv"}),
+        name="margin-export-csv",
+    ),
 ]

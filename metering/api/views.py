@@ -27,6 +27,7 @@ from config.api import PlatformModelViewSet, PlatformViewSet, ReadAnyWriteStaff
 from metering import actions
 from metering.api import filters, queries
 from metering.api.serializers import (
+    MARGIN_COLUMNS,
     CloseMonthSerializer,
     InvoiceSerializer,
     MarginReportSerializer,
@@ -297,19 +298,26 @@ class PriceSheetViewSet(PlatformModelViewSet):
 
 
 class MarginViewSet(StaffViewSet):
-    """Revenue minus cost to serve per model or pool, from the hourly rollups (staff)."""
+    """Revenue minus cost to serve (idle GPU time included) per model, pool or tenant, with
+    the router's saving against least load, from the hourly rollups and the GPU-time ledger
+    (staff)."""
 
     @extend_schema(parameters=[filters.MarginQuery], responses=MarginReportSerializer)
     def report(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return Response(MarginReportSerializer(self._report(request)).data)
+
+    @extend_schema(parameters=[filters.MarginQuery], responses={(200, "text/csv"): CSV_RESPONSE})
+    def export_csv(self, request: Request, *args: Any, **kwargs: Any) -> HttpResponse:
+        report = self._report(request)
+        name = f"margin-by-{report['by']}-{report['start']:%Y%m%dT%H%M}-{report['end']:%Y%m%dT%H%M}"
+        return csv_download(queries.margin_csv(report, MARGIN_COLUMNS), f"{name}.csv")
+
+    def _report(self, request: Request) -> dict[str, Any]:
         params = filters.parse_query(filters.MarginQuery, request)
-        rows = queries.margin_rows(
-            actions.access_rollups(request.user), params["start"], params["end"], params["by"]
+        return queries.margin_report(
+            actions.access_rollups(request.user),
+            actions.access_replica_hours(request.user),
+            params["start"],
+            params["end"],
+            params["by"],
         )
-        report = {
-            "start": params["start"],
-            "end": params["end"],
-            "by": params["by"],
-            "totals": queries.margin_totals(rows),
-            "rows": rows,
-        }
-        return Response(MarginReportSerializer(report).data)

@@ -4,42 +4,13 @@ large enough for one to mean something, and what cost to serve includes."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
-import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 
-from metering.models import HourlyRollup
+from metering.models import HourlyRollup, ReplicaHour
 from metering.rollups import empty_buckets, hour_floor
-from metering.views import MARGIN_PCT_MIN_REVENUE_USD, margin_as_shown
-
-
-def row(revenue_usd: float, cost_usd: float) -> dict[str, Any]:
-    margin = revenue_usd - cost_usd
-    return {
-        "revenue_usd": revenue_usd,
-        "cost_usd": cost_usd,
-        "margin_usd": margin,
-        "margin_pct": margin / revenue_usd * 100 if revenue_usd else None,
-    }
-
-
-def test_a_margin_on_tiny_revenue_has_no_percentage() -> None:
-    shown = margin_as_shown(row(revenue_usd=0.05, cost_usd=2.0))
-    assert shown["margin_pct"] is None
-    assert shown["margin_usd"] == pytest.approx(-1.95)
-    assert shown["margin_abs_usd"] == pytest.approx(1.95)
-
-
-def test_a_margin_on_revenue_at_the_floor_keeps_its_percentage() -> None:
-    shown = margin_as_shown(row(revenue_usd=MARGIN_PCT_MIN_REVENUE_USD, cost_usd=2.5))
-    assert shown["margin_pct"] == pytest.approx(75.0)
-
-
-def test_a_margin_on_no_revenue_has_no_percentage() -> None:
-    assert margin_as_shown(row(revenue_usd=0.0, cost_usd=1.0))["margin_pct"] is None
 
 
 def rollup(model: str, pool: str, revenue_usd: float, cost_usd: float) -> HourlyRollup:
@@ -82,7 +53,7 @@ def test_the_billing_page_shows_tiny_revenue_margins_in_dollars_only(db: None) -
     rollup("demo-8b", "h100-us-east", revenue_usd=0.04, cost_usd=1.64)
     cell = margin_cell(billing_page(), "demo-8b")
     assert "−$1.60" in cell
-    assert f"n/a — revenue under ${MARGIN_PCT_MIN_REVENUE_USD:.0f}" in cell
+    assert "n/a — revenue under $10.00" in cell
     assert "%" not in cell.split("n/a")[0], "no percentage before the n/a note"
     assert "loss" in cell
 
@@ -98,3 +69,32 @@ def test_the_billing_page_says_cost_to_serve_includes_idle_gpu_time(db: None) ->
     page = billing_page()
     assert 'id="cost-to-serve-note"' in page
     assert "idle time included" in page
+
+
+def test_the_billing_page_charges_the_fleets_ready_time_with_idle_as_its_own_cost(
+    db: None,
+) -> None:
+    hour = hour_floor(timezone.now() - timedelta(hours=2))
+    rollup("demo-8b", "h100-us-east", revenue_usd=0.0061, cost_usd=0.0004)
+    ReplicaHour.objects.create(
+        hour=hour,
+        replica_id="9",
+        deployment_id=1,
+        model="demo-8b",
+        pool="h100-us-east",
+        gpus=2,
+        usd_micros_per_gpu_hour=3_490_000,
+        ready_us=1_800_000_000,
+        requests=3,
+        gpu_seconds=3600.0,
+        idle_gpu_seconds=3599.0,
+        cost_usd_micros=3_490_000,
+        idle_usd_micros=3_489_600,
+    )
+    page = billing_page()
+    assert '<dd id="fleet-gpu-seconds">3,600</dd>' in page
+    assert '<dd id="fleet-cost">$3.49</dd>' in page
+    assert '<dd id="idle-cost">$3.49</dd>' in page
+    assert '<dd id="revenue">$0.0061</dd>' in page
+    tenant_rows = page[page.index('id="margins-by-tenant"') :]
+    assert 'data-key="idle"' in tenant_rows

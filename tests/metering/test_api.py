@@ -25,6 +25,7 @@ from metering.models import (
     HourlyRollup,
     Invoice,
     PriceSheet,
+    ReplicaHour,
     UsageEvent,
     micros_to_usd,
 )
@@ -643,8 +644,86 @@ def test_margin_by_pool_groups_by_pool(acme: Tenant, globex: Tenant, staff: Any)
     }
 
 
+def replica_hour(hour: datetime, replica_id: str, pool: str, **fields: Any) -> ReplicaHour:
+    values: dict[str, Any] = {
+        "deployment_id": 1,
+        "model": "llama-3.1-8b",
+        "gpus": 1,
+        "usd_micros_per_gpu_hour": 3_600_000,
+        "ready_us": 3_600_000_000,
+        "requests": 0,
+        "gpu_seconds": 3600.0,
+        "idle_gpu_seconds": 3600.0,
+        "cost_usd_micros": 3_600_000,
+        "idle_usd_micros": 3_600_000,
+    }
+    values.update(fields)
+    return ReplicaHour.objects.create(hour=hour, replica_id=replica_id, pool=pool, **values)
+
+
+def test_margin_charges_the_fleets_whole_ready_time_idle_included(
+    acme: Tenant, globex: Tenant, staff: Any
+) -> None:
+    rollup(acme, JAN, pool="h100-east", gpu_seconds=36.0, cost_to_serve_usd_micros=36_000)
+    rollup(globex, JAN, pool="h100-east", gpu_seconds=4.0, cost_to_serve_usd_micros=4_000)
+    replica_hour(
+        JAN, "1", "h100-east", requests=20, idle_gpu_seconds=3560.0, idle_usd_micros=3_560_000
+    )
+    replica_hour(
+        JAN,
+        "2",
+        "l4-west",
+        usd_micros_per_gpu_hour=720_000,
+        cost_usd_micros=720_000,
+        idle_usd_micros=720_000,
+    )
+    client = session(staff)
+    window = {"start": "2026-01-01T00:30:00Z", "end": "2026-01-01T02:00:00Z"}
+    by_pool = client.get("/api/v1/margin/", {**window, "by": "pool"}).json()
+    rows = {row["key"]: row for row in by_pool["rows"]}
+    assert rows["h100-east"]["gpu_seconds"] == pytest.approx(3600.0)
+    assert Decimal(rows["h100-east"]["cost_usd"]) == Decimal("3.600000")
+    assert Decimal(rows["l4-west"]["idle_cost_usd"]) == Decimal("0.720000")
+    totals = by_pool["totals"]
+    assert totals["gpu_seconds"] == pytest.approx(totals["fleet_gpu_seconds"]) == 7200.0
+    assert Decimal(totals["cost_usd"]) == Decimal(totals["fleet_cost_usd"]) == Decimal("4.32")
+    by_tenant = client.get("/api/v1/margin/", {**window, "by": "tenant"}).json()
+    tenants = {row["key"]: row for row in by_tenant["rows"]}
+    assert set(tenants) == {"acme", "globex", "idle"}
+    assert Decimal(tenants["idle"]["cost_usd"]) == Decimal("4.280000")
+    assert Decimal(by_tenant["totals"]["cost_usd"]) == Decimal("4.32")
+
+
+def test_a_margin_percentage_only_from_ten_dollars_of_revenue(acme: Tenant, staff: Any) -> None:
+    rollup(acme, JAN, model="small", revenue_usd_micros=6_100, cost_to_serve_usd_micros=40_000)
+    rollup(
+        acme, JAN, model="big", revenue_usd_micros=20_000_000, cost_to_serve_usd_micros=5_000_000
+    )
+    body = session(staff).get("/api/v1/margin/", {"start": "2026-01-01", "end": "2026-01-02"})
+    rows = {row["key"]: row for row in body.json()["rows"]}
+    assert rows["small"]["margin_pct"] is None
+    assert Decimal(rows["small"]["revenue_usd"]) == Decimal("0.006100")
+    assert rows["big"]["margin_pct"] == pytest.approx(75.0)
+
+
+def test_the_margin_report_exports_as_csv_with_its_total(acme: Tenant, staff: Any) -> None:
+    rollup(acme, JAN, pool="h100-east", revenue_usd_micros=90_000, baseline_cost_usd_micros=50_000)
+    replica_hour(JAN, "1", "h100-east")
+    reply = session(staff).get(
+        "/api/v1/margin/export.csv", {"start": "2026-01-01", "end": "2026-01-02", "by": "pool"}
+    )
+    assert reply.status_code == 200 and reply["Content-Type"].startswith("text/csv")
+    lines = list(csv.DictReader(io.StringIO(reply.content.decode())))
+    assert [line["pool"] for line in lines] == ["h100-east", "total"]
+    assert Decimal(lines[0]["revenue_usd"]) == Decimal("0.09")
+    assert Decimal(lines[0]["saving_vs_least_load_usd"]) == Decimal("0.01")
+    assert Decimal(lines[1]["cost_usd"]) == Decimal("3.64")
+    forbidden = session(user("acme-dev")).get("/api/v1/margin/export.csv")
+    assert forbidden.status_code == 403
+
+
 def test_margin_by_an_unknown_dimension_is_a_400(staff: Any) -> None:
-    response = session(staff).get("/api/v1/margin/", {"by": "tenant"})
+    response = session(staff).get("/api/v1/margin/", {"by": "region"})
     assert response.status_code == 400
     assert "by" in response.json()
 
