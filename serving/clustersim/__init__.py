@@ -5,9 +5,11 @@ from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, homog
 from serving.clustersim.report import (
     Summary,
     TierFigures,
+    WorkCost,
     format_summary,
     plot,
     summarize,
+    work_costs,
     write_csv,
 )
 from serving.clustersim.simulator import ClusterSimulator, SimConfig, SimResult, simulate
@@ -38,6 +40,7 @@ __all__ = [
     "Summary",
     "Tenant",
     "TierFigures",
+    "WorkCost",
     "bursty",
     "diurnal",
     "format_summary",
@@ -49,5 +52,6 @@ __all__ = [
     "simulate",
     "summarize",
     "with_budget",
+    "work_costs",
     "write_csv",
 ]

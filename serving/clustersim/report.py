@@ -1,4 +1,18 @@
-"""Figures of a simulation: latency percentiles, SLO attainment, utilisation, cost; CSV and PNG."""
+"""Figures of a simulation: latency percentiles, SLO attainment, utilisation, cost; CSV and PNG.
+
+The router's saving against least load is priced as metering prices cost to serve
+(`metering.cost`): each served request's work (uncached prompt tokens at the prefill
+weight, output tokens at the decode weight of the replica's mean batch and context over
+its ready time) in GPU time at the pool's price, on the replica it ran on and on the one
+least load would have sent it to (`RequestRecord.baseline_replica_id`). The same tokens are
+priced on both, with the prompt tokens the router expected the chosen replica to hold
+counted as cached on both: what moves is the hardware and its price, not the work. A
+baseline replica's weights are those of its own traffic in this run, so one the router
+kept quiet prices decode tokens at its small batch, dearer than with the work moved back;
+one that served nothing prices with the chosen replica's mean batch and context. On a
+fixed fleet the bill is the same whichever the policy; this is the
+price of the work the router moved, which the fleet's idle time absorbs unless it shrinks.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.clustersim.simulator import RequestRecord, SimResult
+from metering.cost import (
+    ReplicaWindow,
+    ServedRequest,
+    WorkWeights,
+    mean_context,
+    mean_decode_batch,
+    weights_for_window,
+    work_cost_usd_micros,
+    work_weights,
+)
+from serving.clustersim.simulator import RequestRecord, SimReplica, SimResult
 from serving.router import DEFAULT_SLO_TIERS, SloTier
 
 PERCENTILES = (50, 95, 99)
@@ -62,6 +86,11 @@ class Summary:
     tpot_p99_s: float
     queue_advised: int
     preemptions: int
+    # Served requests' work priced where it ran and where least load would have sent it
+    # (module docstring); the saving is the second less the first.
+    work_cost_usd: float
+    baseline_work_cost_usd: float
+    saving_vs_least_load_usd: float
     tiers: dict[str, TierFigures]
     share_by_gpu: dict[str, float]
 
@@ -102,6 +131,83 @@ def tier_figures(name: str, records: list[RequestRecord], tier: SloTier) -> Tier
     )
 
 
+@dataclass(frozen=True, slots=True)
+class WorkCost:
+    """One served request's work priced on the replica it ran on and on least load's pick."""
+
+    request_id: str
+    replica_id: str
+    baseline_replica_id: str
+    usd_micros: int
+    baseline_usd_micros: int
+
+
+def served_request(record: RequestRecord) -> ServedRequest:
+    """A finished record as metering sees a request: tokens, expected cache hit, decode time."""
+    assert record.finished_s is not None and record.first_token_s is not None
+    return ServedRequest(
+        request_id=record.request.request_id,
+        prompt_tokens=record.request.prompt_tokens,
+        cached_prompt_tokens=record.request.prompt_tokens - record.prefill_tokens,
+        completion_tokens=record.output_tokens,
+        decode_ms=(record.finished_s - record.first_token_s) * 1000,
+    )
+
+
+def replica_window(replica: SimReplica, ended_s: float) -> ReplicaWindow:
+    """The replica's ready time over the run, from ready (cold start done) to stopped."""
+    stopped = replica.stopped_s if replica.stopped_s is not None else ended_s
+    return ReplicaWindow(
+        replica_id=replica.replica_id,
+        ready_us=max(0, round((stopped - replica.ready_s) * 1e6)),
+        gpus=replica.gpus,
+        usd_micros_per_gpu_hour=round(replica.pool.price_per_gpu_hour * 1e6),
+    )
+
+
+def work_costs(result: SimResult) -> list[WorkCost]:
+    """Each served request's work cost where it ran and where least load would have sent it,
+    by metering's rule (module docstring)."""
+    replicas = {replica.replica_id: replica for replica in result.replicas}
+    perfs = {pool.name: result.fleet.perf(pool) for pool in result.fleet.pools}
+    served: dict[str, list[tuple[RequestRecord, ServedRequest]]] = {}
+    for record in result.records:
+        if record.finished_s is not None and record.replica_id is not None:
+            served.setdefault(record.replica_id, []).append((record, served_request(record)))
+    windows = {rid: replica_window(replica, result.ended_s) for rid, replica in replicas.items()}
+    weights = {
+        rid: weights_for_window(
+            perfs[replicas[rid].pool.name], windows[rid], [sr for _, sr in members]
+        )
+        for rid, members in served.items()
+    }
+    costs = []
+    for rid, members in served.items():
+        requests = [sr for _, sr in members]
+        # A baseline replica that served nothing has no batch or context of its own.
+        fallback = (mean_decode_batch(windows[rid], requests), mean_context(requests))
+        for record, request in members:
+            baseline_id = record.baseline_replica_id
+            assert baseline_id is not None, "a routed request always has a baseline"
+            baseline_weights = weights.get(baseline_id) or work_weights(
+                perfs[replicas[baseline_id].pool.name], *fallback
+            )
+            costs.append(
+                WorkCost(
+                    request_id=request.request_id,
+                    replica_id=rid,
+                    baseline_replica_id=baseline_id,
+                    usd_micros=_work_cost(weights[rid], windows[rid], request),
+                    baseline_usd_micros=_work_cost(baseline_weights, windows[baseline_id], request),
+                )
+            )
+    return costs
+
+
+def _work_cost(weights: WorkWeights, window: ReplicaWindow, request: ServedRequest) -> int:
+    return work_cost_usd_micros(weights, window.gpus, window.usd_micros_per_gpu_hour, request)
+
+
 def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) -> Summary:
     tiers = slo_tiers or result.config.router.slo_tiers or DEFAULT_SLO_TIERS
     records = result.records
@@ -122,6 +228,9 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
     for record in served:
         by_gpu[record.gpu_class or "?"] = by_gpu.get(record.gpu_class or "?", 0) + 1
     duration = result.ended_s
+    priced = work_costs(result)
+    work_micros = sum(cost.usd_micros for cost in priced)
+    baseline_micros = sum(cost.baseline_usd_micros for cost in priced)
     return Summary(
         policy=result.config.policy,
         fleet=result.fleet.describe(),
@@ -153,6 +262,9 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
         tpot_p99_s=tpot[2],
         queue_advised=result.queue_advised,
         preemptions=sum(r.preemptions for r in records),
+        work_cost_usd=work_micros / 1e6,
+        baseline_work_cost_usd=baseline_micros / 1e6,
+        saving_vs_least_load_usd=(baseline_micros - work_micros) / 1e6,
         tiers={
             name: tier_figures(name, members, tiers.get(name) or SloTier(name, None, None))
             for name, members in sorted(by_tier.items())
@@ -184,6 +296,7 @@ def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
                 "prompt_tokens",
                 "output_tokens",
                 "replica",
+                "baseline_replica",
                 "gpu_class",
                 "ttft_s",
                 "tpot_s",
@@ -202,6 +315,7 @@ def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:
                     r.request.prompt_tokens,
                     r.output_tokens,
                     r.replica_id or "",
+                    r.baseline_replica_id or "",
                     r.gpu_class or "",
                     _fmt(r.ttft_s),
                     _fmt(r.tpot_s),
@@ -296,6 +410,9 @@ def format_summary(summary: Summary) -> str:
         f"{summary.bandwidth_utilization:.0%}  "
         f"cost ${summary.cost_usd:.2f} (${summary.cost_per_hour:.2f}/h, "
         f"${summary.cost_per_million_tokens:.3f} per M tokens)",
+        f"  work ${summary.work_cost_usd:.4f} where it ran, "
+        f"${summary.baseline_work_cost_usd:.4f} where least load would have sent it: "
+        f"saving vs least load ${summary.saving_vs_least_load_usd:.4f}",
     ]
     for t in summary.tiers.values():
         lines.append(

@@ -65,6 +65,8 @@ class RequestRecord:
     request: SimRequest
     replica_id: str | None = None
     gpu_class: str | None = None
+    # Where least load would have sent it at the same moment (the decision's baseline).
+    baseline_replica_id: str | None = None
     first_token_s: float | None = None
     finished_s: float | None = None
     output_tokens: int = 0
@@ -262,6 +264,8 @@ class ClusterSimulator:
             return
         record.replica_id = replica.replica_id
         record.gpu_class = replica.pool.gpu_class
+        baseline = decision.baseline_replica
+        record.baseline_replica_id = baseline.replica_id if baseline is not None else None
         record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
         self._state.request_started(replica.replica_id, record.prefill_tokens, request.arrival_s)
         engine.add_request(

@@ -1,5 +1,5 @@
 """The cluster simulator: workloads, the event loop over the engine model and the real router,
-figures, files, and the autoscaler in the loop."""
+figures, files, the autoscaler in the loop, and the router's saving against least load."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from metering.cost import (
+    ReplicaWindow,
+    mean_context,
+    mean_decode_batch,
+    weights_for_window,
+    work_cost_usd_micros,
+    work_weights,
+)
 from serving.capacity.autoscaler import AutoscalerConfig
 from serving.clustersim import (
     AutoscaleBounds,
@@ -28,6 +36,7 @@ from serving.clustersim import (
     write_csv,
 )
 from serving.clustersim.__main__ import main as cli_main
+from serving.clustersim.report import served_request, work_costs
 from serving.clustersim.workloads import diurnal_rate, salted_blocks
 from serving.engine.core import Engine, EngineRequest
 
@@ -207,7 +216,9 @@ def test_the_cli_prints_a_summary(capsys: pytest.CaptureFixture[str], tmp_path: 
     )
     out = capsys.readouterr().out
     assert "cost_aware on 1x H100-SXM-80GB + 1x L40S-48GB" in out
-    assert (tmp_path / "summary.csv").exists()
+    assert "saving vs least load $" in out
+    header = (tmp_path / "summary.csv").read_text().splitlines()[0].split(",")
+    assert {"work_cost_usd", "baseline_work_cost_usd", "saving_vs_least_load_usd"} <= set(header)
 
 
 def test_a_static_comparison_sizes_for_the_autoscaled_peak(
@@ -251,3 +262,60 @@ def test_the_routers_in_flight_prompt_accounting_returns_to_zero_after_a_run() -
             0,
             0,
         )
+
+
+# A dear and a cheap GPU class; long prompts and short answers, so the work is mostly
+# prefill, which the L40S computes for less per token than the H100 at list prices.
+TWO_CLASSES = FleetSpec(
+    pools=(PoolSpec("h100", "H100-SXM-80GB", 1), PoolSpec("l40s", "L40S-48GB", 1))
+)
+PREFILL_HEAVY = [SimRequest(f"r{i}", i * 0.25, 3000, 20, "umbrella", "batch") for i in range(60)]
+
+
+def test_cost_aware_saves_the_price_of_the_work_it_moved_off_the_dear_gpus() -> None:
+    result = simulate(TWO_CLASSES, PREFILL_HEAVY, SimConfig(policy="cost_aware"))
+    summary = summarize(result)
+    costs = work_costs(result)
+
+    assert summary.share_by_gpu == {"L40S-48GB": 1.0}
+    # The H100 stays idle (or ties and comes first), so least load would have sent it each one.
+    assert {cost.baseline_replica_id for cost in costs} == {"h100-0"}
+    assert summary.saving_vs_least_load_usd > 0
+    assert summary.saving_vs_least_load_usd == pytest.approx(
+        sum(cost.baseline_usd_micros - cost.usd_micros for cost in costs) / 1e6
+    )
+    assert summary.work_cost_usd == pytest.approx(sum(c.usd_micros for c in costs) / 1e6)
+
+
+def test_each_requests_work_is_priced_by_meterings_rule_on_both_replicas() -> None:
+    result = simulate(TWO_CLASSES, PREFILL_HEAVY, SimConfig(policy="cost_aware"))
+    l40s = next(r for r in result.replicas if r.pool.name == "l40s")
+    h100 = next(r for r in result.replicas if r.pool.name == "h100")
+    served = [served_request(r) for r in result.records]
+    window = ReplicaWindow(
+        replica_id=l40s.replica_id,
+        ready_us=round((result.ended_s - l40s.ready_s) * 1e6),
+        gpus=1,
+        usd_micros_per_gpu_hour=990_000,
+    )
+    on_l40s = weights_for_window(TWO_CLASSES.perf(l40s.pool), window, served)
+    # The H100 served nothing: the L40S's mean batch and context, on the H100's roofline.
+    on_h100 = work_weights(
+        TWO_CLASSES.perf(h100.pool), mean_decode_batch(window, served), mean_context(served)
+    )
+
+    cost = next(c for c in work_costs(result) if c.baseline_replica_id == h100.replica_id)
+    request = next(s for s in served if s.request_id == cost.request_id)
+
+    assert cost.usd_micros == work_cost_usd_micros(on_l40s, 1, 990_000, request)
+    assert cost.baseline_usd_micros == work_cost_usd_micros(on_h100, 1, 3_490_000, request)
+    assert cost.baseline_usd_micros > cost.usd_micros
+
+
+def test_under_least_load_the_saving_against_least_load_is_exactly_zero() -> None:
+    result = simulate(TWO_CLASSES, PREFILL_HEAVY, SimConfig(policy="least_load"))
+    summary = summarize(result)
+
+    assert len(summary.share_by_gpu) == 2
+    assert summary.saving_vs_least_load_usd == 0
+    assert summary.baseline_work_cost_usd == summary.work_cost_usd > 0
