@@ -188,6 +188,8 @@ class ReplicaHour(models.Model):
     idle_gpu_seconds = models.FloatField()
     cost_usd_micros = models.BigIntegerField()
     idle_usd_micros = models.BigIntegerField()
+    # The moment the hour was computed for: an open hour counts ready time up to here.
+    as_of = models.DateTimeField()
 
     class Meta:
         ordering = ["hour", "replica_id"]

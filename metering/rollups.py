@@ -126,7 +126,7 @@ def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
                     attribution.cost_usd_micros + moved,
                 )
             )
-        rows.append(_replica_hour(hour, item, share))
+        rows.append(_replica_hour(hour, item, share, now))
     _write_charges(charges)
     ReplicaHour.objects.filter(hour=hour).delete()
     ReplicaHour.objects.bulk_create(rows)
@@ -202,7 +202,9 @@ def _baseline_difference(
     return there - here
 
 
-def _replica_hour(hour: datetime, item: _Priced, share: cost.WindowSplit) -> ReplicaHour:
+def _replica_hour(
+    hour: datetime, item: _Priced, share: cost.WindowSplit, now: datetime
+) -> ReplicaHour:
     replica = item.ledger
     return ReplicaHour(
         hour=hour,
@@ -218,6 +220,7 @@ def _replica_hour(hour: datetime, item: _Priced, share: cost.WindowSplit) -> Rep
         idle_gpu_seconds=share.idle_gpu_seconds,
         cost_usd_micros=item.window.cost_usd_micros,
         idle_usd_micros=share.idle_usd_micros,
+        as_of=min(now, hour + timedelta(hours=1)),
     )
 
 

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Count, Q, QuerySet, Sum
+from django.db.models import Count, Max, Q, QuerySet, Sum
 from django.db.models.functions import Trunc
 
 from metering.models import HourlyRollup, ReplicaHour, UsageEvent, micros_to_usd
@@ -168,12 +168,13 @@ def margin_totals(
     for row in rows:
         total.merge(row)
     fleet = ledger.filter(hour__gte=hour_floor(start), hour__lt=end).aggregate(
-        gpu=Sum("gpu_seconds"), micros=Sum("cost_usd_micros")
+        gpu=Sum("gpu_seconds"), micros=Sum("cost_usd_micros"), as_of=Max("as_of")
     )
     return {
         **total.row("total"),
         "fleet_gpu_seconds": fleet["gpu"] or 0.0,
         "fleet_cost_usd": micros_to_usd(int(fleet["micros"] or 0)),
+        "as_of": fleet["as_of"],
     }
 
 

@@ -316,6 +316,9 @@ MARGIN_COLUMNS: tuple[str, ...] = tuple(MarginRowSerializer().fields)
 class MarginTotalsSerializer(MarginRowSerializer):
     fleet_gpu_seconds = serializers.FloatField(help_text="Ready GPU time of the whole fleet.")
     fleet_cost_usd = serializers.DecimalField(**USD, help_text="That time at the pools' prices.")
+    as_of = serializers.DateTimeField(
+        allow_null=True, help_text="Ready time is counted up to here (the last recompute)."
+    )
 
 
 class MarginReportSerializer(serializers.Serializer[dict[str, Any]]):

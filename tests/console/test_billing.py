@@ -90,6 +90,7 @@ def test_the_billing_page_charges_the_fleets_ready_time_with_idle_as_its_own_cos
         idle_gpu_seconds=3599.0,
         cost_usd_micros=3_490_000,
         idle_usd_micros=3_489_600,
+        as_of=hour + timedelta(hours=1),
     )
     page = billing_page()
     assert '<dd id="fleet-gpu-seconds">3,600</dd>' in page

@@ -656,6 +656,7 @@ def replica_hour(hour: datetime, replica_id: str, pool: str, **fields: Any) -> R
         "idle_gpu_seconds": 3600.0,
         "cost_usd_micros": 3_600_000,
         "idle_usd_micros": 3_600_000,
+        "as_of": hour + timedelta(hours=1),
     }
     values.update(fields)
     return ReplicaHour.objects.create(hour=hour, replica_id=replica_id, pool=pool, **values)
@@ -687,6 +688,7 @@ def test_margin_charges_the_fleets_whole_ready_time_idle_included(
     totals = by_pool["totals"]
     assert totals["gpu_seconds"] == pytest.approx(totals["fleet_gpu_seconds"]) == 7200.0
     assert Decimal(totals["cost_usd"]) == Decimal(totals["fleet_cost_usd"]) == Decimal("4.32")
+    assert totals["as_of"] == "2026-01-01T01:00:00Z"
     by_tenant = client.get("/api/v1/margin/", {**window, "by": "tenant"}).json()
     tenants = {row["key"]: row for row in by_tenant["rows"]}
     assert set(tenants) == {"acme", "globex", "idle"}
