@@ -81,6 +81,8 @@ class NodeAgent:
 
         self._http = aiohttp.ClientSession()
         self.credentials = self._store.load()
+        if restored := self.events.restore(self._undelivered_path):
+            log.info("%d replica events from before the last stop wait for delivery", restored)
         self._runner = web.AppRunner(build_agent_app(self), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.listen_host, self.config.listen_port)
@@ -94,10 +96,15 @@ class NodeAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         await asyncio.gather(*(r.stop() for r in self.replicas.values()))
+        self.events.save(self._undelivered_path)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._http is not None:
             await self._http.close()
+
+    @property
+    def _undelivered_path(self) -> Path:
+        return self.config.state_dir / "undelivered-events.json"
 
     def _listen_url(self) -> str:
         assert self._runner is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import time
 from pathlib import Path
 
 import aiohttp
@@ -207,3 +208,40 @@ async def test_one_unrunnable_spec_in_a_heartbeat_answer_does_not_block_the_othe
         await control_plane.stop()
 
     assert ids == {"42"}
+
+
+async def test_a_replica_stopped_while_the_control_plane_is_down_is_reported_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    control_plane.desired = None
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+            headers = {"Authorization": f"Bearer {agent.node_token}"}
+            body = {"replicas": [simulated_spec("r-9")]}
+            async with (
+                aiohttp.ClientSession(headers=headers) as http,
+                http.put(f"{agent.agent_url}/v1/replicas", json=body) as response,
+            ):
+                assert response.status == 200
+            await eventually(
+                lambda: "ready" in [e["kind"] for e in control_plane.events("r-9")],
+                what="the ready event delivered",
+            )
+            await control_plane.stop()  # down first, as when the whole platform stops
+        stopped_at = time.time()
+        assert (tmp_path / "undelivered-events.json").exists()
+        await control_plane.start()
+        async with running_agent(control_plane.url, tmp_path):
+            await eventually(
+                lambda: "stopped" in [e["kind"] for e in control_plane.events("r-9")],
+                what="the stop delivered after the restart",
+            )
+    finally:
+        await control_plane.stop()
+
+    [stop] = [e for e in control_plane.events("r-9") if e["kind"] == "stopped"]
+    assert stop["at"] <= stopped_at, "the event keeps the time the replica stopped"
+    assert not (tmp_path / "undelivered-events.json").exists()
