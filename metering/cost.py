@@ -151,6 +151,32 @@ def work_cost_usd_micros(
     return gpu_time_usd_micros(round(work_s * 1e6) * gpus, usd_micros_per_gpu_hour)
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A replica as the saving prices it: its engine model, its GPUs and their price."""
+
+    perf: PerfModel
+    gpus: int
+    usd_micros_per_gpu_hour: int
+
+
+def moved_work_usd_micros(
+    request: ServedRequest, here: Placement, there: Placement, batch: int, context: int
+) -> int:
+    """How much more (less, when negative) the request's work costs on `there` than on
+    `here`, both at one decode batch and context: those of the replica it ran on.
+
+    One batch for both prices the hardware choice alone. Pricing `there` at the batch it had
+    in the same period would charge the router for batch sizes its own choices made (sending
+    work away from a replica empties its batch and makes its tokens look dear), which is not
+    what the baseline policy would have met there."""
+    return work_cost_usd_micros(
+        work_weights(there.perf, batch, context), there.gpus, there.usd_micros_per_gpu_hour, request
+    ) - work_cost_usd_micros(
+        work_weights(here.perf, batch, context), here.gpus, here.usd_micros_per_gpu_hour, request
+    )
+
+
 def split(
     window: ReplicaWindow, requests: Sequence[ServedRequest], weights: WorkWeights
 ) -> WindowSplit:

@@ -22,6 +22,7 @@ from datetime import datetime, timedelta
 
 from django.db.models import Prefetch, Q
 
+from metering.cost import Placement
 from metering.prices import usd_to_micros
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
@@ -88,6 +89,12 @@ class ReplicaLedger:
     usd_micros_per_gpu_hour: int
     perf: PerfModel | None
     intervals: list[Interval]
+
+    @property
+    def placement(self) -> Placement | None:
+        if self.perf is None:
+            return None
+        return Placement(self.perf, self.gpus, self.usd_micros_per_gpu_hour)
 
     def ready_us(self, start: datetime, end: datetime) -> int:
         return overlap_us(self.intervals, start, end)

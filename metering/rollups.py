@@ -178,28 +178,20 @@ def _served_in(start: datetime, end: datetime) -> Served:
 def _baseline_difference(
     served: cost.ServedRequest, chosen: _Priced, baseline: _Priced | None
 ) -> int:
-    """How much more (or less) the request's work would have cost on the baseline's replica
-    than on its own, both priced by `work_cost_usd_micros`. A baseline replica that served
-    nothing this hour is priced at the chosen replica's batch and context, on its own engine
-    model."""
-    if baseline is None or baseline is chosen or chosen.weights is None:
+    """What the request's work would have cost more (or less) on the baseline's replica than
+    on its own, at its own replica's batch and context (metering.cost.moved_work_usd_micros)."""
+    if baseline is None or baseline is chosen:
         return 0
-    if baseline.ledger.perf is None:
+    here, there = chosen.ledger.placement, baseline.ledger.placement
+    if here is None or there is None:
         return 0
-    weights = baseline.weights
-    if not baseline.served or weights is None:
-        weights = cost.work_weights(
-            baseline.ledger.perf,
-            cost.mean_decode_batch(chosen.window, chosen.served),
-            cost.mean_context(chosen.served),
-        )
-    there = cost.work_cost_usd_micros(
-        weights, baseline.ledger.gpus, baseline.ledger.usd_micros_per_gpu_hour, served
+    return cost.moved_work_usd_micros(
+        served,
+        here,
+        there,
+        cost.mean_decode_batch(chosen.window, chosen.served),
+        cost.mean_context(chosen.served),
     )
-    here = cost.work_cost_usd_micros(
-        chosen.weights, chosen.ledger.gpus, chosen.ledger.usd_micros_per_gpu_hour, served
-    )
-    return there - here
 
 
 def _replica_hour(

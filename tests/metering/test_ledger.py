@@ -20,7 +20,6 @@ from metering.cost import (
     gpu_time_usd_micros,
     mean_context,
     mean_decode_batch,
-    weights_for_window,
     work_cost_usd_micros,
     work_weights,
 )
@@ -254,12 +253,11 @@ def test_the_baseline_cost_prices_the_same_work_on_least_loads_replica(fleet: Fl
     h100x2 = PerfModel(
         load_gpu_specs()["H100-SXM-80GB"], load_model_specs()["llama-3.1-8b"], tensor_parallel=2
     )
-    here = weights_for_window(l4, window, served)
-    # The H100 replica served nothing: it is priced at the L4 replica's batch and context.
-    there = work_weights(h100x2, mean_decode_batch(window, served), mean_context(served))
+    # Both priced at the L4 replica's batch and context: the hardware choice alone.
+    batch, context = mean_decode_batch(window, served), mean_context(served)
     difference = work_cost_usd_micros(
-        there, 2, usd_to_micros("3.49"), served[0]
-    ) - work_cost_usd_micros(here, 1, usd_to_micros("0.71"), served[0])
+        work_weights(h100x2, batch, context), 2, usd_to_micros("3.49"), served[0]
+    ) - work_cost_usd_micros(work_weights(l4, batch, context), 1, usd_to_micros("0.71"), served[0])
     assert difference != 0
     assert rows[moved].baseline_cost_usd_micros == rows[moved].cost_to_serve_usd_micros + difference
     assert rows[stayed].baseline_cost_usd_micros == rows[stayed].cost_to_serve_usd_micros
