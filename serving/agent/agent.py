@@ -54,6 +54,10 @@ class AgentConfig:
     scrape_timeout_s: float = 1.5
 
 
+# The last beat of a stopping agent waits this long for the control plane at most.
+GOODBYE_TIMEOUT_S = 2.0
+
+
 class NodeAgent:
     def __init__(self, config: AgentConfig, gpus: GpuInventory) -> None:
         self.config = config
@@ -96,11 +100,30 @@ class NodeAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
         await asyncio.gather(*(r.stop() for r in self.replicas.values()))
+        await self._say_goodbye()
         self.events.save(self._undelivered_path)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._http is not None:
             await self._http.close()
+
+    async def _say_goodbye(self) -> None:
+        """One last beat, its answer ignored: the control plane learns that the replicas
+        stopped, and when, now rather than when the node is declared lost. What it cannot
+        take waits on disk for the next start."""
+        if self.credentials is None or self._http is None:
+            return
+        events = self.events.pending()
+        body = self.heartbeat_body(events)
+        try:
+            await asyncio.wait_for(
+                self._client().heartbeat(self.credentials.node_token, body),
+                timeout=GOODBYE_TIMEOUT_S,
+            )
+        except (Unreachable, Unauthorized, TimeoutError) as exc:
+            log.warning("could not report the stop to the control plane: %s", exc)
+            return
+        self.events.acknowledge(events)
 
     @property
     def _undelivered_path(self) -> Path:

@@ -73,12 +73,18 @@ class FakeControlPlane:
         return web.json_response({"desired_replicas": self.desired})
 
     def events(self, replica_id: str | None = None) -> list[dict[str, Any]]:
-        return [
-            event
-            for beat in self.heartbeats
-            for event in beat["events"]
-            if replica_id is None or event["replica_id"] == replica_id
-        ]
+        """Each event once, as the control plane keeps them: delivery is at least once (a beat
+        cut off after it landed, when the agent stops mid-beat, is sent again)."""
+        seen: set[str] = set()
+        kept = []
+        for beat in self.heartbeats:
+            for event in beat["events"]:
+                if event["event_id"] in seen:
+                    continue
+                seen.add(event["event_id"])
+                if replica_id is None or event["replica_id"] == replica_id:
+                    kept.append(event)
+        return kept
 
     def latest_replica(self, replica_id: str) -> dict[str, Any] | None:
         for beat in reversed(self.heartbeats):

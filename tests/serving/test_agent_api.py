@@ -83,7 +83,8 @@ async def test_putting_the_same_desired_set_twice_launches_the_replica_once(
         await control_plane.stop()
 
     assert [(r["replica_id"], r["state"]) for r in listed] == [("r-7", "Ready")]
-    assert [e["kind"] for e in control_plane.events("r-7")] == ["started", "ready"]
+    # Launched once; the stop is the agent's last beat as the test ended.
+    assert [e["kind"] for e in control_plane.events("r-7")] == ["started", "ready", "stopped"]
 
 
 async def test_a_spec_the_agent_cannot_launch_is_a_400_that_says_why(tmp_path: Path) -> None:
@@ -244,4 +245,32 @@ async def test_a_replica_stopped_while_the_control_plane_is_down_is_reported_aft
 
     [stop] = [e for e in control_plane.events("r-9") if e["kind"] == "stopped"]
     assert stop["at"] <= stopped_at, "the event keeps the time the replica stopped"
+    assert not (tmp_path / "undelivered-events.json").exists()
+
+
+async def test_a_stopping_agent_reports_its_replicas_stopped_before_it_exits(
+    tmp_path: Path,
+) -> None:
+    control_plane = FakeControlPlane()
+    control_plane.desired = None
+    await control_plane.start()
+    try:
+        async with running_agent(control_plane.url, tmp_path) as agent:
+            await _registered(control_plane, agent)
+            headers = {"Authorization": f"Bearer {agent.node_token}"}
+            body = {"replicas": [simulated_spec("r-5")]}
+            async with (
+                aiohttp.ClientSession(headers=headers) as http,
+                http.put(f"{agent.agent_url}/v1/replicas", json=body) as response,
+            ):
+                assert response.status == 200
+            await eventually(
+                lambda: "ready" in [e["kind"] for e in control_plane.events("r-5")],
+                what="the ready event delivered",
+            )
+        # Stopped: the last beat already carried the stop, and the replica's final state.
+        assert "stopped" in [e["kind"] for e in control_plane.events("r-5")]
+        assert (control_plane.latest_replica("r-5") or {}).get("state") == "Stopped"
+    finally:
+        await control_plane.stop()
     assert not (tmp_path / "undelivered-events.json").exists()

@@ -42,7 +42,9 @@ async def test_a_killed_replica_is_restarted_and_reported_as_crashed_then_restar
     finally:
         await control_plane.stop()
 
-    assert _kinds(control_plane, "r-1") == ["started", "ready", "crashed", "restarted", "ready"]
+    # The last, stopped, is the agent's goodbye as the test ends.
+    kinds = ["started", "ready", "crashed", "restarted", "ready", "stopped"]
+    assert _kinds(control_plane, "r-1") == kinds
     assert replica is not None and replica["pid"] != first_pid
     assert "signal 9" in replica["last_error"]
 
