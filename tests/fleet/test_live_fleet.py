@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,12 @@ import httpx
 import pytest
 import redis
 from django.db import close_old_connections
+from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 from pytest_django.live_server_helper import LiveServer
 
+from metering.models import ReplicaHour
+from metering.rollups import hour_floor, recompute_hour
 from registry.models import Deployment
 from serving import telemetry
 from serving.actions.credentials import engine_api_key
@@ -264,3 +268,47 @@ def test_telemetry_in_redis_matches_the_simulators_own_state_under_load(
     assert latest["generation_tokens_total"] - before == streams * 1500
     compact = telemetry.read_routing_telemetry(redis_client)[replica.replica_id]
     assert (compact["running"], compact["waiting"]) == (0, 0)
+
+
+def test_the_ledger_charges_ready_time_from_real_agents_events_and_stops_at_the_stop(
+    fleet: Fleet,
+) -> None:
+    agents, deployment, secret = fleet
+    began = time.time()
+    agents.start("live-1", secret)
+    replica = _ready_replica(deployment)
+    seen_ready = time.time()  # the replica became ready at or before this
+    time.sleep(3)
+    killed = time.time()
+    assert replica.pid is not None
+    os.killpg(replica.pid, signal.SIGKILL)
+
+    def ready_again() -> Replica | None:
+        replica.refresh_from_db()
+        return replica if replica.restarts >= 1 and replica.state == Replica.State.READY else None
+
+    eventually(ready_again, 60, "the replica Ready again after the crash")
+    seen_ready_again = time.time()
+    time.sleep(3)
+    stopping = time.time()
+    agents.stop_all()
+    # The agent's last beat reports the stop itself; no node loss needed.
+    eventually(
+        lambda: Replica.objects.get(pk=replica.pk).state == Replica.State.STOPPED,
+        10,
+        "the stop reported by the stopping agent",
+    )
+
+    def ledger_seconds(now: datetime) -> float:
+        hour = hour_floor(datetime.fromtimestamp(began, UTC))
+        for start in (hour, hour + timedelta(hours=1)):
+            recompute_hour(start, now)
+        rows = ReplicaHour.objects.filter(replica_id=replica.replica_id)
+        return sum(row.ready_us for row in rows) / 1e6
+
+    charged = ledger_seconds(timezone.now())
+    # At least the two stretches the test saw ready, at most the agent's whole life.
+    assert charged >= (killed - seen_ready) + (stopping - seen_ready_again) - 0.5
+    assert charged <= stopping + 2.5 - began
+    # Ten minutes on, nothing more: the meter stopped with the replica.
+    assert ledger_seconds(timezone.now() + timedelta(minutes=10)) == charged
