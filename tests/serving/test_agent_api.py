@@ -211,6 +211,22 @@ async def test_one_unrunnable_spec_in_a_heartbeat_answer_does_not_block_the_othe
     assert ids == {"42"}
 
 
+async def _launch_until_ready(
+    control_plane: FakeControlPlane, agent: NodeAgent, replica_id: str
+) -> None:
+    headers = {"Authorization": f"Bearer {agent.node_token}"}
+    body = {"replicas": [simulated_spec(replica_id)]}
+    async with (
+        aiohttp.ClientSession(headers=headers) as http,
+        http.put(f"{agent.agent_url}/v1/replicas", json=body) as response,
+    ):
+        assert response.status == 200
+    await eventually(
+        lambda: "ready" in [e["kind"] for e in control_plane.events(replica_id)],
+        what="the ready event delivered",
+    )
+
+
 async def test_a_replica_stopped_while_the_control_plane_is_down_is_reported_after_a_restart(
     tmp_path: Path,
 ) -> None:
@@ -220,17 +236,7 @@ async def test_a_replica_stopped_while_the_control_plane_is_down_is_reported_aft
     try:
         async with running_agent(control_plane.url, tmp_path) as agent:
             await _registered(control_plane, agent)
-            headers = {"Authorization": f"Bearer {agent.node_token}"}
-            body = {"replicas": [simulated_spec("r-9")]}
-            async with (
-                aiohttp.ClientSession(headers=headers) as http,
-                http.put(f"{agent.agent_url}/v1/replicas", json=body) as response,
-            ):
-                assert response.status == 200
-            await eventually(
-                lambda: "ready" in [e["kind"] for e in control_plane.events("r-9")],
-                what="the ready event delivered",
-            )
+            await _launch_until_ready(control_plane, agent, "r-9")
             await control_plane.stop()  # down first, as when the whole platform stops
         stopped_at = time.time()
         assert (tmp_path / "undelivered-events.json").exists()
@@ -257,17 +263,7 @@ async def test_a_stopping_agent_reports_its_replicas_stopped_before_it_exits(
     try:
         async with running_agent(control_plane.url, tmp_path) as agent:
             await _registered(control_plane, agent)
-            headers = {"Authorization": f"Bearer {agent.node_token}"}
-            body = {"replicas": [simulated_spec("r-5")]}
-            async with (
-                aiohttp.ClientSession(headers=headers) as http,
-                http.put(f"{agent.agent_url}/v1/replicas", json=body) as response,
-            ):
-                assert response.status == 200
-            await eventually(
-                lambda: "ready" in [e["kind"] for e in control_plane.events("r-5")],
-                what="the ready event delivered",
-            )
+            await _launch_until_ready(control_plane, agent, "r-5")
         # Stopped: the last beat already carried the stop, and the replica's final state.
         assert "stopped" in [e["kind"] for e in control_plane.events("r-5")]
         assert (control_plane.latest_replica("r-5") or {}).get("state") == "Stopped"
