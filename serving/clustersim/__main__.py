@@ -7,8 +7,9 @@
         --fleet H100-SXM-80GB:2 --autoscale 1:16 --compare-static
 
 With --autoscale MIN:MAX every pool starts at its count and the autoscaler policy sets it
-within MIN..MAX; --compare-static also runs a static fleet sized for the peak (the most
-replicas the autoscaled run used) and prints both.
+within MIN..MAX (or MIN:MAX,MIN:MAX: one pair per pool, in --fleet's order);
+--compare-static also runs a static fleet sized for the peak (the most replicas the
+autoscaled run used) and prints both.
 """
 
 from __future__ import annotations
@@ -34,15 +35,26 @@ from serving.router import POLICIES
 
 
 def parse_fleet(text: str, autoscale: str | None, model: str) -> FleetSpec:
-    bounds = None
+    parts = text.split(",")
+    bounds: list[AutoscaleBounds | None] = [None] * len(parts)
     if autoscale:
-        low, high = (int(part) for part in autoscale.split(":"))
-        bounds = AutoscaleBounds(low, high)
+        given: list[AutoscaleBounds | None] = [parse_bounds(i) for i in autoscale.split(",")]
+        if len(given) not in (1, len(parts)):
+            raise ValueError(
+                f"--autoscale gives {len(given)} MIN:MAX, --fleet {len(parts)} pools: "
+                "give one for every pool or one for all"
+            )
+        bounds = given * len(parts) if len(given) == 1 else given
     pools = []
-    for part in text.split(","):
+    for part, pool_bounds in zip(parts, bounds, strict=True):
         gpu, _, count = part.partition(":")
-        pools.append(PoolSpec(pool_name(gpu), gpu, int(count or 1), autoscale=bounds))
+        pools.append(PoolSpec(pool_name(gpu), gpu, int(count or 1), autoscale=pool_bounds))
     return FleetSpec(pools=tuple(pools), model=model)
+
+
+def parse_bounds(text: str) -> AutoscaleBounds:
+    low, _, high = text.partition(":")
+    return AutoscaleBounds(int(low), int(high))
 
 
 def build_workload(args: argparse.Namespace) -> list[SimRequest]:
@@ -98,7 +110,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", default="H100-SXM-80GB:64", help="GPU:count,GPU:count")
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--policy", choices=list(POLICIES), default="cost_aware")
-    parser.add_argument("--autoscale", default=None, help="MIN:MAX replicas per pool")
+    parser.add_argument(
+        "--autoscale",
+        default=None,
+        help="MIN:MAX replicas per pool, or MIN:MAX,MIN:MAX one per --fleet pool",
+    )
     parser.add_argument(
         "--forecast", action="store_true", help="autoscaler forecast from the daily pattern"
     )

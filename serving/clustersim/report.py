@@ -1,17 +1,15 @@
 """Figures of a simulation: latency percentiles, SLO attainment, utilisation, cost; CSV and PNG.
 
-The router's saving against least load is priced as metering prices cost to serve
-(`metering.cost`): each served request's work (uncached prompt tokens at the prefill
-weight, output tokens at the decode weight of the replica's mean batch and context over
-its ready time) in GPU time at the pool's price, on the replica it ran on and on the one
-least load would have sent it to (`RequestRecord.baseline_replica_id`). The same tokens are
-priced on both, with the prompt tokens the router expected the chosen replica to hold
-counted as cached on both: what moves is the hardware and its price, not the work. A
-baseline replica's weights are those of its own traffic in this run, so one the router
-kept quiet prices decode tokens at its small batch, dearer than with the work moved back;
-one that served nothing prices with the chosen replica's mean batch and context. On a
-fixed fleet the bill is the same whichever the policy; this is the
-price of the work the router moved, which the fleet's idle time absorbs unless it shrinks.
+The router's saving against least load is priced as metering prices it (`metering.cost`):
+each served request's work (uncached prompt tokens at the prefill weight, output tokens at
+the decode weight of the replica's mean batch and context over its ready time) in GPU time
+at the pool's price, on the replica it ran on and on the one least load would have sent it
+to (`RequestRecord.baseline_replica_id`), by `moved_work_usd_micros`. The same tokens, the
+same cached prompt tokens (those the router expected the chosen replica to hold) and the
+same batch and context (the chosen replica's) are priced on both: what moves is the
+hardware and its price, not the work nor the batch sizes the router's choices made. On a
+fixed fleet the bill is the same whichever the policy; this is the price of the hardware
+choice, which turns into a smaller bill only when the fleet shrinks.
 """
 
 from __future__ import annotations
@@ -23,12 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from metering.cost import (
+    Placement,
     ReplicaWindow,
     ServedRequest,
-    WorkWeights,
     mean_context,
     mean_decode_batch,
-    weights_for_window,
+    moved_work_usd_micros,
     work_cost_usd_micros,
     work_weights,
 )
@@ -167,45 +165,37 @@ def replica_window(replica: SimReplica, ended_s: float) -> ReplicaWindow:
 
 def work_costs(result: SimResult) -> list[WorkCost]:
     """Each served request's work cost where it ran and where least load would have sent it,
-    by metering's rule (module docstring)."""
-    replicas = {replica.replica_id: replica for replica in result.replicas}
+    both at the batch and context of the replica it ran on (module docstring)."""
     perfs = {pool.name: result.fleet.perf(pool) for pool in result.fleet.pools}
+    placements = {
+        replica.replica_id: Placement(
+            perfs[replica.pool.name], replica.gpus, round(replica.pool.price_per_gpu_hour * 1e6)
+        )
+        for replica in result.replicas
+    }
     served: dict[str, list[tuple[RequestRecord, ServedRequest]]] = {}
     for record in result.records:
         if record.finished_s is not None and record.replica_id is not None:
             served.setdefault(record.replica_id, []).append((record, served_request(record)))
-    windows = {rid: replica_window(replica, result.ended_s) for rid, replica in replicas.items()}
-    weights = {
-        rid: weights_for_window(
-            perfs[replicas[rid].pool.name], windows[rid], [sr for _, sr in members]
-        )
-        for rid, members in served.items()
-    }
+    replicas = {replica.replica_id: replica for replica in result.replicas}
     costs = []
     for rid, members in served.items():
-        requests = [sr for _, sr in members]
-        # A baseline replica that served nothing has no batch or context of its own.
-        fallback = (mean_decode_batch(windows[rid], requests), mean_context(requests))
+        requests = [request for _, request in members]
+        window = replica_window(replicas[rid], result.ended_s)
+        batch, context = mean_decode_batch(window, requests), mean_context(requests)
+        here = placements[rid]
+        weights = work_weights(here.perf, batch, context)
         for record, request in members:
             baseline_id = record.baseline_replica_id
             assert baseline_id is not None, "a routed request always has a baseline"
-            baseline_weights = weights.get(baseline_id) or work_weights(
-                perfs[replicas[baseline_id].pool.name], *fallback
+            usd_micros = work_cost_usd_micros(
+                weights, here.gpus, here.usd_micros_per_gpu_hour, request
             )
+            moved = moved_work_usd_micros(request, here, placements[baseline_id], batch, context)
             costs.append(
-                WorkCost(
-                    request_id=request.request_id,
-                    replica_id=rid,
-                    baseline_replica_id=baseline_id,
-                    usd_micros=_work_cost(weights[rid], windows[rid], request),
-                    baseline_usd_micros=_work_cost(baseline_weights, windows[baseline_id], request),
-                )
+                WorkCost(request.request_id, rid, baseline_id, usd_micros, usd_micros + moved)
             )
     return costs
-
-
-def _work_cost(weights: WorkWeights, window: ReplicaWindow, request: ServedRequest) -> int:
-    return work_cost_usd_micros(weights, window.gpus, window.usd_micros_per_gpu_hour, request)
 
 
 def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) -> Summary:

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from metering.cost import (
+    Placement,
     ReplicaWindow,
     mean_context,
     mean_decode_batch,
-    weights_for_window,
+    moved_work_usd_micros,
     work_cost_usd_micros,
     work_weights,
 )
@@ -36,6 +37,7 @@ from serving.clustersim import (
     write_csv,
 )
 from serving.clustersim.__main__ import main as cli_main
+from serving.clustersim.__main__ import parse_fleet
 from serving.clustersim.report import served_request, work_costs
 from serving.clustersim.workloads import diurnal_rate, salted_blocks
 from serving.engine.core import Engine, EngineRequest
@@ -244,6 +246,16 @@ def test_a_static_comparison_sizes_for_the_autoscaled_peak(
     assert "static provisioning for the peak" in capsys.readouterr().out
 
 
+def test_autoscale_bounds_are_given_for_all_pools_or_one_for_each() -> None:
+    one = parse_fleet("H100-SXM-80GB:2,L40S-48GB:7", "1:8", "llama-3.1-8b")
+    each = parse_fleet("H100-SXM-80GB:2,L40S-48GB:7", "1:4,2:14", "llama-3.1-8b")
+
+    assert [p.autoscale for p in one.pools] == [AutoscaleBounds(1, 8)] * 2
+    assert [p.autoscale for p in each.pools] == [AutoscaleBounds(1, 4), AutoscaleBounds(2, 14)]
+    with pytest.raises(ValueError, match="one for every pool or one for all"):
+        parse_fleet("H100-SXM-80GB:2,L40S-48GB:7", "1:4,2:14,1:2", "llama-3.1-8b")
+
+
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown policy"):
         replace(SimConfig(), policy="random")
@@ -298,18 +310,32 @@ def test_each_requests_work_is_priced_by_meterings_rule_on_both_replicas() -> No
         gpus=1,
         usd_micros_per_gpu_hour=990_000,
     )
-    on_l40s = weights_for_window(TWO_CLASSES.perf(l40s.pool), window, served)
-    # The H100 served nothing: the L40S's mean batch and context, on the H100's roofline.
-    on_h100 = work_weights(
-        TWO_CLASSES.perf(h100.pool), mean_decode_batch(window, served), mean_context(served)
-    )
+    batch, context = mean_decode_batch(window, served), mean_context(served)
+    here = Placement(TWO_CLASSES.perf(l40s.pool), 1, 990_000)
+    there = Placement(TWO_CLASSES.perf(h100.pool), 1, 3_490_000)
 
     cost = next(c for c in work_costs(result) if c.baseline_replica_id == h100.replica_id)
     request = next(s for s in served if s.request_id == cost.request_id)
 
-    assert cost.usd_micros == work_cost_usd_micros(on_l40s, 1, 990_000, request)
-    assert cost.baseline_usd_micros == work_cost_usd_micros(on_h100, 1, 3_490_000, request)
+    assert cost.usd_micros == work_cost_usd_micros(
+        work_weights(here.perf, batch, context), 1, 990_000, request
+    )
+    assert cost.baseline_usd_micros - cost.usd_micros == moved_work_usd_micros(
+        request, here, there, batch, context
+    )
     assert cost.baseline_usd_micros > cost.usd_micros
+
+
+def test_the_baseline_replica_is_priced_at_the_batch_of_the_one_the_request_ran_on() -> None:
+    # Two H100s: least load spreads the work, so each request's baseline is often the other
+    # replica, whose own batch differs. Same hardware at one batch: nothing moves.
+    fleet = FleetSpec(pools=(PoolSpec("h100", "H100-SXM-80GB", 2),))
+    requests = [SimRequest(f"r{i}", i * 0.1, 800, 200, "umbrella", "batch") for i in range(80)]
+    result = simulate(fleet, requests, SimConfig(policy="cost_aware"))
+    costs = work_costs(result)
+
+    assert any(c.baseline_replica_id != c.replica_id for c in costs)
+    assert all(c.baseline_usd_micros == c.usd_micros for c in costs)
 
 
 def test_under_least_load_the_saving_against_least_load_is_exactly_zero() -> None:
