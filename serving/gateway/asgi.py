@@ -197,6 +197,9 @@ class GatewayApp:
     ) -> None:
         tenant = str(exchange.principal.tenant_id)
         fingerprint = idempotency.body_fingerprint(raw)
+        # The key's own checks come first: a replay is refused whatever a fresh request
+        # would be refused (another key of the tenant with a narrower allowlist or tier).
+        await exchange.check()
         try:
             stored = await idempotency.claim(gateway.redis, tenant, key, fingerprint)
         except RedisError as error:

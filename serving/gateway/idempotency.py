@@ -2,7 +2,10 @@
 
 The same key and body within 24 hours replays the first response; the same key with another
 body is a 422; the same key while the first request still runs is a 409. Keys are scoped by
-tenant so two tenants never share one.
+tenant so two tenants never share one. Within a tenant, a replay is served only to a key that
+passes the checks a fresh request would (`Exchange.check`: model allowlist, tier, caps,
+guardrails; the tenant's status and the key's scope before that), so one key never reads a
+response another key of the tenant was allowed to ask for and it is not.
 """
 
 from __future__ import annotations

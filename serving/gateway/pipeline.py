@@ -128,6 +128,8 @@ class Exchange:
     response_id: str | None = None
     _upstream: UpstreamStream | None = None
     _settled: bool = False
+    # `check()` passed (an idempotent request runs it before claiming its key).
+    _checked: bool = False
     _complete: bool = False
     # The replica whose in-flight count this request holds (between started and finished).
     _started_on: str | None = None
@@ -147,7 +149,13 @@ class Exchange:
 
     # --- before the first byte -------------------------------------------------------------
 
-    async def prepare(self) -> None:
+    async def check(self) -> None:
+        """Whether this key may send this request: the model (the tenant's catalog and the
+        key's allowlist), the key's caps, the guardrails and the priority tier. The same for
+        a fresh request and an idempotent replay, which runs it before the stored response
+        is returned (a replay must not let a key read what it could not have asked for)."""
+        if self._checked:
+            return
         self._resolve_model()
         texts = self._check_request()
         await run_guardrails(self.gateway.guardrails, self._guardrail_input(texts))
@@ -158,6 +166,11 @@ class Exchange:
                 code="tier_not_allowed",
                 param=PRIORITY_HEADER,
             )
+        self._checked = True
+
+    async def prepare(self) -> None:
+        await self.check()
+        self._check_deployed()
         await self._admit()
         try:
             await self._choose_replica(exclude=frozenset())
@@ -182,21 +195,24 @@ class Exchange:
                 param="model",
             )
         self.base_model, self.adapter = entry
-        if not gateway.is_deployed(self.base_model):
-            gateway.check_loaded()
-            raise ApiError(
-                404,
-                f"The model '{self.model}' is not deployed right now; GET /v1/models lists "
-                "the models you can call.",
-                code="model_not_deployed",
-                param="model",
-            )
         allowlist = principal.model_allowlist
         if allowlist and not (self.model in allowlist or self.base_model in allowlist):
             raise ApiError(
                 403,
                 f"This API key may not use the model '{self.model}'.",
                 code="model_not_allowed",
+                param="model",
+            )
+
+    def _check_deployed(self) -> None:
+        """A replica may serve the base model now (not asked of a replay: its answer exists)."""
+        if not self.gateway.is_deployed(self.base_model):
+            self.gateway.check_loaded()
+            raise ApiError(
+                404,
+                f"The model '{self.model}' is not deployed right now; GET /v1/models lists "
+                "the models you can call.",
+                code="model_not_deployed",
                 param="model",
             )
 

@@ -234,3 +234,66 @@ def test_settled_requests_time_to_first_token_reaches_the_autoscaler(
     assert wait_until(lambda: int(redis_client.hget(stats, "requests") or 0) >= MIN_TTFT_REQUESTS)
     p95 = observed_ttft_p95(redis_client, deployment_id, now_s=1010.0, window_s=45.0)
     assert p95 is not None and 0 < p95 < 30
+
+
+def replay_of(server: GatewayServer, secret: str, idempotency_key: str, **headers: str):
+    return httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json=BODY,
+        headers={
+            "Authorization": f"Bearer {secret}",
+            "Idempotency-Key": idempotency_key,
+            **headers,
+        },
+        timeout=30,
+    )
+
+
+def test_an_idempotent_replay_is_refused_to_a_key_not_allowed_the_model(ready, make_key) -> None:
+    server, key, _ = ready
+    assert replay_of(server, key.secret, "order-4").status_code == 200
+    narrow = make_key("acme", allowlist=("another-model",))
+    reply = replay_of(server, narrow.secret, "order-4")
+    assert reply.status_code == 403
+    assert reply.json()["error"]["code"] == "model_not_allowed"
+    assert "idempotent-replayed" not in reply.headers
+
+
+def test_an_idempotent_replay_is_refused_a_tier_the_tenant_may_no_longer_use(ready) -> None:
+    from tenants.actions import do_update_quota
+
+    server, key, http = ready
+    assert replay_of(server, key.secret, "order-5", **{"x-priority": "interactive"}).is_success
+    do_update_quota(key.tenant.quota, allowed_tiers=["batch"])
+    fresh = {**BODY, "max_tokens": 2}
+    assert wait_until(
+        lambda: (
+            http.post(
+                "/v1/chat/completions", json=fresh, headers={"x-priority": "interactive"}
+            ).status_code
+            == 403
+        )
+    )
+    reply = replay_of(server, key.secret, "order-5", **{"x-priority": "interactive"})
+    assert reply.status_code == 403
+    assert reply.json()["error"]["code"] == "tier_not_allowed"
+
+
+def test_an_idempotent_replay_is_refused_to_a_suspended_tenant(ready) -> None:
+    from tenants.actions import do_update_tenant
+
+    server, key, _ = ready
+    assert replay_of(server, key.secret, "order-6").status_code == 200
+    do_update_tenant(key.tenant, status="suspended")
+    assert wait_until(lambda: replay_of(server, key.secret, "order-6").status_code == 403)
+    assert replay_of(server, key.secret, "order-6").json()["error"]["code"] == "tenant_suspended"
+
+
+def test_another_tenants_key_never_gets_a_replay_of_acmes_response(ready, make_key) -> None:
+    server, key, _ = ready
+    first = replay_of(server, key.secret, "order-7")
+    globex = make_key("globex")
+    reply = replay_of(server, globex.secret, "order-7")
+    assert first.status_code == reply.status_code == 200
+    assert "idempotent-replayed" not in reply.headers
+    assert reply.json()["id"] != first.json()["id"]
