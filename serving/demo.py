@@ -1,4 +1,5 @@
-"""The demo fleet: four pools in two regions, a stable join token per pool, simulated nodes,
+"""The demo fleet: four pools in two regions, a stable join token per pool (long-lived and
+multi-use, unlike the expiring ones real pools get), simulated nodes,
 and (when the registry's demo has not put any on these pools) deployments of three models.
 
 With PLATFORM_DEMO_ENGINE=vllm a fifth pool joins: one CPU node whose agent runs real vLLM
@@ -103,8 +104,13 @@ def seed(details: dict[str, Any]) -> None:
         secret = tokens.get(demo.name) or "jt_demo_" + os.urandom(16).hex()
         tokens[demo.name] = secret
         if not JoinToken.objects.filter(token_hash=hash_token(secret)).exists():
-            do_create_join_token(pool, name="demo", secret=secret)
-    details["extra"]["Join token (L4 pool)"] = tokens["l4-eu-west"]
+            # The demo's agents come back with every `make run`, from the token saved in
+            # var/demo.json: it never expires and admits any number of nodes. Real pools
+            # get expiring, single-use ones (POST /api/v1/join-tokens/).
+            do_create_join_token(pool, name="demo", ttl=None, secret=secret)
+    details["extra"]["Join token (L4 pool)"] = (
+        f"{tokens['l4-eu-west']} (demo only: never expires, any number of nodes)"
+    )
     _seed_deployments()
     if settings.PLATFORM_DEMO_ENGINE == "vllm":
         seed_tiny_model(tiny_model_dir(), CPU_POOL.name)

@@ -62,12 +62,16 @@ class GpuPool(models.Model):
 class JoinToken(models.Model):
     """A secret that lets a node agent register itself into one pool.
 
-    Only the SHA-256 of the secret is stored; the secret is shown once, when it is made."""
+    Only the SHA-256 of the secret is stored; the secret is shown once, when it is made. A
+    token expires (a day after it is made unless told otherwise) and may be single-use: the
+    first registration that succeeds with it consumes it (`used_at`)."""
 
     pool = models.ForeignKey(GpuPool, on_delete=models.CASCADE, related_name="join_tokens")
     name = models.CharField(max_length=64, blank=True)
     token_hash = models.CharField(max_length=64, unique=True)
     expires_at = models.DateTimeField(null=True, blank=True)
+    single_use = models.BooleanField(default=False)
+    used_at = models.DateTimeField(null=True, blank=True)
     revoked = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
 

@@ -12,7 +12,6 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
@@ -51,7 +50,7 @@ AGENT_STATES: dict[str, str] = {
 
 
 class RegistrationRefused(Exception):
-    """A join token that is unknown, revoked or expired, or a malformed registration."""
+    """A join token that is unknown, revoked, expired or used up, or a malformed registration."""
 
 
 class NodeAlreadyRegistered(RegistrationRefused):
@@ -70,14 +69,7 @@ def do_register_node(
     re-registers only with that node's current token (an agent whose token was refused keeps
     it for this), or after staff released the node (`do_release_node`): the pool's join token
     alone never takes over a node, its agent URL or its tenants' traffic."""
-    join = (
-        JoinToken.objects.select_related("pool")
-        .filter(token_hash=hash_token(join_secret), revoked=False)
-        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now()))
-        .first()
-    )
-    if join is None:
-        raise RegistrationRefused("unknown, revoked or expired join token")
+    join = _usable_join_token(join_secret)
     if not hostname or not agent_url:
         raise RegistrationRefused("hostname and agent_url are required")
     node, created = Node.objects.select_for_update().get_or_create(
@@ -99,12 +91,36 @@ def do_register_node(
     node.health = Node.Health.READY
     node.last_heartbeat_at = timezone.now()
     node.save()
+    if join.single_use:
+        join.used_at = node.last_heartbeat_at
+        join.save(update_fields=["used_at"])
     _replace_inventory(node, gpus)
     # Replicas placed here stay: the next heartbeat answer tells the agent what to run, so an
     # agent that restarted without its processes relaunches them and one that kept them goes on.
     request_publish()
     logger.info("node %s registered in pool %s (%d GPUs)", hostname, join.pool.name, len(gpus))
     return node, token
+
+
+def _usable_join_token(join_secret: str) -> JoinToken:
+    """The join token this secret names, locked until the registration commits (so a
+    single-use token admits one node however many agents race with it), or a refusal that
+    says why."""
+    join = (
+        JoinToken.objects.select_for_update(of=("self",))
+        .select_related("pool")
+        .filter(token_hash=hash_token(join_secret))
+        .first()
+    )
+    if join is None or join.revoked:
+        raise RegistrationRefused("unknown or revoked join token")
+    if join.expires_at is not None and join.expires_at <= timezone.now():
+        raise RegistrationRefused("expired join token: mint a new one for this pool")
+    if join.single_use and join.used_at is not None:
+        raise RegistrationRefused(
+            "this single-use join token has already registered a node: mint a new one"
+        )
+    return join
 
 
 def _replace_inventory(node: Node, gpus: list[dict[str, Any]]) -> None:

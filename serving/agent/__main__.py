@@ -1,4 +1,8 @@
-"""`python -m serving.agent --control-plane URL --token JOIN_TOKEN [...]`"""
+"""`python -m serving.agent --control-plane URL --token-file FILE [...]`
+
+The join token comes from --token-file, NODE_AGENT_JOIN_TOKEN or --token. It is read once at
+start-up, and the variable is removed from the agent's environment before any engine starts;
+engines get an environment without the agent's secrets (launch.engine_environment)."""
 
 from __future__ import annotations
 
@@ -10,12 +14,13 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from .agent import AgentConfig, NodeAgent
 from .gpus import CpuSlots, GpuInventory, NvmlGpus, SimulatedGpus, parse_simulated_gpus
-from .launch import LaunchSettings
+from .launch import JOIN_TOKEN_ENV, LaunchSettings
 from .replica import Backoff, SupervisionTimings
 
 
@@ -24,13 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m serving.agent", description="Node agent: runs and reports replicas."
     )
     parser.add_argument("--control-plane", required=True, help="base URL of the control plane")
-    # The environment keeps the join token out of `ps`; systemd passes it that way.
-    join_token = os.environ.get("NODE_AGENT_JOIN_TOKEN")
+    # A file or the environment keeps the join token out of `ps` (see join_token()).
     parser.add_argument(
-        "--token",
-        required=join_token is None,
-        default=join_token,
-        help="join token issued by the control plane (or set NODE_AGENT_JOIN_TOKEN)",
+        "--token-file",
+        type=Path,
+        help=f"file holding the join token (systemd's LoadCredential=), or set {JOIN_TOKEN_ENV}",
+    )
+    parser.add_argument(
+        "--token", help="join token on the command line: visible in `ps`, for development"
     )
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of the agent's API")
     parser.add_argument("--advertise-url", help="URL the control plane uses to reach this agent")
@@ -75,6 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--restart-backoff-cap", type=float, default=30.0, help="seconds")
     parser.add_argument("--log-level", default="INFO")
     return parser
+
+
+def join_token(args: argparse.Namespace, environ: MutableMapping[str, str]) -> str:
+    """The join token from --token-file, --token or the environment, in that order. The
+    variable leaves `environ` whichever is used: nothing the agent starts inherits it."""
+    from_env = environ.pop(JOIN_TOKEN_ENV, None)
+    if args.token_file is not None:
+        try:
+            token = args.token_file.read_text().strip()
+        except OSError as exc:
+            raise SystemExit(f"--token-file: cannot read {args.token_file}: {exc}") from exc
+        if not token:
+            raise SystemExit(f"--token-file: {args.token_file} is empty")
+        return str(token)
+    token = args.token or from_env
+    if not token:
+        raise SystemExit(f"a join token is needed: --token-file, {JOIN_TOKEN_ENV} or --token")
+    return str(token)
 
 
 def _listen_address(value: str) -> tuple[str, int]:
@@ -126,12 +150,14 @@ def engine_host(args: argparse.Namespace, listen_host: str) -> str:
     return host
 
 
-def config_from_args(args: argparse.Namespace, gpus: GpuInventory) -> AgentConfig:
+def config_from_args(
+    args: argparse.Namespace, gpus: GpuInventory, token: str | None = None
+) -> AgentConfig:
     sim_gpu_class = gpus.gpu_class if isinstance(gpus, SimulatedGpus) else None
     host, port = _listen_address(args.listen)
     return AgentConfig(
         control_plane=args.control_plane,
-        join_token=args.token,
+        join_token=token if token is not None else str(args.token or ""),
         state_dir=args.state_dir,
         node_name=args.node_name,
         listen_host=host,
@@ -175,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    token = join_token(args, os.environ)
     gpus = _inventory(args)
-    agent = NodeAgent(config_from_args(args, gpus), gpus)
+    agent = NodeAgent(config_from_args(args, gpus, token), gpus)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(agent))
 

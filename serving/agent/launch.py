@@ -11,6 +11,7 @@ which vLLM reads when `--api-key` is absent (vllm/entrypoints/serve/middleware/r
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import unquote, urlsplit
@@ -21,6 +22,13 @@ ENGINE_SIMULATOR_MODULE = "serving.enginesim"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 Device = Literal["gpu", "cpu"]
+
+JOIN_TOKEN_ENV = "NODE_AGENT_JOIN_TOKEN"
+# The agent's own settings, its join token among them: an engine needs none of them.
+AGENT_ENV_PREFIX = "NODE_AGENT_"
+# The control plane's secrets, which an agent started beside it (`make run`) inherits: the
+# secret key derives every engine key and node token.
+CONTROL_PLANE_SECRETS = frozenset({"SECRET_KEY", "DATABASE_URL", "REDIS_URL"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +68,19 @@ def build_launch_command(
     else:
         argv = [launch.vllm_python, "-m", VLLM_SERVER_MODULE, *flags]
     return argv, _engine_env(spec, launch)
+
+
+def engine_environment(agent_env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment of an engine process: the agent's (PATH, HF_HOME, the CUDA and
+    vLLM settings of the node) without the agent's own variables, which hold its join token,
+    or the control plane's secrets, plus `extra` from build_launch_command. The node token is
+    never in an environment: it lives in the agent's memory and its state directory."""
+    kept = {
+        name: value
+        for name, value in agent_env.items()
+        if not name.startswith(AGENT_ENV_PREFIX) and name not in CONTROL_PLANE_SECRETS
+    }
+    return {**kept, **extra}
 
 
 def engine_path(artifact: str) -> str:

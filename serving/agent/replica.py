@@ -22,7 +22,13 @@ from typing import Any
 import aiohttp
 
 from .gpus import GpuLoad
-from .launch import LaunchSettings, build_launch_command, engine_path, replica_cores
+from .launch import (
+    LaunchSettings,
+    build_launch_command,
+    engine_environment,
+    engine_path,
+    replica_cores,
+)
 from .metrics import parse_vllm_metrics
 from .specs import AdapterSpec, ReplicaSpec, with_port
 
@@ -152,7 +158,7 @@ class ReplicaSupervisor:
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
-                env={**os.environ, **extra_env},
+                env=engine_environment(os.environ, extra_env),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,

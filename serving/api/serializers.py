@@ -8,7 +8,7 @@ from rest_framework import serializers
 
 from serving.capacity.planner import PoolOption, default_pools
 from serving.engine.specs import QUANTIZATIONS, load_gpu_specs, load_model_specs
-from serving.models import Gpu, GpuClass, GpuPool, Node, Replica, ReplicaEvent
+from serving.models import Gpu, GpuClass, GpuPool, JoinToken, Node, Replica, ReplicaEvent
 
 
 class GpuPoolSerializer(serializers.ModelSerializer):
@@ -86,6 +86,34 @@ class ReplicaEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = ReplicaEvent
         fields = ["id", "replica", "kind", "message", "at", "source"]
+        read_only_fields = fields
+
+
+class JoinTokenSerializer(serializers.ModelSerializer):
+    """A join token as listed: never its secret, which only the answer to its creation holds."""
+
+    pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
+
+    class Meta:
+        model = JoinToken
+        fields = ["id", "pool", "name", "expires_at", "single_use", "used_at", "revoked"]
+        fields += ["created_at"]
+        read_only_fields = fields
+
+
+class JoinTokenCreateSerializer(serializers.Serializer):
+    pool = serializers.SlugRelatedField(slug_field="name", queryset=GpuPool.objects.all())
+    name = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
+    # An hour to thirty days: a token through the API always expires.
+    ttl_hours = serializers.FloatField(min_value=1, max_value=720, default=24)
+    single_use = serializers.BooleanField(default=False)
+
+
+class MintedJoinTokenSerializer(JoinTokenSerializer):
+    token = serializers.CharField(read_only=True, help_text="The secret, shown this once.")
+
+    class Meta(JoinTokenSerializer.Meta):
+        fields = [*JoinTokenSerializer.Meta.fields, "token"]
         read_only_fields = fields
 
 

@@ -9,6 +9,7 @@ from serving.api.planner import CapacityPlanView
 router = DefaultRouter(trailing_slash=True)
 router.include_root_view = False
 router.register("pools", views.GpuPoolViewSet, basename="pool")
+router.register("join-tokens", views.JoinTokenViewSet, basename="join-token")
 router.register("nodes", views.NodeViewSet, basename="node")
 router.register("gpus", views.GpuViewSet, basename="gpu")
 router.register("replicas", views.ReplicaViewSet, basename="replica")

@@ -1,4 +1,5 @@
-"""The fleet's staff REST API: pools, nodes (with cordon, uncordon, drain), GPUs, replicas.
+"""The fleet's staff REST API: pools, join tokens (minted, listed, revoked), nodes (with
+cordon, uncordon, drain), GPUs, replicas.
 
 Staff only, by session or API key like the rest of /api/v1/ (a key is never staff, so every
 key is refused). Pool writes go through serving.actions.pools."""
@@ -6,25 +7,30 @@ key is refused). Pool writes go through serving.actions.pools."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status
 from rest_framework.decorators import action
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from config.api import PlatformModelViewSet, PlatformReadOnlyViewSet
-from serving.actions import nodes, pools
+from config.api import PlatformModelViewSet, PlatformReadOnlyViewSet, PlatformViewSet
+from serving.actions import credentials, nodes, pools
 from serving.api.serializers import (
     GpuPoolSerializer,
     GpuSerializer,
+    JoinTokenCreateSerializer,
+    JoinTokenSerializer,
+    MintedJoinTokenSerializer,
     NodeSerializer,
     ReplicaEventSerializer,
     ReplicaSerializer,
 )
-from serving.models import Gpu, GpuPool, Node, Replica
+from serving.models import Gpu, GpuPool, JoinToken, Node, Replica
 
 
 class GpuPoolViewSet(PlatformModelViewSet):
@@ -40,6 +46,37 @@ class GpuPoolViewSet(PlatformModelViewSet):
 
     def perform_destroy(self, instance: GpuPool) -> None:
         pools.do_delete_pool(instance)
+
+
+class JoinTokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, PlatformViewSet):
+    permission_classes = [IsAdminUser]
+    serializer_class = JoinTokenSerializer
+    queryset = JoinToken.objects.select_related("pool")
+
+    def get_queryset(self) -> QuerySet[JoinToken]:
+        queryset = super().get_queryset()
+        pool = self.request.query_params.get("pool")
+        return queryset.filter(pool__name=pool) if pool else queryset
+
+    @extend_schema(request=JoinTokenCreateSerializer, responses={201: MintedJoinTokenSerializer})
+    def create(self, request: Request) -> Response:
+        given = JoinTokenCreateSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        data = given.validated_data
+        token, secret = credentials.do_create_join_token(
+            data["pool"],
+            name=data["name"],
+            ttl=timedelta(hours=data["ttl_hours"]),
+            single_use=data["single_use"],
+        )
+        body = {**JoinTokenSerializer(token).data, "token": secret}
+        return Response(body, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses=JoinTokenSerializer)
+    @action(detail=True, methods=["post"])
+    def revoke(self, request: Request, pk: str | None = None) -> Response:
+        token = credentials.do_revoke_join_token(self.get_object())
+        return Response(JoinTokenSerializer(token).data)
 
 
 class NodeViewSet(PlatformReadOnlyViewSet):
