@@ -65,7 +65,8 @@ class EffectiveLimits:
 
     `requests_per_minute`, `tokens_per_minute` and `concurrent_streams` are the key's own
     ceilings; the `tenant_*` fields are the pool all the tenant's keys share (None: the same
-    as the key's). Budgets are the tenant's, per calendar month (UTC); None means no budget.
+    as the key's). `concurrent_streams` counts every request in flight, streamed or not (the
+    name predates non-streamed requests holding a slot; see `tenants.limiter`). Budgets are the tenant's, per calendar month (UTC); None means no budget.
     """
 
     requests_per_minute: int

@@ -2,7 +2,7 @@
 
 `RateLimiter.admit` runs `lua/admit.lua`: requests-per-minute and tokens-per-minute as token
 buckets (capacity = the per-minute limit, refilled continuously at limit/60 per second, on
-Redis `TIME`), a lease on a concurrent-stream slot, and the monthly token and spend budgets.
+Redis `TIME`), a lease on a concurrent-request slot, and the monthly token and spend budgets.
 All pass and all are taken, or nothing is taken. Tokens are reserved up front (prompt
 estimate + max_tokens, as OpenAI does); `settle` refunds or charges the difference once the
 response is done, releases the lease and adds the spend, exactly once per reservation.
@@ -12,15 +12,20 @@ Redis keys, all of one tenant under the hash tag `{t:<tenant_id>}`:
     rl:{t:<tenant>}:rpm                  hash l (level), t (seconds): the tenant's request bucket
     rl:{t:<tenant>}:tpm                  the tenant's token bucket
     rl:{t:<tenant>}:k:<key>:rpm / :tpm   a key's own buckets (only when its override is lower)
-    rl:{t:<tenant>}:streams              zset request id -> lease expiry (epoch seconds)
+    rl:{t:<tenant>}:streams              zset request id -> lease expiry (epoch seconds), one
+                                         per request in flight, streamed or not
     rl:{t:<tenant>}:k:<key>:streams      the key's own lease set (only when lower)
     rl:{t:<tenant>}:month:<YYYY-MM>:tokens        tokens used this month (UTC), reserved included
     rl:{t:<tenant>}:month:<YYYY-MM>:spend_micros  spend this month in micro-USD, added by settle
     rl:{t:<tenant>}:req:<request id>              the reservation's state: held (admitted),
                                                   settled, or cancelled (released before it ran)
 
-Stream leases: only `stream=True` admissions hold one. A lease expires after `lease_ttl_s`
-(10 min) unless `renew_lease` pushes it on, so a gateway that crashes mid-stream leaks no slot.
+Leases: every admission holds one, streamed or not, from admission to settle. The quota field
+is called `concurrent_streams` (and the lease sets `:streams`) from when only streams held one;
+it bounds every request in flight, since a non-streamed request holds a replica's sequence
+slot just as long as a stream of the same length does. A lease expires after `lease_ttl_s`
+(10 min) unless `renew_lease` pushes it on, so a gateway that crashes mid-request leaks no
+slot.
 
 An admission whose answer never came back (the call timed out, or its caller was cancelled)
 may still have run in Redis. `admit` then sends a release for its request id at once: the
@@ -219,7 +224,6 @@ class RateLimiter:
         request_id: str,
         prompt_tokens: int,
         max_tokens: int,
-        stream: bool,
     ) -> Admission:
         limits = principal.limits
         tag = tenant_tag(principal.tenant_id)
@@ -238,12 +242,11 @@ class RateLimiter:
         if limits.tokens_per_minute < tenant_tpm:
             buckets.append((f"{key_tag}:tpm", limits.tokens_per_minute, reserve, "t"))
 
-        leases: list[tuple[str, int]] = []
-        if stream:
-            tenant_streams = limits.tenant_concurrent_streams or limits.concurrent_streams
-            leases.append((f"{tag}:streams", tenant_streams))
-            if limits.concurrent_streams < tenant_streams:
-                leases.append((f"{key_tag}:streams", limits.concurrent_streams))
+        # Every request in flight holds a slot, streamed or not (see the module docstring).
+        tenant_streams = limits.tenant_concurrent_streams or limits.concurrent_streams
+        leases = [(f"{tag}:streams", tenant_streams)]
+        if limits.concurrent_streams < tenant_streams:
+            leases.append((f"{key_tag}:streams", limits.concurrent_streams))
 
         token_budget = -1 if limits.monthly_token_budget is None else limits.monthly_token_budget
         spend_budget = (

@@ -53,7 +53,6 @@ class ExchangeServices(Protocol):
         request_id: str,
         prompt_tokens: int,
         max_tokens: int,
-        stream: bool,
     ) -> Admission:
         """The admission, allowed; else the ApiError (429, or 503 without a limiter)."""
         ...

@@ -110,7 +110,7 @@ class Exchange:
     body: ChatCompletionRequest | CompletionRequest
     principal: KeyPrincipal
     tier: Tier
-    # A WebSocket generation streams whatever its body says, so it holds a stream slot too.
+    # A WebSocket generation streams whatever its body says.
     over_websocket: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     started_at: float = field(default_factory=time.time)
@@ -252,7 +252,6 @@ class Exchange:
             request_id=self.request_id,
             prompt_tokens=self.prompt_estimate,
             max_tokens=self.max_tokens,
-            stream=self.streams,
         )
         self.headers.update(self.admission.headers)
         self._renew_lease_at = time.monotonic() + gateway.lease_renewal_s

@@ -173,7 +173,6 @@ class Gateway:
         request_id: str,
         prompt_tokens: int,
         max_tokens: int,
-        stream: bool,
     ) -> Admission:
         try:
             admission = await self.limiter.admit(
@@ -181,7 +180,6 @@ class Gateway:
                 request_id=request_id,
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
-                stream=stream,
             )
         except LimiterUnavailable as error:
             raise ApiError(
@@ -198,6 +196,11 @@ class Gateway:
                 "You exceeded your current quota: your tenant's monthly "
                 f"{(admission.limit or 'budget').replace('_', ' ')} is used up. Ask your tenant "
                 "owner to raise it, or wait for the next month."
+            )
+        elif admission.limit == "concurrent_streams":
+            message = (
+                "Rate limit reached for concurrent requests: the concurrent_streams quota counts "
+                "every request in flight, streamed or not. Retry after the time in Retry-After."
             )
         else:
             message = (

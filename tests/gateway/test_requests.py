@@ -297,3 +297,22 @@ def test_another_tenants_key_never_gets_a_replay_of_acmes_response(ready, make_k
     assert first.status_code == reply.status_code == 200
     assert "idempotent-replayed" not in reply.headers
     assert reply.json()["id"] != first.json()["id"]
+
+
+def test_a_non_streamed_request_holds_one_of_the_keys_concurrent_slots(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    fleet.start(time_scale=1)  # real time: the first request runs for seconds
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme", concurrent_streams=1)
+    headers = {"Authorization": f"Bearer {key.secret}"}
+    url = f"{gateway_server.url}/v1/chat/completions"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(httpx.post, url, json={**BODY, "max_tokens": 300}, headers=headers)
+        assert wait_until(lambda: redis_client.zcard(f"rl:{{t:{key.tenant.pk}}}:streams") == 1)
+        second = httpx.post(url, json=BODY, headers=headers, timeout=30)
+        assert second.status_code == 429
+        assert "concurrent requests" in second.json()["error"]["message"]
+        assert first.result(timeout=60).status_code == 200
+    assert httpx.post(url, json=BODY, headers=headers, timeout=30).status_code == 200

@@ -27,7 +27,6 @@ def rid() -> str:
 async def admit(limiter: RateLimiter, principal: Any, **kw: Any) -> Any:
     kw.setdefault("prompt_tokens", 10)
     kw.setdefault("max_tokens", 10)
-    kw.setdefault("stream", False)
     return await limiter.admit(principal, request_id=rid(), **kw)
 
 
@@ -114,7 +113,7 @@ async def test_settle_commands_run_in_the_callers_pipeline(aredis: aioredis.Redi
     limiter = RateLimiter(aredis)
     await limiter.load_scripts()  # the settle EVALSHA in a pipeline relies on it
     principal = principal_with()
-    admission = await admit(limiter, principal, prompt_tokens=40, max_tokens=60, stream=True)
+    admission = await admit(limiter, principal, prompt_tokens=40, max_tokens=60)
     pipe = aredis.pipeline(transaction=False)
     await limiter.settle_commands(
         pipe, admission.reservation, prompt_tokens=40, completion_tokens=5, charged_usd_micros=3
@@ -128,37 +127,49 @@ async def test_settle_commands_run_in_the_callers_pipeline(aredis: aioredis.Redi
     assert await counter(aredis, month_tokens_key(principal.tenant_id, month)) == 45
 
 
-async def test_it_refuses_a_stream_past_the_concurrent_streams(aredis: aioredis.Redis) -> None:
+async def test_it_refuses_a_request_past_the_concurrent_limit(aredis: aioredis.Redis) -> None:
     limiter = RateLimiter(aredis)
     principal = principal_with(concurrent_streams=2)
-    held = [await admit(limiter, principal, stream=True) for _ in range(2)]
-    refused = await admit(limiter, principal, stream=True)
-    not_streaming = await admit(limiter, principal, stream=False)
+    held = [await admit(limiter, principal) for _ in range(2)]
+    refused = await admit(limiter, principal)
     assert all(a.allowed for a in held)
     assert (refused.allowed, refused.limit) == (False, "concurrent_streams")
-    assert not_streaming.allowed
     await limiter.settle(held[0].reservation, prompt_tokens=10, completion_tokens=1)
-    assert (await admit(limiter, principal, stream=True)).allowed
+    assert (await admit(limiter, principal)).allowed
+
+
+async def test_every_admission_holds_a_concurrency_lease_until_it_settles(
+    aredis: aioredis.Redis,
+) -> None:
+    # concurrent_streams counts every request in flight: a non-streamed request holds a
+    # replica's sequence slot for as long as a stream of the same length.
+    limiter = RateLimiter(aredis)
+    principal = principal_with(concurrent_streams=1)
+    admission = await admit(limiter, principal)
+    assert admission.reservation.lease_keys
+    assert await aredis.zcard(admission.reservation.lease_keys[0]) == 1
+    await limiter.settle(admission.reservation, prompt_tokens=10, completion_tokens=1)
+    assert await aredis.zcard(admission.reservation.lease_keys[0]) == 0
 
 
 async def test_a_crashed_holders_lease_expires_and_leaks_no_slot(aredis: aioredis.Redis) -> None:
     limiter = RateLimiter(aredis, lease_ttl_s=1)
     principal = principal_with(concurrent_streams=1)
-    crashed = await admit(limiter, principal, stream=True)  # never settled
+    crashed = await admit(limiter, principal)  # never settled
     assert crashed.allowed
-    assert not (await admit(limiter, principal, stream=True)).allowed
+    assert not (await admit(limiter, principal)).allowed
     await asyncio.sleep(1.1)
-    assert (await admit(limiter, principal, stream=True)).allowed
+    assert (await admit(limiter, principal)).allowed
 
 
 async def test_a_renewed_lease_outlives_its_first_expiry(aredis: aioredis.Redis) -> None:
     limiter = RateLimiter(aredis, lease_ttl_s=1)
     principal = principal_with(concurrent_streams=1)
-    long_stream = await admit(limiter, principal, stream=True)
+    long_stream = await admit(limiter, principal)
     await asyncio.sleep(0.6)
     await limiter.renew_lease(long_stream.reservation)
     await asyncio.sleep(0.6)
-    assert not (await admit(limiter, principal, stream=True)).allowed
+    assert not (await admit(limiter, principal)).allowed
 
 
 async def test_a_key_override_limits_the_key_below_its_tenant(aredis: aioredis.Redis) -> None:

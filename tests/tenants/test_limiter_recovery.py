@@ -60,7 +60,7 @@ async def test_an_admission_whose_answer_timed_out_is_released_and_the_next_stre
     proxy.delay_s = 0.6  # the script runs at once; its answer comes after the timeout
     with pytest.raises(LimiterUnavailable):
         await limiter.admit(
-            principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+            principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400
         )
     await limiter.close()  # the release went out at once (its own answer was late too)
     proxy.delay_s = 0.0
@@ -73,7 +73,7 @@ async def test_an_admission_whose_answer_timed_out_is_released_and_the_next_stre
     assert states == [b"settled"]
 
     following = await RateLimiter(aredis).admit(
-        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400
     )
     assert following.allowed
     # The whole token bucket is back (1000, less what this request reserved).
@@ -90,9 +90,7 @@ async def test_a_caller_cancelled_while_admitting_leaves_nothing_held(
     principal = principal_with(**ONE_STREAM)
     proxy.delay_s = 0.5
     admitting = asyncio.create_task(
-        limiter.admit(
-            principal, request_id=uuid.uuid4().hex, prompt_tokens=10, max_tokens=90, stream=True
-        )
+        limiter.admit(principal, request_id=uuid.uuid4().hex, prompt_tokens=10, max_tokens=90)
     )
     await asyncio.sleep(0.2)  # the script has run; its answer is on its way
     assert await leases(aredis) == 1
@@ -122,9 +120,7 @@ async def test_a_release_that_arrives_before_its_admission_makes_it_take_nothing
         lease_keys=(f"{tag}:streams",),
     )
     await limiter.release(reservation)
-    late = await limiter.admit(
-        principal, request_id=request_id, prompt_tokens=100, max_tokens=400, stream=True
-    )
+    late = await limiter.admit(principal, request_id=request_id, prompt_tokens=100, max_tokens=400)
     assert (late.allowed, late.error) == (False, "request_cancelled")
     assert await leases(aredis) == 0
     assert await held_tokens(aredis) == 0
@@ -140,7 +136,7 @@ async def test_an_admissions_state_outlives_any_retry_of_its_settle_or_release(
     principal = principal_with(**ONE_STREAM)
     request_id = uuid.uuid4().hex
     admission = await limiter.admit(
-        principal, request_id=request_id, prompt_tokens=100, max_tokens=400, stream=True
+        principal, request_id=request_id, prompt_tokens=100, max_tokens=400
     )
     assert admission.allowed and admission.reservation is not None
     # A release retried a day later (Redis away all that time) must still find 'held'.
@@ -157,7 +153,7 @@ async def test_a_release_after_a_normal_settle_gives_nothing_back_twice(
     limiter = RateLimiter(aredis)
     principal = principal_with(**ONE_STREAM)
     admission = await limiter.admit(
-        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400
     )
     assert admission.reservation is not None
     assert await limiter.settle(admission.reservation, prompt_tokens=100, completion_tokens=50)
@@ -172,7 +168,7 @@ async def test_a_settle_while_redis_is_away_is_applied_once_it_is_back(
     limiter = RateLimiter(flaky, timeout_s=0.5)
     principal = principal_with(**ONE_STREAM)
     admission = await limiter.admit(
-        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400
     )
     assert admission.reservation is not None
     proxy.go_down()
@@ -197,7 +193,7 @@ async def test_a_settle_whose_answer_was_lost_is_retried_without_refunding_twice
     await warmed_up(limiter, slow)
     principal = principal_with(**ONE_STREAM)
     admission = await limiter.admit(
-        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400, stream=True
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=100, max_tokens=400
     )
     assert admission.reservation is not None
     proxy.delay_s = 0.6  # the settle runs; its answer is late

@@ -48,7 +48,6 @@ async def _hammer(
                 request_id=f"{seed}-{counter}",
                 prompt_tokens=prompt,
                 max_tokens=max_tokens,
-                stream=counter % 3 == 0,
             )
             row = stats[principal.tenant_slug]
             if not admission.allowed:
