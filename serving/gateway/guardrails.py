@@ -1,7 +1,10 @@
 """Input guardrails: cheap checks that refuse a request before any GPU time is spent.
 
 A guardrail is any callable `(GuardrailInput) -> str | None`: None lets the request through,
-a string refuses it with a 400 carrying that message. The chain is configurable in settings
+a string refuses it with a 400 carrying that message. `prompt_texts` holds every text of the
+request the model reads: message contents and names, tool definitions and tool calls (see
+`ChatCompletionRequest.prompt_texts`). The blocked patterns match them after Unicode
+normalisation (`normalize_text`), so look-alike and invisible characters do not slip a word past. The chain is configurable in settings
 (`GATEWAY_GUARDRAILS`, dotted paths), so an operator can add their own. On a large prompt the
 chain runs on a worker thread, so a guardrail must not touch the event loop.
 """
@@ -10,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import import_module
 from typing import Any
 
@@ -134,10 +139,39 @@ def _compiled(tenant_slug: str, patterns: tuple[str, ...]) -> tuple[Any, ...]:
         return tuple(compile_pattern(pattern) for pattern in valid)
 
 
+# Format characters (Unicode category Cf: zero-width spaces and joiners, bidi controls, soft
+# hyphens, tag characters) render as nothing, so "b\u200bad" reads as "bad" to a person and,
+# once tokenized, much the same to a model. RE2 knows the category.
+_FORMAT_CHARACTERS = re2.compile(r"\p{Cf}")
+
+
+@cache
+def _format_character_table() -> dict[int, None]:
+    """`str.translate`'s table deleting every Cf character (built on first need: ~0.15 s)."""
+    return dict.fromkeys(
+        code for code in range(sys.maxunicode + 1) if unicodedata.category(chr(code)) == "Cf"
+    )
+
+
+def normalize_text(text: str) -> str:
+    """`text` as the blocked patterns see it: format characters removed, then NFKC, which
+    folds compatibility forms onto their plain letters ("ｂａｄ" and "𝐛𝐚𝐝" become "bad";
+    case is the patterns' own, insensitive). ASCII text is returned as it is, at once; other
+    text costs about 0.1 s a MB (holding the GIL), on the worker thread for a large prompt."""
+    if text.isascii():
+        return text
+    if _FORMAT_CHARACTERS.search(text):
+        text = text.translate(_format_character_table())
+    return unicodedata.normalize("NFKC", text)
+
+
 def blocked_patterns(item: GuardrailInput) -> str | None:
     matchers = _compiled(item.tenant_slug, tuple(item.blocked_patterns))
+    if not matchers:
+        return None
     for text in item.prompt_texts:
-        if any(matcher.search(text) for matcher in matchers):
+        normalized = normalize_text(text)
+        if any(matcher.search(normalized) for matcher in matchers):
             return "The prompt contains content your organisation has blocked for this API."
     return None
 

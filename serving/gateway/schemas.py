@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -188,7 +189,23 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
     def prompt_texts(self) -> list[str]:
-        return [message.text() for message in self.messages]
+        """Every text of the request the model reads, for the guardrails: each message's
+        text parts and `name`, an assistant message's tool calls (function name and
+        arguments), and the tool definitions (name, description, parameters as JSON) and
+        the function `tool_choice` names. The chat template renders all of them into the
+        prompt, so a pattern blocked in a message is blocked in any of them."""
+        texts: list[str] = []
+        for message in self.messages:
+            texts.append(message.text())
+            if message.name:
+                texts.append(message.name)
+            texts.extend(_tool_call_texts((message.model_extra or {}).get("tool_calls")))
+        extra = self.model_extra or {}
+        texts.extend(_tool_texts(extra.get("tools")))
+        choice = extra.get("tool_choice")
+        if isinstance(choice, dict):
+            texts.extend(_function_texts(choice.get("function"), ("name",)))
+        return [text for text in texts if text]
 
     def prompt_text(self) -> str:
         return render_chat_prompt([(message.role, message.text()) for message in self.messages])
@@ -208,10 +225,52 @@ class CompletionRequest(_GenerationRequest):
         return self.max_tokens
 
     def prompt_texts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        """The prompt, and the suffix the engine reads after it (for the guardrails)."""
+        texts = [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+        suffix = (self.model_extra or {}).get("suffix")
+        return [*texts, suffix] if isinstance(suffix, str) and suffix else texts
 
     def prompt_text(self) -> str:
-        return self.prompt_texts()[0]
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+
+def _as_text(value: Any) -> str:
+    """A string as it is; anything else (a parameters schema, arguments sent as an object)
+    as its JSON."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _function_texts(function: Any, fields: tuple[str, ...]) -> list[str]:
+    if not isinstance(function, dict):
+        return []
+    return [_as_text(function.get(name)) for name in fields]
+
+
+def _tool_texts(tools: Any) -> list[str]:
+    """The texts of `tools` (OpenAI's `[{"type": "function", "function": {...}}]`)."""
+    if not isinstance(tools, list):
+        return []
+    texts: list[str] = []
+    for tool in tools:
+        if isinstance(tool, dict):
+            function = tool.get("function")
+            texts.extend(_function_texts(function, ("name", "description", "parameters")))
+    return texts
+
+
+def _tool_call_texts(calls: Any) -> list[str]:
+    """The texts of an assistant message's `tool_calls` (function name and arguments)."""
+    if not isinstance(calls, list):
+        return []
+    texts: list[str] = []
+    for call in calls:
+        if isinstance(call, dict):
+            texts.extend(_function_texts(call.get("function"), ("name", "arguments")))
+    return texts
 
 
 GenerationRequest = ChatCompletionRequest | CompletionRequest

@@ -316,3 +316,22 @@ def test_a_non_streamed_request_holds_one_of_the_keys_concurrent_slots(
         assert "concurrent requests" in second.json()["error"]["message"]
         assert first.result(timeout=60).status_code == 200
     assert httpx.post(url, json=BODY, headers=headers, timeout=30).status_code == 200
+
+
+def test_a_blocked_pattern_in_a_tool_definition_or_in_disguise_is_refused(
+    ready, fleet: Fleet
+) -> None:
+    _, key, http = ready
+    from tenants.actions import do_update_tenant
+
+    do_update_tenant(key.tenant, blocked_patterns=[r"project\s+falcon"])
+    tool = {
+        "type": "function",
+        "function": {"name": "lookup", "description": "Files of Project Falcon", "parameters": {}},
+    }
+    disguised = [{"role": "user", "content": "Tell me about ｐｒｏｊｅｃｔ fal\u200bcon"}]
+    for body in ({**BODY, "tools": [tool]}, {**BODY, "messages": disguised}):
+        reply = http.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400
+        assert reply.json()["error"]["code"] == "guardrail_refused"
+    assert sample(fleet.sims[0].metrics_text(), "vllm:prompt_tokens_total") == 0
