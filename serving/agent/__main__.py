@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from .agent import AgentConfig, NodeAgent
 from .gpus import CpuSlots, GpuInventory, NvmlGpus, SimulatedGpus, parse_simulated_gpus
-from .launch import JOIN_TOKEN_ENV, LaunchSettings
+from .launch import ALL_INTERFACES, JOIN_TOKEN_ENV, LaunchSettings
 from .replica import Backoff, SupervisionTimings
 
 
@@ -138,11 +138,11 @@ def engine_host(args: argparse.Namespace, listen_host: str) -> str:
     """Where engines listen: the node's own address, the one the control plane knows it by."""
     if args.engine_host:
         host = str(args.engine_host)
-    elif listen_host not in ("0.0.0.0", "::", ""):
+    elif listen_host not in ALL_INTERFACES:
         host = listen_host
     else:
         host = urlsplit(args.advertise_url or "").hostname or ""
-    if host in ("0.0.0.0", "::", ""):
+    if host in ALL_INTERFACES:
         raise SystemExit(
             "engines must listen on the node's address, not on all interfaces: "
             "set --engine-host (or --advertise-url, or a specific --listen host)"

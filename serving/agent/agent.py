@@ -25,7 +25,7 @@ from .control_plane import (
 )
 from .events import EventQueue
 from .gpus import GpuInventory
-from .launch import LaunchSettings
+from .launch import ALL_INTERFACES, LaunchSettings
 from .replica import (
     STOPPED,
     ReplicaSupervisor,
@@ -133,7 +133,7 @@ class NodeAgent:
         assert self._runner is not None
         port = int(self._runner.addresses[0][1])
         host = self.config.listen_host
-        if host in ("0.0.0.0", "::", ""):
+        if host in ALL_INTERFACES:
             host = socket.gethostname()
         return f"http://{host}:{port}"
 

@@ -23,6 +23,9 @@ VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 Device = Literal["gpu", "cpu"]
 
+# The wildcard addresses, refused as an engine's address and never bound by an engine.
+ALL_INTERFACES = frozenset({"0.0.0.0", "::", ""})  # nosec B104  # refused, never bound
+
 JOIN_TOKEN_ENV = "NODE_AGENT_JOIN_TOKEN"
 # The agent's own settings, its join token among them: an engine needs none of them.
 AGENT_ENV_PREFIX = "NODE_AGENT_"

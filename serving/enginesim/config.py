@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None)
     p.add_argument("--api-key", action="append", default=None)
     p.add_argument("--served-model-name", nargs="+", default=None)
-    p.add_argument("--host", default="0.0.0.0")
+    # Loopback unless told: the agent always names the node's address (vLLM's own default
+    # is every interface, which would put an engine in reach of the whole network).
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
