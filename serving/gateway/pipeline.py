@@ -76,14 +76,14 @@ def replica_at_fault(error: UpstreamError) -> bool:
     return status is None or not 400 <= status < 500 or status in REPLICA_REFUSALS
 
 
-def failed_in_engine(error: UpstreamError) -> ApiError:
+def failed_in_engine(error: UpstreamError, *, streamed: bool) -> ApiError:
     """An error the engine reported in a stream it had already started, in OpenAI's shape
     with the engine's own message."""
     if not replica_at_fault(error):
         return refused_by_engine(error)
+    billed = "the tokens received so far are billed" if streamed else "no output is billed"
     message = error.engine_message or (
-        "The model engine failed mid-generation and gave no reason; the tokens received so "
-        "far are billed."
+        f"The model engine failed mid-generation and gave no reason; {billed}."
     )
     return ApiError(502, message, code="upstream_error", error_type="server_error")
 
@@ -454,7 +454,7 @@ class Exchange:
                 # is still settled and metered.
                 self._cut_off(error)
                 if error.kind == "error_event":
-                    raise failed_in_engine(error) from error
+                    raise failed_in_engine(error, streamed=self.streams) from error
                 raise
             self._delivered()
             yield END_OF_STREAM
@@ -467,6 +467,7 @@ class Exchange:
         except Exception as error:
             self.outcome.status = "error"
             self.outcome.error = repr(error)
+            self._nothing_delivered_unless_streamed()
             log.exception("generation %s failed", self.request_id)
             raise
         finally:
@@ -521,10 +522,20 @@ class Exchange:
         at_fault = replica_at_fault(error)
         self.outcome.status = "upstream_failed" if at_fault else "error"
         self.outcome.error = str(error)
+        self._nothing_delivered_unless_streamed()
         if at_fault and self.outcome.replica is not None:
             kind = "mid_stream" if error.kind == "stream_broken" else error.kind
             self.gateway.record_failure(self.outcome.replica, kind)
             self._verdict = True
+
+    def _nothing_delivered_unless_streamed(self) -> None:
+        """A non-streamed response is all or nothing: one that fails midway reaches the
+        client as an error with none of the tokens generated so far, so none is billed
+        (completion_tokens 0). Its prompt still is, as the engine read it (the settle takes
+        the engine's count or the estimate): the rule of a stream cut before its first token.
+        Metering prices an event from its tokens whatever its status, so this is the charge."""
+        if not self.streams:
+            self.outcome.completion_tokens = 0
 
     def _delivered(self) -> None:
         """Everything is delivered: the transport may finish the response now, and the

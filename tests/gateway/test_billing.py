@@ -169,3 +169,29 @@ def test_a_spent_hard_budget_is_refused_with_insufficient_quota(priced) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20
         )
     assert raised.value.code == "insufficient_quota"
+
+
+@pytest.mark.parametrize(
+    "failure", ["--sim-crash-after-tokens", "--sim-error-after-tokens"], ids=["crash", "error"]
+)
+def test_a_non_streamed_request_the_replica_fails_midway_bills_only_its_prompt(
+    priced, failure: str
+) -> None:
+    # The client gets a 502 and none of the tokens generated before the failure: none of them
+    # is billed. The prompt the engine read is, as for a stream cut before its first token.
+    server, fleet, make_key, client, book = priced
+    fleet.start(extra=(failure, "7"), time_scale=5)
+    fleet.publish()
+    key = make_key("acme")
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key.secret, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as raised:
+        api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a long answer please"}],
+            max_tokens=100,
+        )
+    assert raised.value.status_code == 502
+    [event] = ingest_all(client, 1)
+    assert (event.status, event.completion_tokens) == ("upstream_failed", 0)
+    assert event.prompt_tokens > 0
+    assert event.price_charged_usd_micros == expected_charge(book, event) > 0
