@@ -374,7 +374,7 @@ class GatewayApp:
             except ApiError as error:
                 if not started:
                     raise
-                await self.stream_error(send, error.payload())
+                await self.stream_error(send, exchange, error.payload())
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the replica died mid-stream
@@ -382,6 +382,7 @@ class GatewayApp:
                     raise replica_failed() from error
                 await self.stream_error(
                     send,
+                    exchange,
                     {
                         "error": {
                             "message": "The model replica failed mid-stream; the tokens "
@@ -397,9 +398,16 @@ class GatewayApp:
 
         await self.until_disconnect(pump(), receive, lambda: finished)
 
-    @staticmethod
-    async def stream_error(send: Send, payload: dict[str, Any]) -> None:
-        await send({"type": "http.response.body", "body": sse(payload) + b"data: [DONE]\n\n"})
+    @classmethod
+    async def stream_error(cls, send: Send, exchange: Exchange, payload: dict[str, Any]) -> None:
+        """End a started stream with an error event and [DONE]; with include_usage, the usage
+        chunk (what was delivered) comes first, as it would before [DONE]: OpenAI's clients
+        raise at the error event and would never read a usage chunk after it. (vLLM's own
+        server sends none after a failure; this one has the shape of the usage chunk it sends
+        on success, so a client reads it the same way.)"""
+        usage = sse(cls.usage_chunk(exchange)) if exchange.body.include_usage else b""
+        body = usage + sse(payload) + b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": body})
 
     @staticmethod
     def usage_chunk(exchange: Exchange) -> dict[str, Any]:

@@ -254,3 +254,53 @@ def test_the_sse_error_event_is_openais_shape_followed_by_done(setup) -> None:
             "code": "upstream_error",
         }
     }
+
+
+@pytest.mark.parametrize(
+    "failure", ["--sim-error-after-tokens", "--sim-crash-after-tokens"], ids=["error", "crash"]
+)
+def test_a_stream_ending_in_an_error_sends_its_usage_chunk_first(setup, failure: str) -> None:
+    # OpenAI's clients stop at the error event, so the usage (what was delivered) comes first.
+    server, fleet, _, key, client = setup
+    fleet.start(extra=(failure, "3"), time_scale=5)
+    fleet.publish()
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 20,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        headers={"Authorization": f"Bearer {key.secret}"},
+        timeout=30,
+    ) as reply:
+        events = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert "error" in orjson.loads(events[-2].removeprefix("data: "))
+    usage = orjson.loads(events[-3].removeprefix("data: "))
+    assert usage["choices"] == []
+    assert usage["usage"]["completion_tokens"] == 3
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 3
+    assert only_usage_event(client).completion_tokens == 3
+
+
+def test_a_stream_ending_in_an_error_without_include_usage_has_no_usage_chunk(setup) -> None:
+    server, fleet, _, key, _ = setup
+    fleet.start(extra=("--sim-error-after-tokens", "3"), time_scale=5)
+    fleet.publish()
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True},
+        headers={"Authorization": f"Bearer {key.secret}"},
+        timeout=30,
+    ) as reply:
+        chunks = [
+            orjson.loads(line.removeprefix("data: "))
+            for line in reply.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    assert all("usage" not in chunk for chunk in chunks)
