@@ -90,8 +90,9 @@ _STAGING_DDL = (
     "(LIKE metering_usageevent INCLUDING DEFAULTS) ON COMMIT DELETE ROWS"
 )
 _COPY = f"COPY metering_usage_staging ({', '.join(COLUMNS)}) FROM STDIN"
+# From the constant COLUMNS, never from input.
 _INSERT = (
-    f"INSERT INTO metering_usageevent ({', '.join(COLUMNS)}) "
+    f"INSERT INTO metering_usageevent ({', '.join(COLUMNS)}) "  # nosec B608
     f"SELECT {', '.join(COLUMNS)} FROM metering_usage_staging "
     "ON CONFLICT (request_id) DO NOTHING"
 )
