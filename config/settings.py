@@ -6,6 +6,8 @@ the variable (see config/env.py).
 
 from __future__ import annotations
 
+import re
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -59,6 +61,9 @@ INSTALLED_APPS = [
     "rest_framework",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "axes",
+    "django_otp",
+    "django_otp.plugins.otp_totp",
     "tenants",
     "registry",
     "serving",
@@ -72,8 +77,13 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django_otp.middleware.OTPMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Staff with a second factor reach the console and the admin only once it is verified.
+    "config.auth.StaffSecondFactorMiddleware",
+    # Last: it turns a request axes flagged as locked out into the 429 login page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -110,6 +120,59 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
+
+# Login throttling (django-axes, config/auth.py): every authenticate() passes the axes backend
+# first, the console's /login/ and the Django admin's login alike. Failures are counted per
+# username (from any address) and per client address (over any usernames); once either count
+# reaches its limit within the cool-off, further attempts are refused with a 429, a correct
+# password included, until the cool-off has passed since the last failure. Staff unlock early by
+# deleting the access attempts in the Django admin.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+LOGIN_FAILURES_PER_USER = env_int("LOGIN_FAILURES_PER_USER", 5, minimum=1)
+LOGIN_FAILURES_PER_ADDRESS = env_int("LOGIN_FAILURES_PER_ADDRESS", 20, minimum=1)
+LOGIN_COOL_OFF_MINUTES = env_int("LOGIN_COOL_OFF_MINUTES", 15, minimum=1)
+# The request header that holds the client's address: REMOTE_ADDR when clients connect directly;
+# behind a proxy, the one header that proxy sets (X-Forwarded-For: its right-most entry, the one
+# the proxy appended). Any other header is the client's to forge. (Axes' AXES_IPWARE_* settings
+# need django-ipware, which is not installed; config.auth.client_address reads this instead.)
+LOGIN_CLIENT_ADDRESS_HEADER = env_str("LOGIN_CLIENT_ADDRESS_HEADER", "REMOTE_ADDR")
+if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", LOGIN_CLIENT_ADDRESS_HEADER):
+    raise ImproperEnvironment(
+        "LOGIN_CLIENT_ADDRESS_HEADER",
+        LOGIN_CLIENT_ADDRESS_HEADER,
+        "REMOTE_ADDR or a header name such as X-Forwarded-For",
+    )
+if LOGIN_CLIENT_ADDRESS_HEADER != "REMOTE_ADDR" and not LOGIN_CLIENT_ADDRESS_HEADER.startswith(
+    "HTTP_"
+):
+    LOGIN_CLIENT_ADDRESS_HEADER = "HTTP_" + LOGIN_CLIENT_ADDRESS_HEADER.upper().replace("-", "_")
+AXES_HANDLER = "config.auth.LoginThrottle"
+AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_COOLOFF_TIME = timedelta(minutes=LOGIN_COOL_OFF_MINUTES)
+# LoginThrottle.is_locked applies the two limits before the password is checked, so the attempt
+# after the last allowed failure is the one refused. Axes' own check (one limit, flagging the
+# failure that reaches it) is off; AXES_FAILURE_LIMIT only feeds the admin's attempt list.
+AXES_LOCK_OUT_AT_FAILURE = False
+AXES_FAILURE_LIMIT = LOGIN_FAILURES_PER_USER
+# A refused attempt is not recorded: the cool-off runs from the last real failure, and the page
+# can say when it ends.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+# LoginThrottle resets the user's count on success, never the address's: one good account must
+# not wipe an address's failures against other accounts.
+AXES_RESET_ON_SUCCESS = False
+AXES_CLIENT_IP_CALLABLE = "config.auth.client_address"
+AXES_LOCKOUT_CALLABLE = "config.auth.lockout_response"
+AXES_VERBOSE = False
+
+# Second factor (django-otp, config/auth.py): a user with a confirmed TOTP device enters its
+# 6-digit code after the password, on the console's login and the Django admin's. Staff enrol a
+# device at /login/two-factor/. When required, staff without one are sent there before any
+# console or admin page.
+PLATFORM_STAFF_MFA_REQUIRED = env_bool("PLATFORM_STAFF_MFA_REQUIRED", default=False)
+OTP_TOTP_ISSUER = "Inference platform"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

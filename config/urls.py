@@ -3,7 +3,11 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from config import health, views
+from config import auth, health, views
+
+# The admin logs in through config.auth's throttled, two-step page (django-otp's documented way
+# of swapping the default site's class).
+admin.site.__class__ = auth.PlatformAdminSite
 
 api_v1 = [
     path("", include("tenants.api.urls")),
@@ -18,7 +22,9 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("readyz/gateway", health.readyz_gateway, name="readyz-gateway"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", auth.LoginView.as_view(), name="login"),
+    path("login/code/", auth.login_code, name="login-code"),
+    path("login/two-factor/", auth.enroll_device, name="two-factor-enroll"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("", views.home, name="home"),
     path("admin/", admin.site.urls),
