@@ -1,7 +1,11 @@
 """Models of the registry: models, versions, LoRA adapters, deployments and canary rollouts.
 
 A `Model.name` is the served model name clients put in `"model"`. Its deployments share that
-name in the routing table, which splits traffic between them by `Deployment.traffic_weight`.
+name in the routing table, which splits traffic between its versions by traffic weight (a
+version's weight is the sum of its deployments' `Deployment.traffic_weight`; 0 takes nothing).
+Inside the chosen version the router's policy picks a replica across all of the version's
+deployments, so one version deployed on two pools (GPU classes) is one set of replicas, and
+the cost-aware policy chooses between the classes.
 """
 
 from __future__ import annotations
@@ -197,7 +201,10 @@ class Deployment(models.Model):
     engine_args = models.JSONField(default=default_engine_args, blank=True)
     slo_tier = models.CharField(max_length=16, choices=SloTier.choices, default=SloTier.STANDARD)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
-    # Percent of the served model name's traffic. The rollout controller moves it.
+    # This deployment's part of its version's share of the served model name's traffic (the
+    # version's share is the sum over its deployments; 0 drains it). The router does not
+    # split between deployments of one version: it picks a replica across them. The rollout
+    # controller moves it between a baseline and a canary, which are different versions.
     traffic_weight = models.PositiveSmallIntegerField(
         default=100, validators=[MaxValueValidator(100)]
     )

@@ -1,7 +1,7 @@
 """The router: picks a replica for a request over plain data. Imports nothing from Django."""
 
 from serving.router.breaker import BreakerState, CircuitBreaker
-from serving.router.canary import deployments_in_order, split_by_weight
+from serving.router.canary import deployments_in_order, split_by_weight, versions_in_order
 from serving.router.contracts import (
     DEFAULT_SLO_TIERS,
     Decision,
@@ -13,6 +13,7 @@ from serving.router.contracts import (
     RouterConfig,
     RouteRequest,
     SloTier,
+    VersionRoute,
 )
 from serving.router.index import ReplicaSet, RouterState
 from serving.router.policies import (
@@ -54,10 +55,12 @@ __all__ = [
     "RouterState",
     "ScorerWeights",
     "SloTier",
+    "VersionRoute",
     "WeightedScorer",
     "deployments_in_order",
     "is_candidate",
     "least_load_pick",
     "predict",
     "split_by_weight",
+    "versions_in_order",
 ]

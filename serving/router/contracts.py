@@ -200,13 +200,14 @@ class Decision:
     # Where the baseline policy (least load) would have sent the request at the same moment
     # among the same candidates (`policies.least_load_pick`), so metering can price the
     # request's work there too. Set whenever `replica` is: least load walks every live
-    # replica of the deployments the policy looked in.
+    # replica of the versions (all their deployments) the policy looked in.
     baseline_replica: ReplicaState | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class DeploymentRoute:
-    """One deployment serving a model name, with its share of traffic in percent."""
+    """One deployment serving a model name, with its share of traffic in percent: its
+    version's share is the sum of the version's deployments' weights."""
 
     deployment_id: str
     version: str
@@ -214,13 +215,53 @@ class DeploymentRoute:
 
 
 @dataclass(slots=True, frozen=True)
+class VersionRoute:
+    """One version of a served model: its deployments that take traffic (weight above 0,
+    in the route's order) and its weight, the sum of theirs.
+
+    The canary split chooses a version; the policy then chooses among the replicas of all
+    of its deployments, which sit on different pools (GPU classes, regions).
+    """
+
+    version: str
+    weight: int
+    deployments: tuple[DeploymentRoute, ...]
+    deployment_ids: frozenset[str]
+
+
+@dataclass(slots=True, frozen=True)
 class ModelRoute:
     """Routing-table entry of one served model name.
 
     `cohort_by_tenant` splits canary traffic by tenant instead of by request, so one
-    tenant sees one version throughout a rollout.
+    tenant sees one version throughout a rollout. `versions` is derived from `deployments`
+    once, here, so a decision never regroups them.
     """
 
     model: str
     deployments: tuple[DeploymentRoute, ...]
     cohort_by_tenant: bool = False
+    # The versions with weight above 0, in the order each first appears in `deployments`.
+    versions: tuple[VersionRoute, ...] = field(init=False, repr=False, compare=False)
+    # The same versions, heaviest first (ties in route order): the fallback order.
+    versions_by_weight: tuple[VersionRoute, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        members: dict[str, list[DeploymentRoute]] = {}
+        for deployment in self.deployments:
+            if deployment.weight > 0:  # weight 0 drains a deployment (a rollout's start)
+                members.setdefault(deployment.version, []).append(deployment)
+        versions = tuple(
+            VersionRoute(
+                version,
+                sum(d.weight for d in deployments),
+                tuple(deployments),
+                frozenset(d.deployment_id for d in deployments),
+            )
+            for version, deployments in members.items()
+        )
+        # object.__setattr__: the dataclass is frozen, and these are set once, at birth.
+        object.__setattr__(self, "versions", versions)
+        object.__setattr__(
+            self, "versions_by_weight", tuple(sorted(versions, key=lambda v: -v.weight))
+        )

@@ -1,21 +1,27 @@
 """Routing policies behind one interface: `choose(request, now) -> Decision`.
 
 Every policy applies the same hard filters (health, breaker, telemetry age, allowed
-regions, adapter support, prompt fits in KV), picks the deployment by canary weight first,
-falls back to the other weighted deployments when the chosen one has no candidate, and
-records the request's prefix against the chosen replica. Every decision also names the
-replica least load would have picked instead (`least_load_pick`), the baseline that the
-router's saving is measured against.
+regions, adapter support, prompt fits in KV), picks the version by canary weight first
+(`canary.versions_in_order`), falls back to the other weighted versions when the chosen one
+has no candidate, and records the request's prefix against the chosen replica. Inside a
+version the policy chooses among the replicas of all its deployments, one per pool: the
+cheapest meeting the SLO, the lightest, the next in turn or the best scored across all of
+them. `RouterState` indexes replicas by deployment; the policies combine a version's
+deployments per request, and the common case, one deployment per version, takes the
+index as it is. Every decision also names the replica least load would have picked
+instead (`least_load_pick`), the baseline that the router's saving is measured against.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Final, Protocol
 
-from serving.router.canary import deployments_in_order
+from serving.router.canary import versions_in_order
 from serving.router.contracts import (
     Decision,
     DeploymentRoute,
@@ -25,8 +31,9 @@ from serving.router.contracts import (
     RouterConfig,
     RouteRequest,
     SloTier,
+    VersionRoute,
 )
-from serving.router.index import LoadBuckets, ReplicaGroup, ReplicaSet, RouterState
+from serving.router.index import LoadBuckets, ReplicaGroup, RouterState, queue_load
 from serving.router.predict import Prediction, RequestPredictor, is_candidate, predict
 
 
@@ -114,34 +121,95 @@ def _lightest(
     return None
 
 
+def _at(lists: list[list[ReplicaState]], index: int) -> ReplicaState:
+    """Item `index` of the lists' concatenation, without building it."""
+    for items in lists:
+        if index < len(items):
+            return items[index]
+        index -= len(items)
+    raise IndexError(index)
+
+
+def _lightest_across(
+    by_loads: list[LoadBuckets],
+    request: RouteRequest,
+    now: float,
+    config: RouterConfig,
+    random: Callable[[], float] | None = None,
+) -> ReplicaState | None:
+    """`_lightest` over several deployments' buckets as if they were one: loads ascending
+    across all of them, the members of one load across them one bucket (the deployments'
+    members in turn), the same draw per bucket visited."""
+    previous = -1
+    for load in heapq.merge(*(by_load.loads for by_load in by_loads)):
+        if load == previous:
+            continue
+        previous = load
+        members = [b.buckets[load].items for b in by_loads if load in b.buckets]
+        size = sum(len(items) for items in members)
+        start = int(random() * size) if random is not None else 0
+        for position in range(start, start + size):
+            replica = _at(members, position % size)
+            if is_candidate(replica, request, now, config):
+                return replica
+    return None
+
+
+def _lightest_in(
+    state: RouterState,
+    version: VersionRoute,
+    request: RouteRequest,
+    now: float,
+    config: RouterConfig,
+    random: Callable[[], float] | None = None,
+) -> ReplicaState | None:
+    """The lightest candidate across the version's deployments (see `_lightest`)."""
+    deployments = version.deployments
+    if len(deployments) == 1:
+        return _lightest(state.by_load(deployments[0].deployment_id), request, now, config, random)
+    if random is None:
+        # Each deployment's own first lightest candidate, then the lightest of those (the
+        # earlier deployment on a tie): what the merged walk finds from each bucket's first
+        # member, without merging the loads. The baseline of every decision comes this way.
+        best: ReplicaState | None = None
+        best_load = 0
+        for deployment in deployments:
+            replica = _lightest(state.by_load(deployment.deployment_id), request, now, config)
+            if replica is not None and (best is None or queue_load(replica) < best_load):
+                best, best_load = replica, queue_load(replica)
+        return best
+    by_loads = [state.by_load(deployment.deployment_id) for deployment in deployments]
+    return _lightest_across(by_loads, request, now, config, random)
+
+
 def least_load_pick(
     state: RouterState,
     config: RouterConfig,
     request: RouteRequest,
     now: float,
     *,
-    split: DeploymentRoute | None = None,
+    split: VersionRoute | None = None,
 ) -> ReplicaState | None:
-    """The replica least load would pick for the request now: the same deployment order
-    and hard filters as every policy, the same bucket walk as `LeastLoad`.
+    """The replica least load would pick for the request now: the same version order,
+    deployments and hard filters as every policy, the same bucket walk as `LeastLoad`.
 
     For the baseline of another policy's decision, so it changes nothing that policy does:
     it draws nothing from `state.rng` (a tie goes to the first candidate of the lightest
     bucket holding one, where `LeastLoad` itself starts from a random member) and records
     no prefix.
 
-    `split`: the deployment the canary split chose for the request (the first of
-    `deployments_in_order`), when the caller found a candidate there. Least load's pick is
+    `split`: the version the canary split chose for the request (the first of
+    `versions_in_order`), when the caller found a candidate there. Least load's pick is
     then in it, since every candidate is in its deployment's load buckets, and the walk
     starts there without hashing the request again (most of this function's cost).
     """
     if split is not None:
-        return _lightest(state.by_load(split.deployment_id), request, now, config)
+        return _lightest_in(state, split, request, now, config)
     route = state.route(request.model)
     if route is None:
         return None
-    for deployment in deployments_in_order(route, request):
-        best = _lightest(state.by_load(deployment.deployment_id), request, now, config)
+    for version in versions_in_order(route, request):
+        best = _lightest_in(state, version, request, now, config)
         if best is not None:
             return best
     return None
@@ -153,20 +221,24 @@ class RoundRobin:
     def __init__(self, state: RouterState, config: RouterConfig | None = None) -> None:
         self.state = state
         self.config = config or RouterConfig()
+        # The next turn per version, keyed by its first deployment (a deployment is of one
+        # version): the turn goes round all the version's deployments.
         self._next: dict[str, int] = {}
 
     def choose(self, request: RouteRequest, now: float) -> Decision:
         route = self.state.route(request.model)
         if route is None:
             return _no_route(request, self.state, self.name)
-        for position, deployment in enumerate(deployments_in_order(route, request)):
-            live = self.state.live(deployment.deployment_id).items
-            start = self._next.get(deployment.deployment_id, 0)
+        for position, version in enumerate(versions_in_order(route, request)):
+            deployments = version.deployments
+            turn = deployments[0].deployment_id
+            live = self.state.live(turn).items if len(deployments) == 1 else self._live(deployments)
+            start = self._next.get(turn, 0)
             for step in range(len(live)):
                 replica = live[(start + step) % len(live)]
                 if is_candidate(replica, request, now, self.config):
-                    self._next[deployment.deployment_id] = start + step + 1
-                    split = deployment if position == 0 else None
+                    self._next[turn] = start + step + 1
+                    split = version if position == 0 else None
                     return _decide(
                         self.state,
                         self.config,
@@ -181,16 +253,22 @@ class RoundRobin:
                     )
         return _no_route(request, self.state, self.name)
 
+    def _live(self, deployments: tuple[DeploymentRoute, ...]) -> list[ReplicaState]:
+        # A copy per request, only for a version on several pools: round robin is a
+        # baseline to compare with, not the policy a large fleet runs.
+        return [r for d in deployments for r in self.state.live(d.deployment_id).items]
+
 
 class LeastLoad:
     """Fewest requests queued, running and in flight from here (`queue_load`).
 
     Exact without a scan: `RouterState.by_load` keeps each deployment's live replicas in
-    buckets by load, so the search walks buckets from the lightest and stops at the first
-    one holding a candidate. The time-dependent filters (breaker, telemetry age) and the
-    request's own (regions, adapter, prompt size) are checked per replica as it is
-    visited, so a replica they exclude is skipped and the walk goes on: the answer is
-    the scan's, and only a request that excludes most light replicas pays for a long walk.
+    buckets by load, so the search walks buckets from the lightest (across the version's
+    deployments) and stops at the first one holding a candidate. The time-dependent
+    filters (breaker, telemetry age) and the request's own (regions, adapter, prompt size)
+    are checked per replica as it is visited, so a replica they exclude is skipped and the
+    walk goes on: the answer is the scan's, and only a request that excludes most light
+    replicas pays for a long walk.
     Ties: a random member of the lightest bucket holding a candidate (the bucket's
     candidates in cyclic order from a random start, the first taken). Its decision's
     baseline is its own pick.
@@ -208,9 +286,8 @@ class LeastLoad:
             return _no_route(request, self.state, self.name)
         # A random starting point in each bucket so equal loads do not all land on one replica.
         random = self.state.rng.random
-        for deployment in deployments_in_order(route, request):
-            by_load = self.state.by_load(deployment.deployment_id)
-            best = _lightest(by_load, request, now, self.config, random)
+        for version in versions_in_order(route, request):
+            best = _lightest_in(self.state, version, request, now, self.config, random)
             if best is not None:
                 return _decide(
                     self.state,
@@ -267,12 +344,11 @@ class WeightedScorer:
             if request.prefix_hashes
             else {}
         )
-        for position, deployment in enumerate(deployments_in_order(route, request)):
-            live = self.state.live(deployment.deployment_id)
-            candidates = _candidates(self._pool(live, matches), request, now, self.config)
+        for position, version in enumerate(versions_in_order(route, request)):
+            candidates = _candidates(self._pool(version, matches), request, now, self.config)
             if candidates:
                 replica = self._best(candidates, matches, len(request.prefix_hashes))
-                split = deployment if position == 0 else None
+                split = version if position == 0 else None
                 return _decide(
                     self.state,
                     self.config,
@@ -286,18 +362,32 @@ class WeightedScorer:
                 )
         return _no_route(request, self.state, self.name)
 
-    def _pool(self, live: ReplicaSet, matches: dict[str, int]) -> list[ReplicaState]:
-        if len(live) <= self.max_scored:
-            return live.items
-        pool = {
-            replica.replica_id: replica
-            for replica in self.state.rng.sample(live.items, self.max_scored)
-        }
-        member = live.get
-        for replica_id in matches:
-            holder = member(replica_id)
-            if holder is not None:
-                pool[replica_id] = holder
+    def _pool(self, version: VersionRoute, matches: dict[str, int]) -> list[ReplicaState]:
+        """The live replicas of the version's deployments, or a sample of them plus every
+        prefix holder among them."""
+        deployments = version.deployments
+        if len(deployments) == 1:
+            live = self.state.live(deployments[0].deployment_id)
+            if len(live) <= self.max_scored:
+                return live.items
+            lives = [live]
+            sample = self.state.rng.sample(live.items, self.max_scored)
+        else:
+            lives = [self.state.live(deployment.deployment_id) for deployment in deployments]
+            items = [live.items for live in lives]
+            total = sum(len(members) for members in items)
+            if total <= self.max_scored:
+                return [replica for members in items for replica in members]
+            # The same draw as sampling the concatenation, without building it.
+            positions = self.state.rng.sample(range(total), self.max_scored)
+            sample = [_at(items, position) for position in positions]
+        pool = {replica.replica_id: replica for replica in sample}
+        for live in lives:
+            member = live.get
+            for replica_id in matches:
+                holder = member(replica_id)
+                if holder is not None:
+                    pool[replica_id] = holder
         return list(pool.values())
 
     def _best(
@@ -408,6 +498,10 @@ class CostAware:
         self.config = config or RouterConfig()
         objectives = [t.ttft_s for t in self.config.slo_tiers.values() if t.ttft_s is not None]
         self._tightest_ttft_s = min(objectives, default=None)
+        # The groups of each version on several deployments, merged cheapest first, keyed
+        # by the version's first deployment; for `_merged_for`, the state they came from.
+        self._merged_groups: dict[str, list[ReplicaGroup]] = {}
+        self._merged_for = state
 
     def choose(self, request: RouteRequest, now: float) -> Decision:
         state = self.state
@@ -420,49 +514,70 @@ class CostAware:
             else {}
         )
         tier = self.config.tier(request.tier)
-        for position, deployment in enumerate(deployments_in_order(route, request)):
-            candidates = self._options(deployment.deployment_id, request, now, tier, matches)
+        for position, version in enumerate(versions_in_order(route, request)):
+            candidates = self._options(version, request, now, tier, matches)
             if candidates.options:
-                split = deployment if position == 0 else None
+                split = version if position == 0 else None
                 baseline = least_load_pick(state, self.config, request, now, split=split)
                 return self._pick(candidates, request, tier, baseline)
         return _no_route(request, state, self.name)
 
     def _options(
         self,
-        deployment_id: str,
+        version: VersionRoute,
         request: RouteRequest,
         now: float,
         tier: SloTier,
         matches: dict[str, int],
     ) -> _Candidates:
-        """The deployment's candidate options, and the lowest ranking price among those
-        meeting the SLO."""
+        """The candidate options across the version's deployments, and the lowest ranking
+        price among those meeting the SLO."""
         candidates = _Candidates(request, now, self.config, tier, matches)
-        self._consider_holders(deployment_id, request, matches, candidates)
-        self._consider_groups(deployment_id, request, candidates)
+        self._consider_holders(version, request, matches, candidates)
+        self._consider_groups(self._groups(version), request, candidates)
         return candidates
+
+    def _groups(self, version: VersionRoute) -> list[ReplicaGroup]:
+        """The groups of the version's deployments, cheapest first."""
+        deployments = version.deployments
+        if len(deployments) == 1:
+            return self.state.groups(deployments[0].deployment_id)
+        if self._merged_for is not self.state:
+            self._merged_groups, self._merged_for = {}, self.state
+        key = deployments[0].deployment_id
+        merged = self._merged_groups.get(key)
+        if merged is None:
+            # A state builds each deployment's groups once (their members change in place),
+            # so the merge holds for the state's life. Stable: ties in deployment order.
+            groups = (self.state.groups(deployment.deployment_id) for deployment in deployments)
+            merged = self._merged_groups[key] = sorted(
+                chain.from_iterable(groups), key=_group_price
+            )
+        return merged
 
     def _consider_holders(
         self,
-        deployment_id: str,
+        version: VersionRoute,
         request: RouteRequest,
         matches: dict[str, int],
         candidates: _Candidates,
     ) -> None:
-        """Every replica of the deployment holding the prefix, and a few holding the adapter."""
+        """Every replica of the version holding the prefix, and a few per deployment holding
+        the adapter."""
         state = self.state
+        deployment_ids = version.deployment_ids
         for replica_id in matches:
             holder = state.replica(replica_id)
-            if holder is not None and holder.deployment_id == deployment_id:
+            if holder is not None and holder.deployment_id in deployment_ids:
                 candidates.consider(holder)
         if request.adapter is not None:
-            holders = state.with_adapter(deployment_id, request.adapter)
-            if holders:
-                self._draw(holders.items, candidates.consider)
+            for deployment in version.deployments:
+                holders = state.with_adapter(deployment.deployment_id, request.adapter)
+                if holders:
+                    self._draw(holders.items, candidates.consider)
 
     def _consider_groups(
-        self, deployment_id: str, request: RouteRequest, candidates: _Candidates
+        self, groups: Iterable[ReplicaGroup], request: RouteRequest, candidates: _Candidates
     ) -> None:
         """Per group, cheapest first, until no group can beat or tie the best price found;
         groups too slow to meet the SLO even when idle only if nothing meets it."""
@@ -471,7 +586,7 @@ class CostAware:
         floor = 1.0 - (self.config.adapter_bonus if request.adapter is not None else 0.0)
         allowed = request.allowed_regions
         hopeless: list[ReplicaGroup] = []
-        for group in self.state.groups(deployment_id):
+        for group in groups:
             if candidates.best_meeting * near_tie < group.price_per_hour * floor:
                 break  # groups are sorted by price: no later one can win or tie
             if allowed is not None and group.region not in allowed:
@@ -604,8 +719,13 @@ class CostAware:
         )
 
 
+def _group_price(group: ReplicaGroup) -> float:
+    return group.price_per_hour
+
+
 class _Candidates:
-    """One deployment's options for one request, as `CostAware._options` collects them.
+    """One version's options for one request (across its deployments), as
+    `CostAware._options` collects them.
 
     `consider` is the hot loop: `is_candidate`'s filters, the affinity discounts, and
     `RequestPredictor`'s TTFT and TPOT, skipping the prediction of a candidate that cannot

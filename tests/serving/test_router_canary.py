@@ -1,11 +1,12 @@
-"""Canary traffic split: weights by request id, or by tenant in cohort mode."""
+"""Canary traffic split: weights by request id, or by tenant in cohort mode, between a
+served model's versions; a version's weight is the sum of its deployments'."""
 
 from __future__ import annotations
 
 import math
 
 from serving.router import DeploymentRoute, ModelRoute, RouteRequest, deployments_in_order
-from serving.router.canary import split_by_weight
+from serving.router.canary import split_by_weight, versions_in_order
 
 STABLE = DeploymentRoute("stable", "v1", 75)
 CANARY = DeploymentRoute("canary", "v2", 25)
@@ -63,3 +64,48 @@ def test_other_weighted_deployments_are_fallbacks_but_weight_zero_is_not() -> No
 
 def test_no_weight_anywhere_means_no_deployment() -> None:
     assert split_by_weight((DeploymentRoute("a", "v1", 0),), "req-1") is None
+
+
+# A version on several pools: one deployment per pool, one share of traffic.
+ON_TWO_POOLS = ModelRoute(
+    "llama-3.1-8b",
+    (
+        DeploymentRoute("stable-l40s", "v1", 45),
+        DeploymentRoute("stable-l4", "v1", 45),
+        DeploymentRoute("canary", "v2", 10),
+    ),
+)
+
+
+def test_a_versions_weight_is_the_sum_of_its_deployments_weights() -> None:
+    trials = 8000
+    hits = sum(
+        next(versions_in_order(ON_TWO_POOLS, request(f"req-{n}"))).version == "v2"
+        for n in range(trials)
+    )
+    assert abs(hits - trials * 0.1) < 4 * math.sqrt(trials * 0.1 * 0.9)
+
+
+def test_the_chosen_version_brings_all_its_deployments_and_the_other_version_follows() -> None:
+    order = [
+        [d.deployment_id for d in version.deployments]
+        for version in versions_in_order(ON_TWO_POOLS, request("req-1"))
+    ]
+    assert sorted(order) == [["canary"], ["stable-l40s", "stable-l4"]]
+
+
+def test_a_deployment_of_weight_zero_stays_out_of_its_version() -> None:
+    draining = DeploymentRoute("stable-l4", "v1", 0)
+    route = ModelRoute("llama-3.1-8b", (DeploymentRoute("stable-l40s", "v1", 100), draining))
+    (version,) = route.versions
+    assert version.weight == 100 and draining not in version.deployments
+    assert draining not in set(deployments_in_order(route, request("req-1")))
+
+
+def test_cohort_mode_keeps_each_tenant_on_one_version_of_several_pools() -> None:
+    route = ModelRoute("llama-3.1-8b", ON_TWO_POOLS.deployments, cohort_by_tenant=True)
+    for tenant in ("acme", "globex", "initech", "umbrella"):
+        sides = {
+            next(versions_in_order(route, request(f"req-{n}", tenant))).version for n in range(200)
+        }
+        assert len(sides) == 1

@@ -1,5 +1,6 @@
 """Least load through `RouterState.by_load`: the load buckets follow every write to the
-state, and the policy's choice is as light as a scan over all valid candidates finds. Every
+state, and the policy's choice is as light as a scan over all valid candidates of the
+chosen version (v1 on two deployments, one per pool, or v2) finds. Every
 policy's decision names least load's pick as its baseline, found without touching the
 policy's random draws or the prefix index."""
 
@@ -26,7 +27,7 @@ from serving.router import (
     is_candidate,
     least_load_pick,
 )
-from serving.router.canary import deployments_in_order
+from serving.router.canary import versions_in_order
 from serving.router.coefficients import coefficients_from_perf
 from serving.router.index import queue_load
 
@@ -34,8 +35,14 @@ MODEL = "llama-3.1-8b"
 NOW = 1_000.0
 CONFIG = RouterConfig()
 ROUTE = ModelRoute(
-    MODEL, (DeploymentRoute("stable", "v1", 60), DeploymentRoute("canary", "v2", 40))
+    MODEL,
+    (
+        DeploymentRoute("stable", "v1", 30),
+        DeploymentRoute("stable-l4", "v1", 30),
+        DeploymentRoute("canary", "v2", 40),
+    ),
 )
+DEPLOYMENTS = ("stable", "stable-l4", "canary")
 
 
 def shapes() -> list[ReplicaPerf]:
@@ -51,7 +58,7 @@ PERFS = shapes()
 
 replica_fields = st.fixed_dictionaries(
     {
-        "deployment": st.sampled_from(("stable", "canary")),
+        "deployment": st.sampled_from(DEPLOYMENTS),
         "shape": st.integers(0, len(PERFS) - 1),
         "region": st.sampled_from(("eu-west", "us-east")),
         "running": st.integers(0, 6),
@@ -156,14 +163,13 @@ def make_request(fields: dict) -> RouteRequest:
 
 def scan_minimum(state: RouterState, request: RouteRequest, size: int) -> int | None:
     """The brute-force answer: the least load over valid candidates of the first
-    deployment, in the policy's order, that has any."""
-    for route in deployments_in_order(ROUTE, request):
-        deployment = route.deployment_id
+    version, in the policy's order, that has any."""
+    for version in versions_in_order(ROUTE, request):
         loads = [
             queue_load(replica)
             for replica in (state.replica(f"r{index}") for index in range(size))
             if replica is not None
-            and replica.deployment_id == deployment
+            and replica.deployment_id in version.deployment_ids
             and is_candidate(replica, request, NOW, CONFIG)
         ]
         if loads:
@@ -204,7 +210,7 @@ def test_the_load_buckets_hold_exactly_the_healthy_replicas_at_their_current_loa
     for operation in updates:
         apply(state, operation, len(fields))
 
-    for deployment in ("stable", "canary"):
+    for deployment in DEPLOYMENTS:
         by_load = state.by_load(deployment)
         bucketed = {
             replica.replica_id: load
