@@ -312,7 +312,8 @@ def do_update_api_key(key: ApiKey, *, acting_user: Any, **changes: Any) -> ApiKe
 
 @transaction.atomic
 def do_revoke_api_key(key: ApiKey, acting_user: Any) -> ApiKey:
-    """Revoke for good; every gateway process drops the key within a second."""
+    """Revoke for good; every gateway process drops the key within a second (within a few
+    seconds of Redis coming back, when it was unreachable: see `_write_records`)."""
     if key.revoked_at is None:
         key.revoked_at = timezone.now()
         key.save(update_fields=["revoked_at"])
@@ -474,7 +475,10 @@ def _write_records(records: list[tuple[str, KeyPrincipal | None]], events: Seque
             pipe.publish(KEY_EVENTS_CHANNEL, event)
         pipe.execute()
     except redis.RedisError as error:
-        # The periodic republish task repairs this once Redis is back.
+        # Not retried here (Celery's broker is this same Redis). PostgreSQL has the change, and
+        # it is not lost: each gateway rechecks keys in PostgreSQL once its key events are back
+        # (tenants.keys, "A change the control plane could not write"), and the periodic
+        # republish task rewrites every record once Redis is back.
         logger.error("Could not write %d API key records to Redis: %s", len(records), error)
         return 0
     return len(records)

@@ -17,6 +17,18 @@ not shaped like a key this module generates is refused before any lookup.
 Revocations and changes are published on `KEY_EVENTS_CHANNEL` as `key:<sha256>`,
 `tenant:<id>` or `all`; every process drops the matching cache entries at once.
 
+A change the control plane could not write to Redis (a revoke made while Redis was down is
+in PostgreSQL only) must not be undone when Redis comes back with the key's old record. The
+control plane cannot retry it through Celery (its broker is that same Redis) and keeps no
+outbox, so the gateway repairs it: each time its key event channel is (re)subscribed, which
+is what Redis coming back looks like from a gateway (and what a gateway starting looks like,
+one that may have missed the outage), `KeyAuthenticator` takes PostgreSQL's word over
+Redis's, once per key, on that key's next lookup: a revoked key is refused and its record
+corrected in Redis (compare-and-set, so a newer write of the control plane wins). This lasts
+until the control plane's periodic republish (`tenants.republish_key_records`, every 300 s)
+announces with its `all` event that every record was rewritten from PostgreSQL, or
+`RECHECK_WINDOW_S` at most; if PostgreSQL cannot answer, Redis is trusted as before.
+
 This module imports nothing from Django: the PostgreSQL lookup is the caller's, injected as
 `KeyAuthenticator(load_from_database=...)` (the gateway's composition root, `config.gateway`,
 passes `tenants.actions.load_principal_from_database`).
@@ -51,6 +63,18 @@ KEY_SCHEME = "sk"
 DEFAULT_TIMEOUT_S = 0.5
 # How long every gateway process takes a key PostgreSQL did not know for unknown.
 MISSING_KEY_TTL_S = 30
+# After (re)subscribing to key events, keys are rechecked in PostgreSQL for at most this long
+# (twice the control plane's periodic republish, which ends it sooner; see above).
+RECHECK_WINDOW_S = 600.0
+# SET KEYS[1] ARGV[2] only if it still holds ARGV[1]: a recheck's correction never overwrites
+# a record the control plane wrote meanwhile.
+_REPLACE_IF_UNCHANGED = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"""
 PREFIX_BYTES = 4
 SECRET_BYTES = 24
 # `sk-<prefix>-<secret>`, both lowercase hex, as `generate_raw_key` makes them.
@@ -269,6 +293,11 @@ class KeyAuthenticator:
         self._touched: dict[int, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._subscribed = asyncio.Event()
+        # Until when (monotonic) keys admitted by Redis are rechecked in PostgreSQL, and those
+        # rechecked since the last subscription (see the module docstring).
+        self._recheck_until = 0.0
+        self._rechecked: set[str] = set()
+        self._replace_if_unchanged = redis.register_script(_REPLACE_IF_UNCHANGED)
 
     async def authenticate(self, raw_key: str) -> KeyPrincipal | None:
         if key_prefix_of(raw_key) is None:
@@ -301,7 +330,10 @@ class KeyAuthenticator:
             logger.warning("API key record unreadable from Redis (%s); asking PostgreSQL", error)
             raw, redis_up = None, False
         if raw is not None:
-            return principal_from_record(raw, secret_hash)
+            principal = principal_from_record(raw, secret_hash)
+            if principal is not None and self._must_recheck(secret_hash):
+                return await self._recheck(raw_key, secret_hash, raw, principal)
+            return principal
         principal = await self._load_from_database(raw_key)
         if redis_up:
             # Seed Redis so the next process to miss its cache need not ask PostgreSQL.
@@ -318,6 +350,39 @@ class KeyAuthenticator:
                     self._timeout_s,
                 )
         return principal
+
+    def _must_recheck(self, secret_hash: str) -> bool:
+        return time.monotonic() < self._recheck_until and secret_hash not in self._rechecked
+
+    async def _recheck(
+        self, raw_key: str, secret_hash: str, raw: str | bytes, admitted: KeyPrincipal
+    ) -> KeyPrincipal | None:
+        """PostgreSQL's answer for a key Redis admits, after Redis came back; Redis's record
+        corrected when the two differ (a revoke or a suspension Redis never received)."""
+        try:
+            authority = await self._load_from_database(raw_key)
+        except Exception as error:  # the injected loader's failure, whatever it raises
+            logger.warning(
+                "Could not recheck API keys in PostgreSQL (%s); trusting Redis's records", error
+            )
+            self._recheck_until = 0.0
+            return admitted
+        self._rechecked.add(secret_hash)
+        record = encode_key_record(secret_hash, authority)
+        if json.loads(record) != json.loads(raw):
+            logger.warning(
+                "API key sk-%s-… %s in PostgreSQL than in Redis; correcting Redis",
+                admitted.key_prefix,
+                "is revoked" if authority is None else "reads otherwise",
+            )
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(
+                    self._replace_if_unchanged(
+                        keys=[key_record_name(secret_hash)], args=[raw, record]
+                    ),
+                    self._timeout_s,
+                )
+        return authority
 
     def forget(self, event: str) -> None:
         """Drop the cache entries an event names: `key:<hash>`, `tenant:<id>` or `all`."""
@@ -372,15 +437,22 @@ class KeyAuthenticator:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(KEY_EVENTS_CHANNEL)
-                # Events may have been missed while unsubscribed: start from nothing.
+                # Events may have been missed while unsubscribed, and writes the control plane
+                # could not make: start from nothing, and recheck keys in PostgreSQL.
                 self.forget("all")
+                self._recheck_until = time.monotonic() + RECHECK_WINDOW_S
+                self._rechecked.clear()
                 self._subscribed.set()
                 backoff_s = 0.1
                 while True:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None and message["type"] == "message":
                         data = message["data"]
-                        self.forget(data.decode() if isinstance(data, bytes) else str(data))
+                        event = data.decode() if isinstance(data, bytes) else str(data)
+                        if event == "all":
+                            # The periodic republish rewrote every record from PostgreSQL.
+                            self._recheck_until = 0.0
+                        self.forget(event)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError, TimeoutError) as error:

@@ -222,3 +222,25 @@ def test_a_served_model_is_a_503_not_model_not_deployed_while_the_routing_table_
 
     proxy.delay_s = 0.0
     assert wait_until(lambda: stream(server.url, key.secret).status_code == 200, timeout_s=15)
+
+
+def test_a_key_revoked_while_redis_was_down_is_refused_soon_after_redis_is_back(
+    setup, caplog
+) -> None:
+    from tenants.actions import do_revoke_api_key
+    from tenants.keys import hash_key, key_record_name, principal_from_record
+
+    server, proxy, key, client = setup
+    assert stream(server.url, key.secret).status_code == 200  # warm: the key is cached
+
+    proxy.go_down()
+    do_revoke_api_key(key.key, None)  # PostgreSQL has it; the write to Redis fails
+    assert "Could not write 1 API key records to Redis" in caplog.text
+    record = key_record_name(hash_key(key.secret))
+    assert principal_from_record(client.get(record), hash_key(key.secret)) is not None
+    proxy.come_back()
+
+    # Seconds, not the periodic republish's 300 s: the gateway rechecked the key in PostgreSQL
+    # once it had its key events again, and corrected the record for every other process.
+    assert wait_until(lambda: stream(server.url, key.secret).status_code == 401, timeout_s=8)
+    assert principal_from_record(client.get(record), hash_key(key.secret)) is None

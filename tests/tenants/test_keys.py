@@ -30,6 +30,7 @@ from tenants.keys import (
     generate_raw_key,
     hash_key,
     key_record_name,
+    principal_from_record,
 )
 from tenants.models import ApiKey, KeyQuotaOverride, Quota, Tenant
 from tests.tenants.conftest import user
@@ -308,3 +309,38 @@ async def test_a_string_not_shaped_like_a_key_is_refused_without_any_lookup(
     finally:
         await unreachable.aclose()
     assert not authenticator._cache
+
+
+async def test_a_subscribed_authenticator_takes_postgres_word_over_a_stale_redis_record(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    key, raw = await sync_to_async(create_key)(acme)
+    # A revoke whose write to Redis was lost: PostgreSQL has it, Redis still admits the key.
+    await sync_to_async(ApiKey.objects.filter(pk=key.pk).update)(revoked_at=timezone.now())
+    authenticator = KeyAuthenticator(aredis, load_from_database=load_principal_from_database)
+    await authenticator.start()
+    try:
+        assert await authenticator.authenticate(raw) is None
+    finally:
+        await authenticator.close()
+    record = await aredis.get(key_record_name(hash_key(raw)))
+    assert principal_from_record(record, hash_key(raw)) is None
+
+
+async def test_a_recheck_postgres_cannot_answer_trusts_redis(
+    acme: Tenant, aredis: aioredis.Redis
+) -> None:
+    _, raw = await sync_to_async(create_key)(acme)
+    asked: list[str] = []
+
+    async def unreachable(raw_key: str) -> KeyPrincipal | None:
+        asked.append(raw_key)
+        raise ConnectionError("PostgreSQL is down")
+
+    authenticator = KeyAuthenticator(aredis, cache_ttl_s=0, load_from_database=unreachable)
+    await authenticator.start()
+    try:
+        assert [await authenticator.authenticate(raw) is not None for _ in range(3)] == [True] * 3
+    finally:
+        await authenticator.close()
+    assert len(asked) == 1  # then Redis is trusted, as before the recheck existed
