@@ -99,3 +99,15 @@ def test_the_billing_page_charges_the_fleets_ready_time_with_idle_as_its_own_cos
     assert '<dd id="revenue">$0.0061</dd>' in page
     tenant_rows = page[page.index('id="margins-by-tenant"') :]
     assert 'data-key="idle"' in tenant_rows
+
+
+def test_the_router_page_shows_the_saving_against_least_load_by_pool(db: None) -> None:
+    row = rollup("demo-8b", "l40s-eu-west", revenue_usd=0.02, cost_usd=0.0040)
+    HourlyRollup.objects.filter(pk=row.pk).update(baseline_cost_usd_micros=10_100)
+    staff = get_user_model().objects.create_user("ops", password="pw-for-tests", is_staff=True)
+    client = Client()
+    client.force_login(staff)
+    page = client.get("/console/router/").content.decode()
+    assert '<span id="total-saving">$0.0061</span>' in page
+    pools = page[page.index('id="saving-by-pool"') :]
+    assert 'data-key="l40s-eu-west"' in pools and "$0.0061" in pools
