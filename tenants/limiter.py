@@ -1,24 +1,42 @@
 """The rate limiter: every limit of a request checked and taken in ONE Redis Lua call.
 
-`RateLimiter.admit` runs `lua/admit.lua`: requests-per-minute and tokens-per-minute as token
-buckets (capacity = the per-minute limit, refilled continuously at limit/60 per second, on
-Redis `TIME`), a lease on a concurrent-request slot, and the monthly token and spend budgets.
-All pass and all are taken, or nothing is taken. Tokens are reserved up front (prompt
-estimate + max_tokens, as OpenAI does); `settle` refunds or charges the difference once the
-response is done, releases the lease and adds the spend, exactly once per reservation.
+`RateLimiter.admit` runs `lua/admit.lua`: requests-per-minute and tokens-per-minute as sliding
+windows, a lease on a concurrent-request slot, and the monthly token and spend budgets. All
+pass and all are taken, or nothing is taken.
+
+A per-minute limit holds over any 60 seconds, from idle too: a window counts what was taken
+in the current whole second of Redis `TIME` and the 60 before it, and admits a request only
+if its cost fits under the limit. Any 60 s span touches at most 61 whole seconds, so it never
+holds more than the limit (a token bucket that starts full and refills as it goes would admit
+twice the limit in the first minute). The price of counting whole seconds: a client that
+spreads its load evenly gets the limit per 61 s, and a refusal waits until the second that
+makes room has left the window. Each admission drops the seconds that left the window from a
+running total, so it is O(1) amortized (at most 61 steps after an idle spell).
+
+Tokens are reserved up front (prompt estimate + max_tokens, as OpenAI does); `settle` refunds
+or charges the difference once the response is done (in the second the reservation was
+counted in, while the window still holds it), releases the lease and adds the spend, exactly
+once per reservation. A charge past the reservation after its second has left the window is
+not counted against it.
 
 Redis keys, all of one tenant under the hash tag `{t:<tenant_id>}`:
 
-    rl:{t:<tenant>}:rpm                  hash l (level), t (seconds): the tenant's request bucket
-    rl:{t:<tenant>}:tpm                  the tenant's token bucket
-    rl:{t:<tenant>}:k:<key>:rpm / :tpm   a key's own buckets (only when its override is lower)
+    rl:{t:<tenant>}:rpm:w                hash s (total in the window), o (oldest second
+                                         counted), n (newest), <epoch second> (taken in that
+                                         second): the tenant's request window
+    rl:{t:<tenant>}:tpm:w                the tenant's token window
+    rl:{t:<tenant>}:k:<key>:rpm:w / :tpm:w  a key's own windows (only when its override is
+                                         lower); named apart from the token buckets of before,
+                                         so the two never share a key during a rollout
     rl:{t:<tenant>}:streams              zset request id -> lease expiry (epoch seconds), one
                                          per request in flight, streamed or not
     rl:{t:<tenant>}:k:<key>:streams      the key's own lease set (only when lower)
     rl:{t:<tenant>}:month:<YYYY-MM>:tokens        tokens used this month (UTC), reserved included
     rl:{t:<tenant>}:month:<YYYY-MM>:spend_micros  spend this month in micro-USD, added by settle
-    rl:{t:<tenant>}:req:<request id>              the reservation's state: held (admitted),
-                                                  settled, or cancelled (released before it ran)
+    rl:{t:<tenant>}:req:<request id>              the reservation's state: held:<second>
+                                                  (admitted; its tokens were counted in that
+                                                  second), settled, or cancelled (released
+                                                  before it ran)
 
 Leases: every admission holds one, streamed or not, from admission to settle. The quota field
 is called `concurrent_streams` (and the lease sets `:streams`) from when only streams held one;
@@ -38,9 +56,9 @@ Settles and releases that cannot reach Redis are kept in memory and retried
 state key makes a retry of one that did run harmless. What can still be lost: the deferred
 calls of a gateway process that dies while Redis is away, and the oldest ones past
 `DEFERRED_MAX` or older than `DEFERRED_MAX_AGE_S`. For those, the stream leases expire within
-`lease_ttl_s`, the token buckets refill within a minute, the spend counter is raised to what
-PostgreSQL billed by the budget task (metering.budgets), and only the month's token counter
-stays too high by the unused part of those reservations.
+`lease_ttl_s`, the reserved tokens leave the window within a minute, the spend counter is
+raised to what PostgreSQL billed by the budget task (metering.budgets), and only the month's
+token counter stays too high by the unused part of those reservations.
 
 One round trip at the end of a request: the gateway builds a pipeline, appends the settle
 with `await limiter.settle_commands(pipe, reservation, ...)`, appends its own XADD of the
@@ -59,6 +77,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -121,7 +140,7 @@ class Reservation:
     key_id: int
     month: str
     reserved_tokens: int
-    token_buckets: tuple[tuple[str, int], ...]  # (Redis key, capacity)
+    token_buckets: tuple[tuple[str, int], ...]  # (Redis key, per-minute limit)
     lease_keys: tuple[str, ...]
     degraded: bool = False  # admitted without Redis: nothing to settle
 
@@ -206,8 +225,12 @@ class RateLimiter:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """`clock` (epoch seconds) replaces Redis `TIME` in admissions, for tests that move
+        time on; every process must share one clock, so production leaves it None."""
         self._redis = redis
+        self._clock = clock
         self._timeout_s = timeout_s
         self._lease_ttl_s = lease_ttl_s
         self._admit = redis.register_script(ADMIT_SCRIPT)
@@ -229,18 +252,19 @@ class RateLimiter:
         tag = tenant_tag(principal.tenant_id)
         key_tag = f"{tag}:k:{principal.key_id}"
         reserve = max(0, prompt_tokens) + max(0, max_tokens)
-        month = month_of(time.time())
+        now = None if self._clock is None else self._clock()
+        month = month_of(time.time() if now is None else now)
 
-        buckets: list[tuple[str, int, int, str]] = []  # key, capacity, cost, kind
+        buckets: list[tuple[str, int, int, str]] = []  # key, limit, cost, kind
         tenant_rpm = limits.tenant_requests_per_minute or limits.requests_per_minute
         tenant_tpm = limits.tenant_tokens_per_minute or limits.tokens_per_minute
-        buckets.append((f"{tag}:rpm", tenant_rpm, 1, "r"))
-        buckets.append((f"{tag}:tpm", tenant_tpm, reserve, "t"))
-        # A key's own bucket only matters when it is tighter than the tenant's.
+        buckets.append((f"{tag}:rpm:w", tenant_rpm, 1, "r"))
+        buckets.append((f"{tag}:tpm:w", tenant_tpm, reserve, "t"))
+        # A key's own window only matters when it is tighter than the tenant's.
         if limits.requests_per_minute < tenant_rpm:
-            buckets.append((f"{key_tag}:rpm", limits.requests_per_minute, 1, "r"))
+            buckets.append((f"{key_tag}:rpm:w", limits.requests_per_minute, 1, "r"))
         if limits.tokens_per_minute < tenant_tpm:
-            buckets.append((f"{key_tag}:tpm", limits.tokens_per_minute, reserve, "t"))
+            buckets.append((f"{key_tag}:tpm:w", limits.tokens_per_minute, reserve, "t"))
 
         # Every request in flight holds a slot, streamed or not (see the module docstring).
         tenant_streams = limits.tenant_concurrent_streams or limits.concurrent_streams
@@ -270,6 +294,7 @@ class RateLimiter:
             spend_budget,
             1 if limits.hard_budget else 0,
             SETTLED_MARKER_TTL_S,
+            "" if now is None else repr(now),
         ]
         for _, capacity, cost, kind in buckets:
             args += [max(1, capacity), cost, kind]
@@ -482,7 +507,6 @@ class RateLimiter:
             # it cancels could still be on its way (its state would have lived as long).
             self._lease_ttl_s + 60 if release else SETTLED_MARKER_TTL_S,
             "release" if release else "settle",
-            *(capacity for _, capacity in reservation.token_buckets),
         ]
         return keys, args
 

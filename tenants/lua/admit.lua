@@ -3,26 +3,40 @@
 --
 -- KEYS[1]                    monthly token counter        (INCRBY reserved tokens)
 -- KEYS[2]                    monthly spend counter, micro-USD (read only here)
--- KEYS[3]                    the request's state: set to 'held' when admitted; any value
---                            already there (a release that came first) means take nothing
--- KEYS[4 .. 3+nb]            token buckets (hash: l = level, t = last update, seconds)
--- KEYS[4+nb .. 3+nb+ns]      stream lease sets (zset: request id -> lease expiry)
+-- KEYS[3]                    the request's state: set to 'held:<second>' when admitted (the
+--                            window second its tokens were counted in, for the settle); any
+--                            value already there (a release that came first) means take nothing
+-- KEYS[4 .. 3+nb]            per-minute windows (hash: s = amount in the window, o = oldest
+--                            second still counted, n = newest second, <second> = amount taken
+--                            in that second)
+-- KEYS[4+nb .. 3+nb+ns]      lease sets (zset: request id -> lease expiry)
 --
 -- ARGV[1] nb   ARGV[2] ns   ARGV[3] request id   ARGV[4] lease ttl (s)
 -- ARGV[5] tokens to reserve   ARGV[6] monthly token budget (-1 = none)
 -- ARGV[7] monthly spend budget, micro-USD (-1 = none)   ARGV[8] hard budget (1/0)
 -- ARGV[9] how long the request's 'held' state lives (s): as long as a deferred settle or
 --         release of it may still be retried, so that one always finds it
--- then per bucket: capacity, cost, kind ("r" requests / "t" tokens)
--- then per lease set: concurrent stream limit
+-- ARGV[10] the time to use in place of TIME, epoch seconds ('' = TIME; tests only)
+-- then per window: limit, cost, kind ("r" requests / "t" tokens)
+-- then per lease set: concurrent request limit
+--
+-- A window counts what was taken in the current whole second and the 60 before it, so any
+-- 60 s span (which touches at most 61 whole seconds) holds at most the limit. Each admission
+-- drops the seconds that left the window from the running total: O(1) amortized, at most 61
+-- steps after an idle spell.
 --
 -- Returns strings (Redis would truncate Lua floats): allowed, error, limit, retry after,
 -- then limit / remaining / reset-seconds for requests and for tokens, month tokens used,
 -- month spend used.
 redis.replicate_commands()
 
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local now
+if ARGV[10] ~= '' then
+  now = tonumber(ARGV[10])
+else
+  local clock = redis.call('TIME')
+  now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+end
 
 local nb = tonumber(ARGV[1])
 local ns = tonumber(ARGV[2])
@@ -34,39 +48,68 @@ local spend_budget = tonumber(ARGV[7])
 local hard = ARGV[8] == '1'
 local state_ttl = tonumber(ARGV[9])
 local WINDOW = 60
+local second = math.floor(now)
+local first = second - WINDOW  -- the oldest second still in the window
+
+-- The window's total, once the seconds that have left it are dropped.
+local function current_total(key)
+  local state = redis.call('HMGET', key, 's', 'o', 'n')
+  local total = tonumber(state[1]) or 0
+  local oldest = tonumber(state[2])
+  local newest = tonumber(state[3]) or first
+  if oldest == nil or oldest >= first then return total, newest end
+  -- what an admission wrote lies in [its first, its first + WINDOW]
+  if oldest + WINDOW < first then
+    redis.call('DEL', key)
+    return 0, first
+  end
+  for s = oldest, first - 1 do
+    local amount = redis.call('HGET', key, s)
+    if amount then
+      total = total - tonumber(amount)
+      redis.call('HDEL', key, s)
+    end
+  end
+  redis.call('HSET', key, 's', total, 'o', first)
+  return total, newest
+end
 
 local buckets = {}
 for i = 1, nb do
-  local base = 9 + (i - 1) * 3
-  local cap = tonumber(ARGV[base + 1])
-  local b = { key = KEYS[3 + i], cap = cap, cost = tonumber(ARGV[base + 2]),
-              kind = ARGV[base + 3], rate = cap / WINDOW }
-  local state = redis.call('HMGET', b.key, 'l', 't')
-  if state[1] then
-    local level = tonumber(state[1]) + (now - tonumber(state[2])) * b.rate
-    if level > cap then level = cap end
-    b.level = level
-  else
-    b.level = cap
-  end
+  local base = 10 + (i - 1) * 3
+  local b = { key = KEYS[3 + i], cap = tonumber(ARGV[base + 1]), cost = tonumber(ARGV[base + 2]),
+              kind = ARGV[base + 3] }
+  b.used, b.newest = current_total(b.key)
   buckets[i] = b
 end
 
+-- Seconds until enough of the window has left it for `b.cost` to fit.
+local function wait_for_room(b)
+  local left = b.used
+  for s = first, second do
+    left = left - tonumber(redis.call('HGET', b.key, s) or '0')
+    if left + b.cost <= b.cap then return s + WINDOW + 1 - now end
+  end
+  return second + WINDOW + 1 - now
+end
+
 local function header_values(kind, taken)
-  -- the tightest bucket of a kind is the one the caller will hit first
+  -- the tightest window of a kind is the one the caller will hit first
   local best = nil
   for _, b in ipairs(buckets) do
     if b.kind == kind then
-      local left = b.level
-      if taken then left = left - b.cost end
-      if best == nil or left < best.left then best = { cap = b.cap, left = left, rate = b.rate } end
+      local used, newest = b.used, b.newest
+      if taken then used, newest = used + b.cost, second end
+      if best == nil or b.cap - used < best.left then
+        best = { cap = b.cap, left = b.cap - used, used = used, newest = newest }
+      end
     end
   end
   if best == nil then return { '', '', '' } end
-  local remaining = math.max(0, math.floor(best.left))
-  local reset = (best.cap - best.left) / best.rate
-  if reset < 0 then reset = 0 end
-  return { tostring(best.cap), tostring(remaining), string.format('%.3f', reset) }
+  -- reset: when the window is empty again
+  local reset = 0
+  if best.used > 0 then reset = math.max(0, best.newest + WINDOW + 1 - now) end
+  return { tostring(best.cap), tostring(math.max(0, best.left)), string.format('%.3f', reset) }
 end
 
 local used_tokens = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -101,8 +144,8 @@ for _, b in ipairs(buckets) do
   if b.cost > b.cap then
     return answer('0', 'rate_limit_exceeded', b.kind == 'r' and 'requests' or 'tokens_request_too_large', '', false)
   end
-  if b.cost > b.level then
-    local retry = (b.cost - b.level) / b.rate
+  if b.used + b.cost > b.cap then
+    local retry = wait_for_room(b)
     if retry > worst_retry then
       worst_retry = retry
       worst_limit = b.kind == 'r' and 'requests' or 'tokens'
@@ -115,7 +158,7 @@ end
 
 for j = 1, ns do
   local key = KEYS[3 + nb + j]
-  local limit = tonumber(ARGV[9 + nb * 3 + j])
+  local limit = tonumber(ARGV[10 + nb * 3 + j])
   -- leases of crashed holders have expired: drop them before counting
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   if redis.call('ZCARD', key) >= limit then
@@ -128,9 +171,10 @@ end
 
 -- Every check passed: take everything.
 for _, b in ipairs(buckets) do
-  local level = b.level - b.cost
-  redis.call('HSET', b.key, 'l', string.format('%.17g', level), 't', string.format('%.6f', now))
-  redis.call('EXPIRE', b.key, math.ceil((b.cap - level) / b.rate) + 1)
+  redis.call('HINCRBY', b.key, second, b.cost)
+  redis.call('HSET', b.key, 's', b.used + b.cost, 'o', first, 'n', second)
+  -- gone once its newest second has left the window
+  redis.call('EXPIRE', b.key, WINDOW + 2)
 end
 for j = 1, ns do
   local key = KEYS[3 + nb + j]
@@ -138,7 +182,7 @@ for j = 1, ns do
   redis.call('EXPIRE', key, lease_ttl + 60)
 end
 -- Marks the reservation as taken, so a release (sent when the answer was lost) gives it back.
-redis.call('SET', KEYS[3], 'held', 'EX', state_ttl)
+redis.call('SET', KEYS[3], 'held:' .. string.format('%d', second), 'EX', state_ttl)
 used_tokens = redis.call('INCRBY', KEYS[1], reserve)
 redis.call('EXPIRE', KEYS[1], 40 * 86400)
 return answer('1', '', '', '', true)

@@ -44,9 +44,9 @@ async def test_it_refuses_the_request_past_the_requests_per_minute(aredis: aiore
     assert [r.allowed for r in results] == [True] * 5 + [False]
     refused = results[-1]
     assert (refused.error, refused.limit) == ("rate_limit_exceeded", "requests")
-    # one request refills in 60/5 = 12 s
-    assert 11 < refused.retry_after_s <= 12
-    assert refused.headers["retry-after"] == "12"
+    # room comes back when the second of the first five leaves the 60 s window
+    assert 60 < refused.retry_after_s <= 61
+    assert refused.headers["retry-after"] == "61"
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
 
 
@@ -228,13 +228,16 @@ async def test_it_reports_the_openai_rate_limit_headers(aredis: aioredis.Redis) 
         prompt_tokens=100,
         max_tokens=500,
     )
+    # reset: when this second has left the window and it is empty again
+    reset = admission.headers["x-ratelimit-reset-tokens"]
+    assert reset in ("1m0s", "1m1s")
     assert admission.headers == {
         "x-ratelimit-limit-requests": "60",
         "x-ratelimit-remaining-requests": "59",
-        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-reset-requests": reset,
         "x-ratelimit-limit-tokens": "6000",
         "x-ratelimit-remaining-tokens": "5400",
-        "x-ratelimit-reset-tokens": "6s",
+        "x-ratelimit-reset-tokens": reset,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 from typing import Any
 
@@ -63,8 +64,8 @@ def hammered() -> dict[str, Any]:
 
 
 def allowance(per_minute: int, window_s: float) -> float:
-    """A full bucket to start with, then the refill over the window."""
-    return per_minute + per_minute / 60 * window_s
+    """At most the limit in any 60 s, from idle too: one limit per started minute."""
+    return per_minute * math.ceil(window_s / 60)
 
 
 def test_four_processes_admit_no_more_requests_than_the_limit_allows(
