@@ -11,6 +11,13 @@ and only then acknowledges the entries. So:
 - entries left pending by a dead consumer are taken over with XAUTOCLAIM once idle for
   `min_idle_ms`; a restarted consumer with the same name first re-reads its own pending list.
 
+Consumer names carry the process id, so every restart leaves a name behind in the group. At
+the end of each drain a consumer removes the others that have been idle for `dead_after_ms`
+and hold no pending entries (one Lua call, so none can read an entry between the check and
+the XGROUP DELCONSUMER, which would drop it). One that still holds entries stays until they
+have been claimed. A live consumer removed while it sat idle loses nothing: its next read
+adds it back.
+
 Price: ingest is the biller of record. It re-prices each event from the price sheets in
 PostgreSQL at the event's start time; the gateway's figure (from the book it cached from
 Redis) fed the live spend counter only. An event whose model has no sheet keeps the gateway's
@@ -46,6 +53,23 @@ GROUP = "metering"
 DEAD_STREAM = "usage:events:dead"
 BATCH_SIZE = 5000
 MIN_IDLE_MS = 30_000
+# Far longer than any live consumer waits between reads (every second, or 1 s blocks).
+DEAD_CONSUMER_IDLE_MS = 600_000
+
+# KEYS[1] the stream; ARGV[1] the group, ARGV[2] the caller (kept), ARGV[3] idle ms.
+# Returns the names removed.
+_REMOVE_DEAD_CONSUMERS = """
+local removed = {}
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local info = {}
+  for i = 1, #consumer, 2 do info[consumer[i]] = consumer[i + 1] end
+  if info.name ~= ARGV[2] and info.pending == 0 and info.idle >= tonumber(ARGV[3]) then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], info.name)
+    removed[#removed + 1] = info.name
+  end
+end
+return removed
+"""
 
 COLUMNS: tuple[str, ...] = (
     "request_id",
@@ -129,6 +153,7 @@ class Consumer:
     name: str
     batch_size: int = BATCH_SIZE
     min_idle_ms: int = MIN_IDLE_MS
+    dead_after_ms: int = DEAD_CONSUMER_IDLE_MS
     before_commit: Callable[[int], None] | None = None
     before_ack: Callable[[int], None] | None = None
     _own_pending_done: bool = False
@@ -147,7 +172,18 @@ class Consumer:
             self._process(entries, result)
             if time.monotonic() >= deadline:
                 break
+        self.remove_dead_consumers()
         return result
+
+    def remove_dead_consumers(self) -> list[str]:
+        """Remove the group's other consumers idle for `dead_after_ms` with nothing pending;
+        returns their names."""
+        remove = self.client.register_script(_REMOVE_DEAD_CONSUMERS)
+        removed = remove(keys=[usage.USAGE_STREAM], args=[GROUP, self.name, self.dead_after_ms])
+        names = [name.decode() for name in removed]
+        if names:
+            logger.info("removed %d dead usage consumers: %s", len(names), ", ".join(names))
+        return names
 
     def _next_batch(self, block_ms: int) -> list[Entry]:
         if not self._own_pending_done:
