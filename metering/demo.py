@@ -1,4 +1,5 @@
-"""Demo data of the metering app: list prices for the seven demo models."""
+"""Demo data of the metering app: list prices for the seven demo models, each created once:
+`make run` seeds on every start, and must not undo a price an operator has changed since."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ EFFECTIVE_FROM = datetime(2025, 1, 1, tzinfo=UTC)
 
 def seed(details: dict) -> None:
     for model, (inp, cached, out) in DEMO_PRICES.items():
-        PriceSheet.objects.update_or_create(
+        PriceSheet.objects.get_or_create(
             model=model,
             adapter="",
             tenant=None,

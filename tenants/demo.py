@@ -1,5 +1,8 @@
 """Demo tenants: acme and globex, a member of each role in each, generous quotas, and one
-inference key of acme's whose secret stays the same across runs (kept in var/demo.json)."""
+inference key of acme's whose secret stays the same across runs (kept in var/demo.json).
+
+The quota is the demo's only when the seed creates the tenant: `make run` seeds on every
+start, and must not undo a quota or budget an operator has changed since."""
 
 from __future__ import annotations
 
@@ -8,7 +11,12 @@ from typing import Any
 
 from django.contrib.auth import get_user_model
 
-from tenants.actions import do_create_api_key, do_create_tenant, write_key_records
+from tenants.actions import (
+    do_create_api_key,
+    do_create_tenant,
+    do_update_quota,
+    write_key_records,
+)
 from tenants.models import ApiKey, Membership, Quota, Role, Scope, Tenant
 
 DEMO_TENANTS = {"acme": "Acme Corporation", "globex": "Globex Corporation"}
@@ -19,24 +27,26 @@ DEMO_MEMBERS = {
     Role.DEVELOPER: "dev",
     Role.VIEWER: "viewer",
 }
+DEMO_QUOTA: dict[str, Any] = {
+    "requests_per_minute": 600,
+    "tokens_per_minute": 500_000,
+    "concurrent_streams": 32,
+    "max_tokens_cap": 4096,
+    "max_context_tokens": 32_768,
+    "monthly_token_budget": 500_000_000,
+    "hard_budget": True,
+}
 
 
 def seed(details: dict[str, Any]) -> None:
     details.setdefault("tenant_password", "tenant-demo-" + os.urandom(4).hex())
     for slug, name in DEMO_TENANTS.items():
-        tenant = Tenant.objects.filter(slug=slug).first() or do_create_tenant(slug, name)
-        Quota.objects.update_or_create(
-            tenant=tenant,
-            defaults={
-                "requests_per_minute": 600,
-                "tokens_per_minute": 500_000,
-                "concurrent_streams": 32,
-                "max_tokens_cap": 4096,
-                "max_context_tokens": 32_768,
-                "monthly_token_budget": 500_000_000,
-                "hard_budget": True,
-            },
-        )
+        tenant = Tenant.objects.filter(slug=slug).first()
+        if tenant is None:
+            tenant = do_create_tenant(slug, name)
+            do_update_quota(tenant.quota, **DEMO_QUOTA)
+        else:
+            Quota.objects.get_or_create(tenant=tenant, defaults=DEMO_QUOTA)
         for role, suffix in DEMO_MEMBERS.items():
             seed_member(tenant, f"{slug}-{suffix}", role, details["tenant_password"])
     seed_demo_key(details)
