@@ -11,19 +11,30 @@ and `perform_create` / `perform_update` / `perform_destroy` calling its app's `d
   for staff (`IsAdminUser`, or the writes of `ReadAnyWriteStaff`) refuses every key.
 - Errors: `exception_handler`, REST_FRAMEWORK's EXCEPTION_HANDLER, answers what the actions
   raise in DRF's format: Django's ValidationError 400 (a field's errors under its name),
-  PermissionDenied 403, Http404 404. Never a 500.
+  PermissionDenied 403, Http404 404, a delete of a row others still refer to (ProtectedError,
+  RestrictedError) 409. Never a 500. A path no route matches is a JSON 404 too (`unrouted`).
+- Input PostgreSQL would refuse is refused first, as a 400 naming the field or parameter:
+  text with a NUL byte, anywhere in the body or the query (`refuse_nul_bytes`); a page size or
+  offset beyond what a query can carry (`BoundedLimitOffsetPagination`); an instant outside
+  2000-2100 (`BoundedDateTimeField`, `check_instant`). Integers in bodies are bounded by their
+  model field's own range (DRF's ModelSerializer reads it from the field's validators).
 - Writes: `PlatformModelViewSet` never saves a serializer. A resource that does not route a
   write through an action fails loudly instead of writing around it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
-from rest_framework import mixins, permissions, viewsets
+from django.db.models import ProtectedError, RestrictedError
+from django.http import HttpRequest, JsonResponse
+from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import ValidationError
+from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -45,16 +56,117 @@ class ReadAnyWriteStaff(permissions.BasePermission):
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF's handler, which already maps Http404 and PermissionDenied, plus the actions'
-    ValidationError: `{"field": [...]}` when it names fields, `[...]` when it does not."""
+    ValidationError: `{"field": [...]}` when it names fields, `[...]` when it does not; and a
+    delete the database's foreign keys refuse, a 409 naming what still refers to the row."""
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else exc.messages
         exc = ValidationError(detail)
+    if isinstance(exc, ProtectedError | RestrictedError):
+        rows = exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
+        kinds = sorted({row._meta.verbose_name_plural for row in rows})
+        detail = f"Still referred to by {', '.join(map(str, kinds))}; remove those first."
+        return Response({"detail": detail}, status=status.HTTP_409_CONFLICT)
     return drf_exception_handler(exc, context)
+
+
+def unrouted(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
+    """What a path under /api/v1/ that no route matches answers: DRF's 404, not an HTML page."""
+    return JsonResponse({"detail": "Not found."}, status=404)
+
+
+# ---------------------------------------------------------------- input PostgreSQL refuses
+
+NUL_MESSAGE = "Text cannot contain NUL (\\u0000) characters."
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(key) or _has_nul(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(item) for item in value)
+    return False
+
+
+def _fields(data: Any) -> Iterator[tuple[str, Any]]:
+    if hasattr(data, "lists"):  # a QueryDict: the query, or a form body
+        yield from ((name, values) for name, values in data.lists())
+    elif isinstance(data, dict):
+        yield from data.items()
+    elif data is not None:
+        yield "non_field_errors", data
+
+
+def refuse_nul_bytes(request: Request) -> None:
+    """A 400 naming each field or query parameter whose text holds a NUL byte, which
+    PostgreSQL stores in neither text nor jsonb (it would be a DataError, a 500)."""
+    errors = {
+        name: [NUL_MESSAGE]
+        for source in (request.query_params, request.data)
+        for name, value in _fields(source)
+        if _has_nul(name) or _has_nul(value)
+    }
+    if errors:
+        raise ValidationError(errors)
+
+
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+LATEST = datetime(2101, 1, 1, tzinfo=UTC)
+INSTANT_RANGE_MESSAGE = "Must be between 2000-01-01 and 2100-12-31 (UTC)."
+
+
+def check_instant(value: datetime) -> datetime:
+    """`value` in UTC, or DRF's ValidationError when it falls outside 2000-2100: a platform
+    that started in the 2020s has nothing before, and year 9999 plus an offset overflows."""
+    try:
+        instant = value.astimezone(UTC)
+    except OverflowError:
+        raise ValidationError(INSTANT_RANGE_MESSAGE) from None
+    if not EARLIEST <= instant < LATEST:
+        raise ValidationError(INSTANT_RANGE_MESSAGE)
+    return instant
+
+
+class BoundedDateTimeField(serializers.DateTimeField):
+    """DRF's date-time, within 2000-2100 and answered in UTC whatever offset it came with."""
+
+    def to_internal_value(self, value: Any) -> datetime:
+        return check_instant(super().to_internal_value(value))
+
+
+class BoundedLimitOffsetPagination(LimitOffsetPagination):
+    """`?limit` and `?offset` as DRF reads them, but a value no query can carry (10**30 is
+    "bigint out of range") is a 400 naming it rather than a 500; limit is capped at 1000."""
+
+    max_limit = 1000
+    max_offset = 2**63 - 1
+
+    def get_limit(self, request: Request) -> int | None:
+        self._check(request, self.limit_query_param, self.max_offset)
+        return super().get_limit(request)
+
+    def get_offset(self, request: Request) -> int:
+        self._check(request, self.offset_query_param, self.max_offset)
+        return super().get_offset(request)
+
+    @staticmethod
+    def _check(request: Request, name: str, largest: int) -> None:
+        given = request.query_params.get(name, "").strip()
+        if given.isdigit() and int(given) > largest:
+            raise ValidationError(
+                {name: [f"Ensure this value is less than or equal to {largest}."]}
+            )
 
 
 class PlatformViewSet(viewsets.GenericViewSet[Any]):
     authentication_classes = AUTHENTICATION
     permission_classes = [permissions.IsAuthenticated]
+    pagination_class = BoundedLimitOffsetPagination
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)
+        refuse_nul_bytes(request)
 
 
 class PlatformReadOnlyViewSet(mixins.RetrieveModelMixin, mixins.ListModelMixin, PlatformViewSet):

@@ -325,7 +325,8 @@ def do_create_version(
 
 
 @transaction.atomic
-def do_update_version(version: ModelVersion, **changes: Any) -> ModelVersion:
+def do_update_version(version: ModelVersion, /, **changes: Any) -> ModelVersion:
+    # Positional-only: `version` is also a field of the changes (the version's label).
     if version.status != ModelVersion.Status.DRAFT and changes:
         # An approved artifact is what was reviewed; a change is a new version.
         raise ValidationError("Only a draft version can be edited; register a new version.")
@@ -432,16 +433,23 @@ def check_engine_args(engine_args: Any) -> list[str]:
     return problems
 
 
-def check_deployment(deployment: Deployment) -> None:
-    """Field checks, replica bounds and placement; raises ValidationError naming what fits."""
-    deployment.full_clean(validate_constraints=False)
-    errors: dict[str, list[str]] = {}
-    if not deployment.replicas_min <= deployment.replicas_desired <= deployment.replicas_max:
-        errors["replicas_desired"] = [
+def replica_bound_errors(deployment: Deployment) -> dict[str, list[str]]:
+    """The database's check constraint on the replica counts, as a field's error."""
+    if deployment.replicas_min <= deployment.replicas_desired <= deployment.replicas_max:
+        return {}
+    return {
+        "replicas_desired": [
             "Replicas must satisfy min <= desired <= max "
             f"({deployment.replicas_min} <= {deployment.replicas_desired} "
             f"<= {deployment.replicas_max})."
         ]
+    }
+
+
+def check_deployment(deployment: Deployment) -> None:
+    """Field checks, replica bounds and placement; raises ValidationError naming what fits."""
+    deployment.full_clean(validate_constraints=False)
+    errors = replica_bound_errors(deployment)
     engine_problems = check_engine_args(deployment.engine_args)
     if engine_problems:
         errors["engine_args"] = engine_problems
@@ -479,6 +487,8 @@ def do_update_deployment(deployment: Deployment, **changes: Any) -> Deployment:
         check_deployment(deployment)
     else:
         deployment.full_clean(validate_constraints=False)
+        if bounds := replica_bound_errors(deployment):
+            raise ValidationError(bounds)
     deployment.save()
     _weights_changed()
     return deployment

@@ -1,7 +1,8 @@
 """Query parameters of the metering API, parsed by serializers so that a bad value is DRF's
 400 naming the parameter (`{"start": ["..."]}`), never a 500.
 
-Times are ISO 8601: a date-time (naive means UTC) or a bare date (midnight UTC). Ranges are
+Times are ISO 8601: a date-time (naive means UTC) or a bare date (midnight UTC), between
+2000 and 2100, taken in UTC whatever their offset (config.api.check_instant). Ranges are
 half-open, [start, end).
 """
 
@@ -17,6 +18,8 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.request import Request
+
+from config.api import check_instant
 
 DEFAULT_WINDOW = timedelta(days=30)
 # An hourly series over more than about three months is a mistake, not a chart; refuse it
@@ -51,7 +54,7 @@ class InstantField(serializers.Field[datetime, str, str, Any]):
             parsed = datetime.combine(day, time.min)
         if timezone.is_naive(parsed):
             parsed = parsed.replace(tzinfo=UTC)
-        return parsed
+        return check_instant(parsed)
 
     def to_representation(self, value: datetime) -> str:
         return value.isoformat()
@@ -71,6 +74,7 @@ class MonthField(serializers.Field[date, str, str, Any]):
             day = None
         if day is None:
             raise invalid(self)
+        check_instant(datetime.combine(day, time.min, tzinfo=UTC))
         return day.replace(day=1)
 
     def to_representation(self, value: date) -> str:
@@ -91,7 +95,9 @@ class TimeRangeQuery(serializers.Serializer[Any]):
 
 class UsageEventQuery(TimeRangeQuery):
     model = serializers.CharField(required=False, max_length=128)
-    key = serializers.IntegerField(required=False, min_value=1, help_text="An API key id.")
+    key = serializers.IntegerField(
+        required=False, min_value=1, max_value=2**63 - 1, help_text="An API key id."
+    )
 
 
 class UsageQuery(UsageEventQuery):

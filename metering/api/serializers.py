@@ -15,6 +15,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from config.api import BoundedDateTimeField
 from metering.api.filters import MonthField
 from metering.invoices import INVOICE_LINE_FIELDS
 from metering.models import (
@@ -235,6 +236,7 @@ class PriceSheetSerializer(serializers.ModelSerializer[PriceSheet]):
         required=False,
         help_text='Per tier, e.g. {"interactive": "1.25", "batch": "0.5"}; a missing tier is 1.',
     )
+    effective_from = BoundedDateTimeField()
     effective_until = serializers.DateTimeField(
         read_only=True,
         allow_null=True,

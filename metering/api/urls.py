@@ -14,10 +14,16 @@ margin/                                       revenue - cost to serve, idle incl
                                               saving against least load, by model, pool or
                                               tenant (staff)
 margin/export.csv                             the same report as CSV (staff)
+
+This app's routes are the last of the apps' under /api/v1/ (config/urls.py), so they end
+with the API's fallback: any other path ending in a slash, but for schema/ and docs/ (routed
+after), is DRF's JSON 404 rather than Django's HTML page. A path without its slash still
+gets Django's redirect to the slashed path first (APPEND_SLASH), then that 404.
 """
 
-from django.urls import URLPattern, URLResolver, path
+from django.urls import URLPattern, URLResolver, path, re_path
 
+from config.api import unrouted
 from metering.api import views
 
 TENANT = "tenants/<slug:tenant_slug>"
@@ -83,4 +89,5 @@ urlpatterns: list[URLPattern | URLResolver] = [
         views.MarginViewSet.as_view({"get": "export_csv"}),
         name="margin-export-csv",
     ),
+    re_path(r"^(?!schema/$|docs/$)(.*/)?$", unrouted, name="api-unrouted"),
 ]

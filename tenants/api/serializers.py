@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.contrib.auth import get_user_model
 from rest_framework import serializers
 
+from config.api import BoundedDateTimeField
 from serving.gateway.guardrails import PatternError, check_blocked_patterns
 from tenants.actions import QUOTA_FIELDS
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Scope, Tenant
 
 
 class TenantSerializer(serializers.ModelSerializer[Tenant]):
+    allowed_regions = serializers.ListField(
+        child=serializers.CharField(max_length=64), required=False, max_length=100
+    )
     blocked_patterns = serializers.ListField(
         child=serializers.CharField(max_length=500), required=False, max_length=100
     )
@@ -32,6 +35,12 @@ class TenantSerializer(serializers.ModelSerializer[Tenant]):
         ]
         read_only_fields = ["id", "created_at"]
 
+    def validate_slug(self, slug: str) -> str:
+        # A slug is in URLs, key records and invoices: it is chosen once. A PUT may repeat it.
+        if self.instance is not None and slug != self.instance.slug:
+            raise serializers.ValidationError("A tenant's slug cannot change.")
+        return slug
+
     def validate_blocked_patterns(self, patterns: list[str]) -> list[str]:
         # The gateway runs them on RE2, so they are checked against RE2, not Python's `re`.
         try:
@@ -42,14 +51,20 @@ class TenantSerializer(serializers.ModelSerializer[Tenant]):
 
 
 class MembershipSerializer(serializers.ModelSerializer[Membership]):
-    username = serializers.SlugRelatedField(
-        source="user", slug_field="username", queryset=get_user_model().objects.all()
-    )
+    username = serializers.CharField(source="user.username", read_only=True)
 
     class Meta:
         model = Membership
         fields = ["id", "username", "role", "created_at"]
         read_only_fields = ["id", "created_at"]
+
+
+class MembershipCreateSerializer(serializers.Serializer[Membership]):
+    """Who to add, by username, and as what: both required. The username is looked up by the
+    view (see MembershipViewSet.create), so that no answer tells which usernames exist."""
+
+    username = serializers.CharField(max_length=150)
+    role = serializers.ChoiceField(choices=Role.choices)
 
 
 class MembershipRoleSerializer(serializers.Serializer[Membership]):
@@ -60,6 +75,7 @@ class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices))
     model_allowlist = serializers.ListField(child=serializers.CharField(), required=False)
+    expires_at = BoundedDateTimeField(required=False, allow_null=True)
     display = serializers.SerializerMethodField()
 
     class Meta:

@@ -3,7 +3,9 @@
 anything else; then the role decides (403 for a member without it).
 
 Roles: viewers read; developers create keys and change or revoke the keys they created;
-admins and owners manage members and every key, and set per-key limits (which only tighten
+admins and owners manage members (added by username: an unknown, inactive or already-added
+username gets one and the same 400, so the answer tells an admin no more than the member
+list does; only a username that can be added, and is, shows it exists) and every key, and set per-key limits (which only tighten
 the tenant's quota); only owners grant or take away the owner role; the tenant's quota is
 read by any member and changed by staff only.
 """
@@ -12,9 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.contrib.auth import get_user_model
 from django.db import transaction
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -24,13 +29,16 @@ from tenants.api.serializers import (
     ApiKeyCreatedSerializer,
     ApiKeySerializer,
     KeyQuotaOverrideSerializer,
+    MembershipCreateSerializer,
     MembershipRoleSerializer,
     MembershipSerializer,
     QuotaSerializer,
     TenantSerializer,
     changes_of,
 )
-from tenants.models import ApiKey, Membership, Role, Tenant
+from tenants.models import ApiKey, Membership, Quota, Role, Tenant
+
+NOT_ADDABLE = "No user with this username can be added to this tenant."
 
 
 class TenantViewSet(PlatformModelViewSet):
@@ -63,7 +71,9 @@ class TenantViewSet(PlatformModelViewSet):
 
     def perform_update(self, serializer: Any) -> None:
         actions.require_staff(self.request.user)
-        actions.do_update_tenant(serializer.instance, **changes_of(serializer))
+        changes = changes_of(serializer)
+        changes.pop("slug", None)  # the serializer let it through only unchanged
+        actions.do_update_tenant(serializer.instance, **changes)
 
     def perform_destroy(self, instance: Tenant) -> None:
         actions.require_staff(self.request.user)
@@ -97,16 +107,25 @@ class MembershipViewSet(
     def get_object(self) -> Membership:
         return actions.access_membership(self.request.user, self.tenant, self.kwargs["pk"])
 
+    @extend_schema(request=MembershipCreateSerializer, responses={201: MembershipSerializer})
     def create(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         self.require(Role.ADMIN)
-        serializer = self.get_serializer(data=request.data)
+        serializer = MembershipCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        membership = actions.do_add_member(
-            self.tenant,
-            serializer.validated_data["user"],
-            serializer.validated_data["role"],
-            acting_user=request.user,
+        role = serializer.validated_data["role"]
+        # Who may grant the role is checked before the username is looked up: otherwise a
+        # 403 for a known user and a 400 for an unknown one would tell them apart.
+        if role == Role.OWNER:
+            self.require(Role.OWNER)
+        user = (
+            get_user_model()
+            .objects.filter(username=serializer.validated_data["username"], is_active=True)
+            .exclude(tenant_memberships__tenant=self.tenant)
+            .first()
         )
+        if user is None:
+            raise ValidationError({"username": [NOT_ADDABLE]})
+        membership = actions.do_add_member(self.tenant, user, role, acting_user=request.user)
         return Response(MembershipSerializer(membership).data, status=status.HTTP_201_CREATED)
 
     def update(self, request: Request, *args: Any, **kwargs: Any) -> Response:
@@ -200,6 +219,10 @@ class QuotaViewSet(TenantScopedViewSet):
     """The tenant's quota: any member reads it, staff change it."""
 
     serializer_class = QuotaSerializer
+    queryset = Quota.objects.none()  # for the schema and OPTIONS; the handlers scope to the tenant
+
+    def get_object(self) -> Quota:
+        return actions.access_quota(self.request.user, self.tenant)
 
     def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         return Response(QuotaSerializer(actions.access_quota(request.user, self.tenant)).data)

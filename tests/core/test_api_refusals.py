@@ -1,0 +1,286 @@
+"""Ordinary bad input on /api/v1/ is a 4xx in DRF's JSON format that changes nothing: each
+cause the schema fuzzer (test_api_fuzz.py) found answering 500, tried directly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.apps import apps
+from rest_framework.test import APIClient
+
+from registry.models import ModelVersion
+from tenants.models import Membership
+from tests.core.api_world import World, build_world
+
+NUL = "bad\x00name"
+FAR_FUTURE = "9999-12-31T23:59:59-01:00"
+
+
+@pytest.fixture
+def world(db: None, redis_client: Any) -> World:
+    return build_world()
+
+
+def client_for(user: Any) -> APIClient:
+    client = APIClient()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def staff(world: World) -> APIClient:
+    return client_for(world.staff)
+
+
+@pytest.fixture
+def admin(world: World) -> APIClient:
+    return client_for(world.admin)
+
+
+def snapshot() -> dict[str, list[dict[str, Any]]]:
+    """Every row of the project's own apps, to show a refused request wrote nothing."""
+    rows = {}
+    for app in ("tenants", "registry", "serving", "metering"):
+        for model in apps.get_app_config(app).get_models():
+            rows[model._meta.label] = list(model.objects.order_by("pk").values())
+    return rows
+
+
+@pytest.fixture
+def unchanged() -> Callable[[], None]:
+    before = snapshot()
+
+    def check() -> None:
+        assert snapshot() == before
+
+    return check
+
+
+def json_error(response: Any, status: int) -> Any:
+    assert response.status_code == status, response.content[:300]
+    assert response["Content-Type"].startswith("application/json")
+    return response.json()
+
+
+def test_adding_a_member_without_a_role_is_a_400_naming_role(
+    admin: APIClient, unchanged: Callable[[], None]
+) -> None:
+    response = admin.post("/api/v1/tenants/acme/members/", {"username": "nobody"}, format="json")
+    assert "role" in json_error(response, 400)
+    unchanged()
+
+
+def test_adding_an_unknown_user_and_an_existing_member_answer_the_same(
+    admin: APIClient, unchanged: Callable[[], None]
+) -> None:
+    url = "/api/v1/tenants/acme/members/"
+    unknown = admin.post(url, {"username": "no-such-user", "role": "viewer"}, format="json")
+    member = admin.post(url, {"username": "acme-admin", "role": "viewer"}, format="json")
+    assert json_error(unknown, 400) == json_error(member, 400)
+    assert list(json_error(unknown, 400)) == ["username"]
+    unchanged()
+
+
+def test_granting_ownership_is_refused_before_the_username_is_looked_up(
+    admin: APIClient, unchanged: Callable[[], None]
+) -> None:
+    url = "/api/v1/tenants/acme/members/"
+    unknown = admin.post(url, {"username": "no-such-user", "role": "owner"}, format="json")
+    known = admin.post(url, {"username": "nobody", "role": "owner"}, format="json")
+    assert json_error(unknown, 403) == json_error(known, 403)
+    unchanged()
+
+
+def test_adding_a_known_user_still_works(admin: APIClient, world: World) -> None:
+    url = "/api/v1/tenants/acme/members/"
+    response = admin.post(url, {"username": "nobody", "role": "viewer"}, format="json")
+    assert response.status_code == 201
+    assert Membership.objects.filter(tenant=world.acme, user__username="nobody").exists()
+
+
+def test_a_tenant_put_with_its_own_slug_is_accepted(staff: APIClient) -> None:
+    body = {"slug": "acme", "name": "Acme Corp", "status": "active"}
+    response = staff.put("/api/v1/tenants/acme/", body, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["name"] == "Acme Corp"
+
+
+def test_a_tenant_put_that_changes_the_slug_is_a_400_naming_slug(
+    staff: APIClient, unchanged: Callable[[], None]
+) -> None:
+    body = {"slug": "acme-2", "name": "Acme Corp", "status": "active"}
+    response = staff.put("/api/v1/tenants/acme/", body, format="json")
+    assert "slug" in json_error(response, 400)
+    unchanged()
+
+
+def test_creating_a_tenant_with_null_regions_is_a_400_naming_the_field(
+    staff: APIClient, unchanged: Callable[[], None]
+) -> None:
+    body = {"slug": "initech", "name": "Initech", "allowed_regions": None}
+    response = staff.post("/api/v1/tenants/", body, format="json")
+    assert "allowed_regions" in json_error(response, 400)
+    unchanged()
+
+
+def test_deleting_a_tenant_with_invoices_is_a_409(
+    staff: APIClient, unchanged: Callable[[], None]
+) -> None:
+    body = json_error(staff.delete("/api/v1/tenants/acme/"), 409)
+    assert "detail" in body
+    unchanged()
+
+
+def test_a_version_put_is_answered_not_a_type_error(
+    staff: APIClient, world: World, unchanged: Callable[[], None]
+) -> None:
+    # The world's version is approved: a PUT is refused (a change is a new version).
+    url = f"/api/v1/versions/{world.ids['versions']}/"
+    body = {"model": world.ids["models"], "version": "v2", "artifact_uri": "hf://x/y"}
+    json_error(staff.put(url, body, format="json"), 400)
+    unchanged()
+
+
+def test_a_draft_version_put_changes_it(staff: APIClient, world: World) -> None:
+    model_id = world.ids["models"]
+    created = staff.post(
+        "/api/v1/versions/",
+        {"model": model_id, "version": "v2", "artifact_uri": "hf://x/v2", "quantization": "bf16"},
+        format="json",
+    )
+    assert created.status_code == 201, created.content
+    url = f"/api/v1/versions/{created.json()['id']}/"
+    body = {"model": model_id, "version": "v3", "artifact_uri": "hf://x/v3", "quantization": "bf16"}
+    response = staff.put(url, body, format="json")
+    assert response.status_code == 200, response.content
+    assert ModelVersion.objects.get(pk=created.json()["id"]).version == "v3"
+
+
+@pytest.mark.parametrize("parameter", ["limit", "offset"])
+def test_a_page_size_or_offset_beyond_any_integer_is_a_400_naming_it(
+    staff: APIClient, parameter: str
+) -> None:
+    response = staff.get(f"/api/v1/models/?{parameter}={10**30}")
+    assert parameter in json_error(response, 400)
+
+
+def test_a_huge_key_filter_is_a_400_naming_key(admin: APIClient) -> None:
+    response = admin.get(f"/api/v1/tenants/acme/usage/events/?key={10**30}")
+    assert "key" in json_error(response, 400)
+
+
+def test_deleting_a_pool_in_use_is_refused_and_keeps_it(
+    staff: APIClient, world: World, unchanged: Callable[[], None]
+) -> None:
+    response = staff.delete(f"/api/v1/pools/{world.ids['pools']}/")
+    assert response.status_code in (400, 409)
+    json_error(response, response.status_code)
+    unchanged()
+
+
+def test_options_on_the_quota_route_describes_it(admin: APIClient) -> None:
+    response = admin.options("/api/v1/tenants/acme/quota/")
+    assert response.status_code == 200
+    assert response.json()["name"]
+
+
+@pytest.mark.parametrize(
+    ("url", "body", "field"),
+    [
+        ("/api/v1/pools/", {"name": NUL, "gpu_class": "H100-SXM-80GB", "region": "x"}, "name"),
+        ("/api/v1/tenants/", {"slug": "initech", "name": NUL}, "name"),
+        ("/api/v1/models/", {"name": "m", "family": NUL}, "family"),
+        ("/api/v1/tenants/", {"slug": "initech", "name": "I", "blocked_patterns": [NUL]}, None),
+    ],
+)
+def test_a_nul_byte_in_a_text_field_is_a_400_naming_the_field(
+    staff: APIClient, unchanged: Callable[[], None], url: str, body: dict[str, Any], field: str
+) -> None:
+    errors = json_error(staff.post(url, body, format="json"), 400)
+    assert (field or "blocked_patterns") in errors
+    unchanged()
+
+
+def test_a_nul_byte_in_a_query_parameter_is_a_400_naming_it(staff: APIClient) -> None:
+    assert "name" in json_error(staff.get("/api/v1/models/?name=a%00b"), 400)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/api/v1/margin/?end={}",
+        "/api/v1/margin/export.csv?start={}",
+        "/api/v1/rollups/?end={}",
+        "/api/v1/tenants/acme/rollups/?start={}",
+        "/api/v1/tenants/acme/usage/?end={}",
+        "/api/v1/price-sheets/?in_force_at={}",
+    ],
+)
+@pytest.mark.parametrize("instant", [FAR_FUTURE, "0001-01-01T00:00:00+01:00", "1900-01-01"])
+def test_an_instant_outside_2000_to_2100_is_a_400_naming_the_parameter(
+    staff: APIClient, url: str, instant: str
+) -> None:
+    from urllib.parse import quote
+
+    response = staff.get(url.format(quote(instant)))
+    name = url.split("?")[1].split("=")[0]
+    assert name in json_error(response, 400)
+
+
+def test_an_instant_with_an_odd_offset_is_normalised_to_utc(staff: APIClient) -> None:
+    response = staff.get("/api/v1/margin/?start=2026-01-01T00:00:00%2B05:45&end=2026-01-02")
+    assert response.status_code == 200, response.content
+    assert response.json()["start"] == "2025-12-31T18:15:00Z"
+
+
+def test_a_far_future_price_sheet_is_a_400_naming_effective_from(
+    staff: APIClient, unchanged: Callable[[], None]
+) -> None:
+    body = {
+        "model": "llama-3.1-8b",
+        "input_usd_per_mtok": "1",
+        "cached_input_usd_per_mtok": "1",
+        "output_usd_per_mtok": "1",
+        "effective_from": FAR_FUTURE,
+    }
+    response = staff.post("/api/v1/price-sheets/", body, format="json")
+    assert "effective_from" in json_error(response, 400)
+    unchanged()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"replicas_max": 2147483647, "replicas_min": 2147483647},
+        {"replicas_min": 2147483647},
+        {"replicas_desired": 0, "replicas_min": 5},
+    ],
+)
+def test_replica_bounds_out_of_order_are_a_400_not_an_integrity_error(
+    staff: APIClient, world: World, unchanged: Callable[[], None], change: dict[str, int]
+) -> None:
+    url = f"/api/v1/deployments/{world.ids['deployments']}/"
+    errors = json_error(staff.patch(url, change, format="json"), 400)
+    assert "replicas_desired" in errors
+    unchanged()
+
+
+def test_a_replica_count_beyond_the_column_is_a_400_naming_it(
+    staff: APIClient, world: World, unchanged: Callable[[], None]
+) -> None:
+    url = f"/api/v1/deployments/{world.ids['deployments']}/"
+    errors = json_error(staff.patch(url, {"replicas_max": 2147483648}, format="json"), 400)
+    assert "replicas_max" in errors
+    unchanged()
+
+
+@pytest.mark.parametrize("path", ["nope/", "tenants/a%2Fb/quota/", "models/1.5/"])
+def test_an_unrouted_api_path_is_a_json_404(staff: APIClient, path: str) -> None:
+    json_error(staff.get(f"/api/v1/{path}"), 404)
+
+
+def test_the_schema_and_docs_are_still_served(staff: APIClient) -> None:
+    assert staff.get("/api/v1/schema/").status_code == 200
+    assert staff.get("/api/v1/docs/").status_code == 200
