@@ -253,6 +253,11 @@ REDIS_WORKER_TIMEOUT_S = env_float("REDIS_WORKER_TIMEOUT_S", 5.0)
 # Runtime files: embedded PostgreSQL and Redis, logs, the gateway's usage spool, the demo's
 # tiny model. On Kubernetes an emptyDir per pod.
 PLATFORM_VAR_DIR = Path(env_str("PLATFORM_VAR_DIR", str(BASE_DIR / "var"))).resolve()
+# A file:// model or adapter artifact must lie inside this directory, symlinks resolved
+# (registry.models.check_artifact_file_uri); the demo's tiny model is built under it.
+PLATFORM_MODEL_ROOT = Path(
+    env_str("PLATFORM_MODEL_ROOT", str(PLATFORM_VAR_DIR / "models"))
+).resolve()
 # The platform's own URL as its node agents reach it (the demo fleet's agents join here).
 PLATFORM_PUBLIC_URL = env_str("PLATFORM_PUBLIC_URL", "http://127.0.0.1:8000")
 

@@ -10,9 +10,12 @@ the cost-aware policy chooses between the classes.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
@@ -26,6 +29,37 @@ ARTIFACT_URI = RegexValidator(
     r"^(s3://[^/\s]+/\S*|hf://\S+|file:///\S+)$",
     "An artifact URI starts with s3://bucket/, hf:// or file:///.",
 )
+
+
+def check_artifact_file_uri(uri: str) -> None:
+    """A file:// artifact must lie inside PLATFORM_MODEL_ROOT, symlinks resolved, so that a
+    registration cannot point an engine at /etc/passwd or at someone else's files. The path
+    is the one the engine loads (serving.agent.launch.engine_path: percent-decoded)."""
+    parts = urlsplit(uri)
+    if parts.scheme != "file":
+        return
+    root = Path(settings.PLATFORM_MODEL_ROOT).resolve()
+    refused = ValidationError(
+        "A file:// artifact must be a directory inside the platform's model root "
+        "(PLATFORM_MODEL_ROOT)."
+    )
+    path = unquote(parts.path)
+    if parts.netloc or not path.startswith("/") or "\x00" in path:
+        raise refused  # file://../x, file://host/x: relative or not this machine's
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError) as error:  # a symlink loop
+        raise refused from error
+    if resolved == root or not resolved.is_relative_to(root):
+        raise refused
+
+
+def _check_artifact_field(uri: str) -> None:
+    """`check_artifact_file_uri` for a model's clean(): the error on its artifact_uri field."""
+    try:
+        check_artifact_file_uri(uri)
+    except ValidationError as error:
+        raise ValidationError({"artifact_uri": error.messages}) from None
 
 
 class Visibility(models.TextChoices):
@@ -122,6 +156,9 @@ class ModelVersion(models.Model):
     def __str__(self) -> str:
         return f"{self.model.name}@{self.version}"
 
+    def clean(self) -> None:
+        _check_artifact_field(self.artifact_uri)
+
     @property
     def weights_gb(self) -> float:
         return self.model.params_b * BYTES_PER_PARAM[self.quantization]
@@ -159,6 +196,9 @@ class Adapter(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        _check_artifact_field(self.artifact_uri)
 
 
 # vLLM launch settings a deployment starts from; engine_args on a row override any of them.

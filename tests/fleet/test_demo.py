@@ -148,8 +148,9 @@ def test_a_seed_puts_a_demo_pools_price_back(gpu_classes: None) -> None:
 
 
 def test_the_tiny_model_is_seeded_public_on_the_cpu_pool_once(
-    gpu_classes: None, tmp_path: Path
+    gpu_classes: None, tmp_path: Path, settings: Settings
 ) -> None:
+    settings.PLATFORM_MODEL_ROOT = tmp_path  # file:// artifacts must lie inside it
     GpuPool.objects.create(
         name="cpu-local", gpu_class=GpuClass.objects.get(name="CPU-X86-2C"), region="local"
     )

@@ -32,6 +32,7 @@ import redis
 from django.conf import settings
 from django.core.management import call_command
 from django.db import close_old_connections
+from django.test import override_settings
 
 from serving.actions.credentials import do_create_join_token, engine_api_key
 from serving.actions.gpu_classes import sync_gpu_classes
@@ -181,7 +182,9 @@ def real_fleet(
             name=POOL, gpu_class=GpuClass.objects.get(name=CPU_CLASS), region="local"
         )
         _, join_token = do_create_join_token(pool, name="test")
-        deployment = seed_tiny_model(tiny_model, POOL)
+        # built under var/test/models, not the default root: let registration accept it
+        with override_settings(PLATFORM_MODEL_ROOT=MODEL_DIR.parent):
+            deployment = seed_tiny_model(tiny_model, POOL)
         admin = get_user_model().objects.create_user("real-vllm-admin", is_staff=True)
         keys = {}
         for slug in ("acme", "globex", "initech"):
