@@ -2,7 +2,8 @@
 
 HTTP under /v1 (and /metrics) goes to the lean gateway app, the rest to Django. WebSockets
 pass the origin check, then the chat socket (`/v1/chat/completions/ws`) goes to the gateway
-app and the rest to Channels consumers.
+app and the rest to Channels consumers. In front of all of it: the per-client cap on open
+requests, the request-body deadline and /metrics access (config/middleware.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from channels.security.websocket import OriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from config.gateway import get_gateway  # noqa: E402
+from config.middleware import with_edge_guards  # noqa: E402
 from config.routing import websocket_urlpatterns  # noqa: E402
 from serving.gateway.asgi import GatewayApp  # noqa: E402
 
@@ -43,14 +45,18 @@ allowed_origins = list(settings.ALLOWED_HOSTS)
 if settings.DEBUG:
     allowed_origins += ["localhost", "127.0.0.1", "[::1]"]
 
-application = ProtocolTypeRouter(
-    {
-        "http": GatewayApp(fallback=django_asgi_app, gateway=get_gateway),
-        "websocket": BrowserOriginValidator(
-            GatewayApp(
-                fallback=AuthMiddlewareStack(URLRouter(websocket_urlpatterns)), gateway=get_gateway
+# Outermost: the per-client cap, the body deadline and /metrics access (config/middleware.py).
+application = with_edge_guards(
+    ProtocolTypeRouter(
+        {
+            "http": GatewayApp(fallback=django_asgi_app, gateway=get_gateway),
+            "websocket": BrowserOriginValidator(
+                GatewayApp(
+                    fallback=AuthMiddlewareStack(URLRouter(websocket_urlpatterns)),
+                    gateway=get_gateway,
+                ),
+                allowed_origins,
             ),
-            allowed_origins,
-        ),
-    }
+        }
+    )
 )

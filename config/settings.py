@@ -77,6 +77,8 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # A database timeout, in the session lookup or a view, is a fast 503 with Retry-After.
+    "config.middleware.DatabaseUnavailableMiddleware",
     "django_otp.middleware.OTPMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -109,6 +111,26 @@ DATABASES = {
         DATABASE_URL, conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60, minimum=0)
     )
 }
+# A stalled PostgreSQL must cost a request seconds, not minutes: connecting gives up after
+# DATABASE_CONNECT_TIMEOUT_S, and the server cancels a statement after
+# DATABASE_STATEMENT_TIMEOUT_MS (a lock wait included) and ends a session left idle inside a
+# transaction. The defaults suit web processes; the batch worker and the migrate Job set
+# longer ones in their environment (scripts/run.py, platform/kubernetes/). 0 turns one off.
+DATABASE_CONNECT_TIMEOUT_S = env_int("DATABASE_CONNECT_TIMEOUT_S", 3, minimum=0)
+DATABASE_STATEMENT_TIMEOUT_MS = env_int("DATABASE_STATEMENT_TIMEOUT_MS", 5000, minimum=0)
+DATABASE_LOCK_TIMEOUT_MS = env_int("DATABASE_LOCK_TIMEOUT_MS", 0, minimum=0)
+DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS = env_int(
+    "DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS", 60000, minimum=0
+)
+_DATABASE_OPTIONS = DATABASES["default"].setdefault("OPTIONS", {})
+_DATABASE_OPTIONS["connect_timeout"] = DATABASE_CONNECT_TIMEOUT_S
+# Options given in DATABASE_URL (`?options=...`) come last, so they win.
+_DATABASE_OPTIONS["options"] = (
+    f"-c statement_timeout={DATABASE_STATEMENT_TIMEOUT_MS}"
+    f" -c lock_timeout={DATABASE_LOCK_TIMEOUT_MS}"
+    f" -c idle_in_transaction_session_timeout={DATABASE_IDLE_IN_TRANSACTION_TIMEOUT_MS}"
+    f" {_DATABASE_OPTIONS.get('options', '')}"
+).strip()
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -206,6 +228,16 @@ SECURE_HSTS_INCLUDE_SUBDOMAINS = not DEBUG
 SECURE_HSTS_PRELOAD = not DEBUG
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
+
+# /metrics names every tenant with its models and token volumes: with a token set only
+# `Authorization: Bearer <token>` reads it; without one only an unproxied loopback caller
+# (config/middleware.py). Secret.
+PLATFORM_METRICS_TOKEN = env_str("PLATFORM_METRICS_TOKEN")
+# The whole request body must arrive within this many seconds (408 after it); 0 turns it off.
+REQUEST_BODY_DEADLINE_S = env_float("REQUEST_BODY_DEADLINE_S", 30.0)
+# HTTP requests and WebSockets one client address may hold open at once, per process
+# (429 beyond it); 0 turns the cap off.
+MAX_OPEN_REQUESTS_PER_CLIENT = env_int("MAX_OPEN_REQUESTS_PER_CLIENT", 64, minimum=0)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -41,6 +41,21 @@ STOP_GRACE_S = 10.0
 # The model the README's snippet calls: the banner waits until it answers.
 DEMO_MODEL = "llama-3.1-8b"
 WS_MAX_SIZE_BYTES = 4 * 1024 * 1024 + 64 * 1024
+# uvicorn's caps (platform/kubernetes/gateway.yaml sets the same): an idle keep-alive
+# connection closes after 5 s; past 1000 connections or tasks uvicorn answers 503; h11 (when
+# uvicorn runs it instead of httptools) buffers at most 64 KiB of an unfinished request head;
+# a WebSocket that stops answering pings is closed within 40 s. The body deadline and the
+# per-client cap are the app's own (config/middleware.py).
+UVICORN_LIMITS = [
+    "--timeout-keep-alive=5",
+    "--limit-concurrency=1000",
+    "--h11-max-incomplete-event-size=65536",
+    "--ws-ping-interval=20",
+    "--ws-ping-timeout=20",
+]
+# Statement timeouts by process kind (config/settings.py's DATABASE_STATEMENT_TIMEOUT_MS is the
+# web default): rollups and invoices may run minutes, a migration as long as it takes.
+STATEMENT_TIMEOUT_MS = {"realtime": "30000", "batch": "600000"}
 COLORS = ["36", "32", "35", "33", "34", "31", "96", "92", "95", "93"]
 
 
@@ -194,7 +209,7 @@ def main() -> int:
         ensure_database(env["DATABASE_URL"])
         if env.get("PLATFORM_DEMO_ENGINE") == "vllm":
             build_tiny_model(env, var)
-        manage(env, "migrate", "--noinput", "-v", "0")
+        manage({**env, "DATABASE_STATEMENT_TIMEOUT_MS": "0"}, "migrate", "--noinput", "-v", "0")
         manage(env, "seed_demo")
         supervisor.spawn(
             "web",
@@ -212,11 +227,14 @@ def main() -> int:
                 # uvicorn's own default would buffer 16 MiB before the gateway sees it.
                 "--ws-max-size",
                 str(WS_MAX_SIZE_BYTES),
+                *UVICORN_LIMITS,
             ],
             env,
         )
         # One worker per queue (CELERY_TASK_ROUTES): a long invoice run never delays an ingest.
         for name, queue, concurrency in (("worker", "realtime", 2), ("worker-batch", "batch", 1)):
+            worker_env = {**env}
+            worker_env.setdefault("DATABASE_STATEMENT_TIMEOUT_MS", STATEMENT_TIMEOUT_MS[queue])
             supervisor.spawn(
                 name,
                 [
@@ -233,7 +251,7 @@ def main() -> int:
                     "-n",
                     f"{queue}@%h",
                 ],
-                env,
+                worker_env,
             )
         supervisor.spawn(
             "beat",
