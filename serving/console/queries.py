@@ -146,12 +146,48 @@ def fleet_snapshot(client: redis.Redis | None = None, *, rate: bool = True) -> d
     now = time.time()
     replicas = _live_replicas()
     seen = _replica_telemetry(client, [r.replica_id for r in replicas])
-    rows = [_replica_row(r, seen.get(r.replica_id)) for r in replicas]
-    ready = [row for row in rows if row["state"] == Replica.State.READY]
-    kv_values = [row["kv"] for row in ready if str(row["id"]) in seen]
     utilizations = _node_utilizations(client, sorted({r.node_id for r in replicas}))
     generated = sum(int(t.get("generation_tokens_total") or 0) for t in seen.values())
     tokens_per_s = _token_rate(client, generated, now) if rate else None
+    return _snapshot(now, replicas, seen, utilizations, tokens_per_s)
+
+
+def fleet_snapshot_without_telemetry() -> dict[str, Any]:
+    """The snapshot's PostgreSQL half, for a page to show while Redis is away: replicas, GPU
+    states, cost and TTFT; no engine telemetry, utilization or token rate."""
+    return _snapshot(time.time(), _live_replicas(), {}, [], None)
+
+
+def unavailable_snapshot() -> dict[str, Any]:
+    """The snapshot's shape with no figures, for a page to show while PostgreSQL is away."""
+    return {
+        "at": time.time(),
+        "gpus": {},
+        "replicas_by_state": {},
+        "replicas_ready": 0,
+        "replicas": [],
+        "utilization_pct": None,
+        "kv_use": None,
+        "queue_depth": 0,
+        "running": 0,
+        "tokens_per_s": None,
+        "ttft_p50_ms": None,
+        "ttft_p99_ms": None,
+        "cost_per_hour": None,
+        "cost_per_mtok": None,
+    }
+
+
+def _snapshot(
+    now: float,
+    replicas: list[Replica],
+    seen: dict[str, dict[str, Any]],
+    utilizations: list[float],
+    tokens_per_s: float | None,
+) -> dict[str, Any]:
+    rows = [_replica_row(r, seen.get(r.replica_id)) for r in replicas]
+    ready = [row for row in rows if row["state"] == Replica.State.READY]
+    kv_values = [row["kv"] for row in ready if str(row["id"]) in seen]
     cost_per_hour = _cost_per_hour()
     p50, p99 = ttft_percentiles_ms()
     per_mtok = None
@@ -183,6 +219,10 @@ def record_fleet_history(client: redis.Redis, snapshot: dict[str, Any]) -> None:
     pipe.ltrim(HISTORY_KEY, -HISTORY_POINTS, -1)
     pipe.expire(HISTORY_KEY, HISTORY_TTL_S)
     pipe.execute()
+
+
+def empty_history() -> dict[str, list[Any]]:
+    return {"at": [], "tokens_per_s": [], "queue_depth": []}
 
 
 def fleet_history(client: redis.Redis | None = None) -> dict[str, list[Any]]:

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+import redis
 from django.contrib import messages
+from django.db import OperationalError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from config.health import check_redis
 from config.views import staff_required
 from serving.actions import nodes
-from serving.console.queries import GPU_STATES, fleet_history, fleet_snapshot
+from serving.console.queries import (
+    GPU_STATES,
+    empty_history,
+    fleet_history,
+    fleet_snapshot,
+    fleet_snapshot_without_telemetry,
+    unavailable_snapshot,
+)
 from serving.models import GpuPool, Node, Replica
+
+log = logging.getLogger(__name__)
+
+# The banner base.html shows (as `figures_unavailable`) when a page's live figures are missing.
+REDIS_AWAY = "Live figures unavailable: Redis is unreachable."
+POSTGRES_AWAY = "Live figures unavailable: PostgreSQL is not answering."
 
 NODE_ACTIONS = {
     "cordon": nodes.do_cordon_node,
@@ -20,12 +39,31 @@ NODE_ACTIONS = {
 }
 
 
+def overview_figures() -> tuple[dict[str, Any], dict[str, list[Any]], str | None]:
+    """The snapshot, the chart's history and the banner: with Redis away the PostgreSQL half
+    of the snapshot; with PostgreSQL not answering (a timeout) no figures at all."""
+    try:
+        return fleet_snapshot(rate=False), fleet_history(), None
+    except redis.RedisError as error:
+        log.warning("console overview without Redis: %s", error)
+    except OperationalError as error:
+        log.warning("console overview without PostgreSQL: %s", error)
+        return unavailable_snapshot(), empty_history(), POSTGRES_AWAY
+    try:
+        return fleet_snapshot_without_telemetry(), empty_history(), REDIS_AWAY
+    except OperationalError as error:
+        log.warning("console overview without PostgreSQL: %s", error)
+        return unavailable_snapshot(), empty_history(), POSTGRES_AWAY
+
+
 @staff_required
 def overview(request: HttpRequest) -> HttpResponse:
+    snapshot, history, unavailable = overview_figures()
     context = {
-        "snapshot": fleet_snapshot(rate=False),
-        "history": fleet_history(),
+        "snapshot": snapshot,
+        "history": history,
         "gpu_states": GPU_STATES,
+        "figures_unavailable": unavailable,
     }
     return render(request, "console/overview.html", context)
 
@@ -38,7 +76,14 @@ def fleet(request: HttpRequest) -> HttpResponse:
         .select_related("node__pool", "deployment")
         .order_by("node__pool__name", "node__hostname", "pk")
     )
-    return render(request, "console/fleet.html", {"pools": pools, "replicas": replicas})
+    # Engine and GPU telemetry lives in Redis and each heartbeat writes it there: without Redis
+    # what this page shows of node health may be going stale.
+    context = {
+        "pools": pools,
+        "replicas": replicas,
+        "figures_unavailable": REDIS_AWAY if check_redis() else None,
+    }
+    return render(request, "console/fleet.html", context)
 
 
 @staff_required
