@@ -44,6 +44,9 @@ class SimConfig:
     error_rate: float = 0.0
     error_status: int = 500
     error_after_tokens: int | None = None
+    # Fail (error_status) every request whose prompt contains this text: content an engine
+    # chokes on, the same on every replica, whoever sends it.
+    error_on_text: str | None = None
     hang: bool = False
     slow_start_s: float = 0.0
     fixed_ttft_ms: float | None = None
@@ -105,6 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="fail every generation after N tokens, as vLLM does mid-stream",
+    )
+    sim.add_argument(
+        "--sim-error-on-text",
+        default=None,
+        metavar="TEXT",
+        help="fail every request whose prompt contains TEXT (content the engine chokes on)",
     )
     sim.add_argument("--sim-hang", action="store_true")
     sim.add_argument("--sim-slow-start", type=float, default=0.0, metavar="SECONDS")
@@ -170,6 +179,7 @@ def parse_args(argv: list[str]) -> SimConfig:
         crash_after_tokens=args.sim_crash_after_tokens,
         error_rate=args.sim_error_rate,
         error_status=args.sim_error_status,
+        error_on_text=args.sim_error_on_text,
         error_after_tokens=args.sim_error_after_tokens,
         hang=args.sim_hang,
         slow_start_s=args.sim_slow_start,

@@ -545,6 +545,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         await asyncio.Future()  # a wedged engine: the connection stays open, nothing comes
     if state.config.error_rate and state.rng.random() < state.config.error_rate:
         return error_response(simulated_error(state.config, "simulated engine failure"))
+    poison = state.config.error_on_text
+    if poison is not None and poison in gen.prompt_text:
+        return error_response(simulated_error(state.config, "simulated failure on this prompt"))
     if gen.stream:
         return await _stream(request, state, gen)
     return await _complete(state, gen)

@@ -51,6 +51,8 @@ CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
 # one the gateway sends, or the engine's own rate limit. The replica's failure, like a 5xx:
 # the request goes to another replica, and the client never sees the engine's 401/403/429.
 REPLICA_REFUSALS = frozenset({401, 403, 429})
+# An engine's internal error: the replica's fault, or the request's when it repeats elsewhere.
+ENGINE_INTERNAL_ERROR = 500
 
 
 def engine_cache_salt(tenant_id: object) -> str:
@@ -137,6 +139,9 @@ class Exchange:
     _accepted: bool = False
     # Whether the replica's breaker got a verdict (success or failure) from this request.
     _verdict: bool = False
+    # A replica that answered 500 before its first token, and the failure's kind, while the
+    # request is tried on a second one: its breaker counts it only if that one succeeds.
+    _suspect: tuple[ReplicaEndpoint, str] | None = None
     # When the last generated token reached us (for the inter-token latency).
     _last_token_at: float | None = None
     # A stream longer than its concurrency lease renews it, so the slot is not reclaimed
@@ -367,6 +372,10 @@ class Exchange:
                 chunks = stream.chunks()
                 first = await anext(chunks, None)
                 self._accepted = True
+                if self._suspect is not None:
+                    # Another replica served what the first failed: the first's fault.
+                    self.gateway.record_failure(*self._suspect)
+                    self._suspect = None
                 return stream, chunks, first
             except UpstreamError as error:
                 if stream is not None:
@@ -407,6 +416,27 @@ class Exchange:
             # client's doing, not the replica's; no verdict for its breaker.
             gateway.abandon_probe(endpoint.replica_id)
             raise refused_by_engine(error) from error
+        if error.status == ENGINE_INTERNAL_ERROR:
+            if self._suspect is None and not last_try:
+                # An engine's internal error may be the request's doing (content it chokes
+                # on fails on every replica): the verdict waits for a second replica.
+                gateway.abandon_probe(endpoint.replica_id)
+                self._suspect = (endpoint, error.kind)
+                return
+            if self._suspect is not None:
+                # The same request failed on two replicas: its content, not the replicas.
+                # Neither breaker counts it, so one tenant's requests cannot eject a replica
+                # that serves everyone else.
+                gateway.abandon_probe(endpoint.replica_id)
+                self._suspect = None
+                raise ApiError(
+                    502,
+                    "The model engine failed on this request on two replicas, so its content "
+                    "is the likely cause; no output is billed.",
+                    code="upstream_error",
+                    error_type="server_error",
+                ) from error
+        self._suspect = None  # another kind of failure: the first one's cause stays unknown
         refused_gateway = error.status in REPLICA_REFUSALS
         gateway.record_failure(endpoint, "refused" if refused_gateway else error.kind)
         if last_try and refused_gateway:

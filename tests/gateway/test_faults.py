@@ -181,6 +181,27 @@ def test_every_replica_failing_is_a_502_in_openai_shape(setup) -> None:
     assert usage_events(client)[0].status == "upstream_failed"
 
 
+def test_content_that_fails_on_every_replica_ejects_none_of_them(setup, make_key) -> None:
+    server, fleet, key, _ = setup
+    replicas = [fleet.start(extra=("--sim-error-on-text", "poison")) for _ in range(2)]
+    fleet.publish()
+    other = make_key("globex")
+    for _ in range(6):
+        bad = chat(
+            server.url, key.secret, max_tokens=2, messages=[{"role": "user", "content": "poison"}]
+        )
+        assert bad.status_code == 502
+        assert "content is the likely cause" in bad.json()["error"]["message"]
+    breakers = server.gateway().breakers
+    now = time.monotonic()
+    assert all(
+        breakers.get(r.replica_id) is None or breakers[r.replica_id].blocked_until <= now
+        for r in replicas
+    ), "one tenant's bad requests must not eject a replica"
+    for _ in range(6):
+        assert chat(server.url, other.secret, max_tokens=2).status_code == 200
+
+
 def test_in_flight_accounting_returns_to_zero_after_successes_failures_and_aborts(setup) -> None:
     server, fleet, key, _ = setup
     fleet.start(extra=("--sim-error-rate", "0.5"))
