@@ -188,7 +188,11 @@ class Supervisor:
         services = [child for child in self.children if child.is_data_service]
         for group in (applications, services):
             for child in reversed(group):
-                self._signal(child, signal.SIGTERM if child.name != "postgres" else signal.SIGINT)
+                # To the main process alone, as a process manager does: Celery's warm shutdown
+                # lets its pool finish the task in hand (an ingest drain commits, then acks).
+                child.process.send_signal(
+                    signal.SIGTERM if child.name != "postgres" else signal.SIGINT
+                )
             deadline = time.monotonic() + STOP_GRACE_S
             for child in group:
                 remaining = max(0.1, deadline - time.monotonic())
