@@ -45,6 +45,9 @@ STOP_GRACE_S = 10.0
 # and starts over at the first once the child had been up for RESTART_RESET_AFTER_S.
 RESTART_DELAYS_S = (1, 30)
 RESTART_RESET_AFTER_S = 60.0
+# Stopped before the other applications: the web server finishes the requests it holds while
+# the engines behind them still run (the node agents stop theirs when they stop).
+STOPPED_FIRST = ("traffic", "web")
 # The model the README's snippet calls: the banner waits until it answers.
 DEMO_MODEL = "llama-3.1-8b"
 WS_MAX_SIZE_BYTES = 4 * 1024 * 1024 + 64 * 1024
@@ -183,10 +186,11 @@ class Supervisor:
             self._stop_children()
 
     def _stop_children(self) -> None:
-        # Application processes first, the data services last so they can shut down cleanly.
-        applications = [child for child in self.children if not child.is_data_service]
+        # The data services last so they can shut down cleanly.
+        first = [child for child in self.children if child.name in STOPPED_FIRST]
         services = [child for child in self.children if child.is_data_service]
-        for group in (applications, services):
+        applications = [child for child in self.children if child not in first + services]
+        for group in (first, applications, services):
             for child in reversed(group):
                 # To the main process alone, as a process manager does: Celery's warm shutdown
                 # lets its pool finish the task in hand (an ingest drain commits, then acks).
@@ -232,7 +236,8 @@ def poll_until(
 
 def answers_200(request: urllib.request.Request | str, timeout_s: float) -> bool:
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        # The platform's own http://127.0.0.1 addresses, never a caller's URL.
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:  # nosec B310
             return bool(response.status == 200)
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False  # HTTPError too: 404 until a replica is routed, 503 while it warms
