@@ -44,7 +44,7 @@ def snapshot() -> dict[str, list[dict[str, Any]]]:
     rows = {}
     for app in ("tenants", "registry", "serving", "metering"):
         for model in apps.get_app_config(app).get_models():
-            rows[model._meta.label] = list(model.objects.order_by("pk").values())
+            rows[model._meta.label] = list(model._default_manager.order_by("pk").values())
     return rows
 
 

@@ -101,3 +101,29 @@ def test_the_handler_is_the_one_drf_uses() -> None:
     from rest_framework.settings import api_settings
 
     assert api_settings.EXCEPTION_HANDLER is exception_handler
+
+
+def test_a_bug_in_a_viewset_is_a_json_500_and_still_signalled(
+    django_user_model: Any, db: None
+) -> None:
+    from django.core.signals import got_request_exception
+    from rest_framework.test import APIRequestFactory, force_authenticate
+
+    class Broken(PlatformViewSet):
+        def list(self, request: Any) -> Any:
+            raise KeyError("oops")
+
+    signalled: list[Any] = []
+
+    def record(sender: Any, request: Any = None, **kwargs: Any) -> None:
+        signalled.append(request)
+
+    request = APIRequestFactory().get("/api/v1/broken/")
+    force_authenticate(request, django_user_model(username="ops"))
+    got_request_exception.connect(record)
+    try:
+        response = Broken.as_view({"get": "list"})(request)
+    finally:
+        got_request_exception.disconnect(record)
+    assert (response.status_code, response.data) == (500, {"detail": "Server error."})
+    assert len(signalled) == 1
