@@ -33,6 +33,7 @@ from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.signals import got_request_exception
+from django.db import OperationalError
 from django.db.models import ProtectedError, RestrictedError
 from django.http import HttpRequest, JsonResponse
 from rest_framework import mixins, permissions, serializers, status, viewsets
@@ -177,6 +178,8 @@ class PlatformViewSet(viewsets.GenericViewSet[Any]):
     def handle_exception(self, exc: Exception) -> Response:
         try:
             return super().handle_exception(exc)
+        except OperationalError:
+            raise  # config.middleware.DatabaseUnavailableMiddleware answers it: a 503
         except Exception:
             # What exception_handler does not answer is a bug: logged with its traceback and
             # signalled (error trackers and the test client listen) as Django's own handler

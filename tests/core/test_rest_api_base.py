@@ -127,3 +127,19 @@ def test_a_bug_in_a_viewset_is_a_json_500_and_still_signalled(
         got_request_exception.disconnect(record)
     assert (response.status_code, response.data) == (500, {"detail": "Server error."})
     assert len(signalled) == 1
+
+
+def test_a_database_outage_in_a_viewset_still_reaches_the_503_middleware(
+    django_user_model: Any, db: None
+) -> None:
+    from django.db import OperationalError
+    from rest_framework.test import APIRequestFactory, force_authenticate
+
+    class Stalled(PlatformViewSet):
+        def list(self, request: Any) -> Any:
+            raise OperationalError("canceling statement due to statement timeout")
+
+    request = APIRequestFactory().get("/api/v1/stalled/")
+    force_authenticate(request, django_user_model(username="ops"))
+    with pytest.raises(OperationalError):
+        Stalled.as_view({"get": "list"})(request)
