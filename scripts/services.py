@@ -7,6 +7,7 @@ data under ./var/. Both listen on 127.0.0.1 only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -158,7 +159,8 @@ class EmbeddedPostgres:
     def launch(self) -> subprocess.Popen[bytes]:
         """The server on a prepared data directory, not waited for: after a crash it replays
         its WAL, and refuses to start (so exits, to be started again) while backends of the
-        dead one still hold its shared memory."""
+        dead one still hold its shared memory, so those go first."""
+        self._stop_orphaned_backends()
         self.process = subprocess.Popen(
             [
                 self._bin("postgres"),
@@ -181,6 +183,21 @@ class EmbeddedPostgres:
             start_new_session=True,
         )
         return self.process
+
+    def _stop_orphaned_backends(self) -> None:
+        """Kill what a postmaster killed outright left behind: its backends notice only at
+        their next wait, and one busy in a long query holds the shared memory for minutes.
+        Every PostgreSQL process runs in its data directory, which tells ours apart."""
+        import psutil
+
+        binary, data_dir = os.path.realpath(self._bin("postgres")), os.path.realpath(self.data_dir)
+        orphans = []
+        for process in psutil.process_iter(["exe", "cwd"]):
+            if process.info["exe"] == binary and process.info["cwd"] == data_dir:
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
+                    orphans.append(process)
+        psutil.wait_procs(orphans, timeout=5)
 
     def _wait_accepting(self) -> None:
         import psycopg

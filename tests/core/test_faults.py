@@ -12,6 +12,7 @@ own. The demo traffic is off, so every request is one of ours.
 
 from __future__ import annotations
 
+import contextlib
 import http.cookiejar
 import importlib.util
 import json
@@ -56,6 +57,7 @@ class Outcome:
     retry_after: str | None
     started: float  # time.monotonic()
     seconds: float
+    error: str = ""  # the OpenAI error object's code, for the report
 
 
 def chat(port: int, key: str, timeout_s: float = 30) -> Outcome:
@@ -72,17 +74,22 @@ def chat(port: int, key: str, timeout_s: float = 30) -> Outcome:
         with urllib.request.urlopen(request, timeout=timeout_s) as reply:
             reply.read()
             status, headers = int(reply.status), reply.headers
+            code = ""
     except urllib.error.HTTPError as error:
-        error.read()
         status, headers = int(error.code), error.headers
-    except OSError:
-        return Outcome(0, None, None, started, time.monotonic() - started)
+        try:
+            code = str(json.loads(error.read())["error"]["code"])
+        except (ValueError, KeyError, TypeError, OSError):
+            code = "?"
+    except OSError as error:
+        return Outcome(0, None, None, started, time.monotonic() - started, type(error).__name__)
     return Outcome(
         status,
         headers.get("x-request-id"),
         headers.get("retry-after"),
         started,
         time.monotonic() - started,
+        code,
     )
 
 
@@ -96,6 +103,7 @@ class ChatLoad:
     clients: int = 4
     pause_s: float = 0.5
     outcomes: list[Outcome] = field(default_factory=list)
+    marks: list[tuple[str, float]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
 
@@ -118,9 +126,19 @@ class ChatLoad:
 
     def report(self, test: str) -> None:
         """Printed for the run's log (pytest -s): what the clients saw."""
-        statuses = Counter(o.status for o in self.outcomes)
+        statuses = Counter(f"{o.status} {o.error}".strip() for o in self.outcomes)
         slowest = max((o.seconds for o in self.outcomes), default=0.0)
         print(f"{test}: {dict(statuses)} answers, slowest {slowest:.2f} s")
+        begun = min((o.started for o in self.outcomes), default=0.0)
+        for label, at in self.marks:
+            print(f"  at {at - begun:5.1f} s: {label}")
+        for o in [o for o in self.outcomes if o.status != 200][:30]:
+            print(f"  at {o.started - begun:5.1f} s: {o.status} {o.error} in {o.seconds:.2f} s")
+
+    def mark(self, label: str) -> float:
+        """Notes when something was done to the platform, for the report; returns the time."""
+        self.marks.append((label, time.monotonic()))
+        return self.marks[-1][1]
 
     def served_ids(self) -> set[str]:
         return {o.request_id for o in self.outcomes if o.status == 200 and o.request_id}
@@ -227,7 +245,10 @@ class Platform:
         assert set(counts.values()) == {1}
 
     def print_log_tail(self) -> None:
-        print("".join(self.lines)[-8000:])
+        """The end of the log for pytest's report; all of it next to the var dir."""
+        log = "".join(self.lines)
+        (self.var.parent / "make-run.log").write_text(log)
+        print(f"{log[-8000:]}\n(all of it in {self.var.parent / 'make-run.log'})")
 
 
 def fresh_platform(tmp_path: Path) -> Platform:
@@ -329,7 +350,9 @@ def test_ctrl_c_under_load_then_a_restart_bills_every_served_request(tmp_path: P
         platform.start()
         with ChatLoad(platform.port, platform.key) as load:
             time.sleep(8)
+            load.mark("SIGINT")
             assert platform.stop(signal.SIGINT) == 0
+            load.mark("make run exited")
         load.report("ctrl-c")
         served = load.served_ids()
         assert len(served) >= 20
@@ -351,9 +374,10 @@ def test_a_killed_celery_worker_is_restarted_and_no_usage_event_is_lost(
     worker = platform.child("worker", "realtime")
     with ChatLoad(platform.port, platform.key) as load:
         time.sleep(4)
-        killed_at = time.monotonic()
+        killed_at = load.mark("worker killed")
         worker.send_signal(signal.SIGKILL)
         platform.wait_for_restart("worker", worker.pid, "worker", "realtime")
+        load.mark("worker started again")
         time.sleep(6)
 
     load.report("celery worker killed")
@@ -372,8 +396,10 @@ def test_a_killed_node_agent_comes_back_as_the_same_node_and_no_usage_event_is_l
     with ChatLoad(platform.port, platform.key) as load:
         time.sleep(4)
         killed_at = time.time()
+        load.mark("agent killed")
         agent.send_signal(signal.SIGKILL)
         platform.wait_for_restart(name, agent.pid, "serving.agent", name)
+        load.mark("agent started again")
 
         def serves_again() -> bool:
             rows = platform.query(
@@ -385,6 +411,7 @@ def test_a_killed_node_agent_comes_back_as_the_same_node_and_no_usage_event_is_l
             return rows == [("ready",)]
 
         assert until(serves_again, 90), "its replica never became ready again"
+        load.mark("its replica ready again")
         time.sleep(3)
 
     load.report("node agent killed")
@@ -403,7 +430,7 @@ def test_redis_frozen_gets_fast_503s_with_retry_after_then_recovers(platform: Pl
     with ChatLoad(platform.port, platform.key) as load:
         time.sleep(3)
         redis_server.suspend()
-        frozen_at = time.monotonic()
+        frozen_at = load.mark("redis frozen")
         try:
             time.sleep(2)  # requests in flight at the freeze are not the behaviour measured
             status, body, seconds = readyz(platform.port)
@@ -411,7 +438,7 @@ def test_redis_frozen_gets_fast_503s_with_retry_after_then_recovers(platform: Pl
             time.sleep(FREEZE_S - (time.monotonic() - frozen_at))
         finally:
             redis_server.resume()
-        thawed_at = time.monotonic()
+        thawed_at = load.mark("redis thawed")
         during = load.between(frozen_at + 2, thawed_at)
         assert until(lambda: any(o.status == 200 for o in load.between(thawed_at, 1e12)), 10)
         time.sleep(2)
@@ -438,7 +465,7 @@ def test_postgres_frozen_keeps_the_gateway_serving_and_the_api_fails_fast(
         frozen = [postmaster, *postmaster.children(recursive=True)]
         for process in frozen:
             process.suspend()
-        frozen_at = time.monotonic()
+        frozen_at = load.mark("postgres frozen")
         try:
             time.sleep(2)
             api = api_status(opener, platform.port)
@@ -447,7 +474,7 @@ def test_postgres_frozen_keeps_the_gateway_serving_and_the_api_fails_fast(
         finally:
             for process in frozen:
                 process.resume()
-        thawed_at = time.monotonic()
+        thawed_at = load.mark("postgres thawed")
         during = load.between(frozen_at, thawed_at)
         assert until(lambda: api_status(opener, platform.port)[0] == 200, 20)
         time.sleep(2)
@@ -462,4 +489,54 @@ def test_postgres_frozen_keeps_the_gateway_serving_and_the_api_fails_fast(
     assert api[0] >= 500 and api[1] < 10, f"the REST API answered {api[0]} in {api[1]:.1f} s"
     assert (status, body["checks"]["postgres"]) == (503, "fail") and seconds < 5
     assert readyz(platform.port)[0] == 200
+    platform.assert_billed_once(load.served_ids())
+
+
+@pytest.mark.slow
+def test_a_killed_redis_is_started_again_from_its_append_only_file_and_no_usage_event_is_lost(
+    platform: Platform,
+) -> None:
+    redis_server = platform.child("redis-server")
+    with ChatLoad(platform.port, platform.key) as load:
+        time.sleep(4)
+        load.mark("redis killed")
+        redis_server.send_signal(signal.SIGKILL)
+        platform.wait_for_restart("redis", redis_server.pid, "redis-server")
+        back_at = load.mark("redis started again")
+        assert until(lambda: any(o.status == 200 for o in load.between(back_at, 1e12)), 20)
+        time.sleep(3)
+
+    load.report("redis killed")
+    assert platform.process is not None and platform.process.poll() is None
+    platform.assert_billed_once(load.served_ids())
+
+
+@pytest.mark.slow
+def test_a_killed_postgres_is_started_again_and_no_usage_event_is_lost(
+    platform: Platform,
+) -> None:
+    postmaster = platform.child("postgres", "-D")
+    opener = logged_in(platform)
+
+    def busy_backend() -> None:
+        # A backend in a long computation notices its postmaster's death only when it ends,
+        # and holds the shared memory a new postmaster needs until then.
+        with contextlib.suppress(psycopg.Error):
+            platform.query("SELECT count(*) FROM generate_series(1, 10000000000)")
+
+    with ChatLoad(platform.port, platform.key) as load:
+        threading.Thread(target=busy_backend, daemon=True).start()
+        time.sleep(4)
+        killed_at = load.mark("postgres killed")
+        postmaster.send_signal(signal.SIGKILL)
+        platform.wait_for_restart("postgres", postmaster.pid, "postgres", "-D")
+        load.mark("postgres started again")
+        assert until(lambda: api_status(opener, platform.port)[0] == 200, 60)
+        recovered_at = load.mark("the REST API answers 200 again")
+        time.sleep(3)
+
+    load.report("postgres killed")
+    print(f"postgres killed: the REST API answered again after {recovered_at - killed_at:.1f} s")
+    assert {o.status for o in load.between(killed_at, recovered_at)} == {200}
+    assert platform.process is not None and platform.process.poll() is None
     platform.assert_billed_once(load.served_ids())
