@@ -6,6 +6,7 @@ Through the real ASGI application (config.asgi), as a caller at a given address.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -27,7 +28,7 @@ def tenant_series() -> None:
 async def get_metrics(client: tuple[str, int], headers: dict[str, str] | None = None):
     from config.asgi import application
 
-    transport = httpx.ASGITransport(app=application, client=client)
+    transport = httpx.ASGITransport(app=cast(Any, application), client=client)
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
         return await http.get("/metrics", headers=headers or {})
 
@@ -107,7 +108,7 @@ def ingress_routes(path: str) -> bool:
 def test_the_ingress_routes_every_top_level_path_of_the_site() -> None:
     from config.urls import urlpatterns
 
-    tops = {"/" + str(pattern.pattern).split("/", 1)[0] for pattern in urlpatterns}
+    tops = {"/" + str(cast(Any, pattern).pattern).split("/", 1)[0] for pattern in urlpatterns}
     tops |= {"/v1"}  # the gateway app, ahead of Django (serving/gateway/asgi.py)
     missing = sorted(path for path in tops if not ingress_routes(path))
     assert not missing, f"platform/kubernetes/ingress.yaml does not route {missing}"

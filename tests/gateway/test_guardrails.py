@@ -10,6 +10,7 @@ import asyncio
 import random
 import threading
 import time
+from typing import Any
 
 import orjson
 import pytest
@@ -108,7 +109,7 @@ def refused(texts: list[str], pattern: str = "bad") -> bool:
     return blocked_patterns(prompt(texts, patterns=(pattern,))) is not None
 
 
-WEATHER_TOOL = {
+WEATHER_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",

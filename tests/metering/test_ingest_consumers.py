@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import redis
 
@@ -29,8 +30,8 @@ def write_events(client: redis.Redis, tenant: Tenant, n: int) -> None:
     pipe.execute()
 
 
-def live(client: redis.Redis, **kw: int) -> ingest.Consumer:
-    return ingest.Consumer(client, "alive", dead_after_ms=DEAD_AFTER_MS, **kw)
+def live(client: redis.Redis, min_idle_ms: int = ingest.MIN_IDLE_MS) -> ingest.Consumer:
+    return ingest.Consumer(client, "alive", dead_after_ms=DEAD_AFTER_MS, min_idle_ms=min_idle_ms)
 
 
 def test_a_dead_consumer_with_nothing_pending_leaves_the_group_once_idle(
@@ -40,7 +41,8 @@ def test_a_dead_consumer_with_nothing_pending_leaves_the_group_once_idle(
     write_events(redis_client, acme, 1)
     ingest.ensure_group(redis_client)
     # It read an entry and acknowledged it, then its process died.
-    [[_, [(entry_id, _)]]] = redis_client.xreadgroup(ingest.GROUP, "dead", {USAGE_STREAM: ">"})
+    read: Any = redis_client.xreadgroup(ingest.GROUP, "dead", {USAGE_STREAM: ">"})
+    [[_, [(entry_id, _)]]] = read
     redis_client.xack(USAGE_STREAM, ingest.GROUP, entry_id)
     assert live(redis_client).remove_dead_consumers() == []  # not idle long enough yet
     assert consumers(redis_client) == {"dead": 0}

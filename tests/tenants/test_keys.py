@@ -324,6 +324,7 @@ async def test_a_subscribed_authenticator_takes_postgres_word_over_a_stale_redis
     finally:
         await authenticator.close()
     record = await aredis.get(key_record_name(hash_key(raw)))
+    assert record is not None
     assert principal_from_record(record, hash_key(raw)) is None
 
 
