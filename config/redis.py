@@ -13,11 +13,20 @@ from functools import cache
 
 import redis
 from django.conf import settings
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 @cache
 def _client(url: str, timeout_s: float) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        # A pooled connection to a Redis that restarted fails on first use: once more, on a new
+        # connection. Timeouts are not retried: the command may have run.
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+    )
 
 
 def redis_client(*, worker: bool = False) -> redis.Redis:

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from metering.pricing import PRICE_BOOK_KEY, PriceBook, PriceNotFound, charge_usd_micros
@@ -84,6 +87,10 @@ class Gateway:
             socket_timeout=config.redis_timeout_s,
             socket_connect_timeout=config.redis_timeout_s,
             health_check_interval=10,
+            # A pooled connection to a Redis that restarted fails on first use: once, on a new
+            # connection. Timeouts are not retried (the command may have run); the admission
+            # script answers a second run of the same request as the first.
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         )
         self.redis = aioredis.Redis(connection_pool=pool)
         self.authenticator = KeyAuthenticator(

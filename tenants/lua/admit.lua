@@ -4,8 +4,10 @@
 -- KEYS[1]                    monthly token counter        (INCRBY reserved tokens)
 -- KEYS[2]                    monthly spend counter, micro-USD (read only here)
 -- KEYS[3]                    the request's state: set to 'held:<second>' when admitted (the
---                            window second its tokens were counted in, for the settle); any
---                            value already there (a release that came first) means take nothing
+--                            window second its tokens were counted in, for the settle); a
+--                            'held' already there means this admission ran before (answer
+--                            allowed again, take nothing); any other value (a release that came
+--                            first) means take nothing and refuse
 -- KEYS[4 .. 3+nb]            per-minute windows (hash: s = amount in the window, o = oldest
 --                            second still counted, n = newest second, <second> = amount taken
 --                            in that second)
@@ -122,9 +124,13 @@ local function answer(allowed, err, limit, retry, taken)
            tostring(used_tokens), tostring(used_spend) }
 end
 
--- A release for this request id ran first (its caller gave up waiting for this answer):
--- take nothing, or what was taken would never be given back.
-if redis.call('EXISTS', KEYS[3]) == 1 then
+local state = redis.call('GET', KEYS[3])
+if state then
+  -- This admission ran before and only its answer was lost (the client retried it on a new
+  -- connection): answer as it was answered, taking nothing twice.
+  if string.sub(state, 1, 4) == 'held' then return answer('1', '', '', '', false) end
+  -- A release for this request id ran first (its caller gave up waiting for this answer):
+  -- take nothing, or what was taken would never be given back.
   return answer('0', 'request_cancelled', '', '', false)
 end
 

@@ -104,6 +104,18 @@ def test_an_admission_that_timed_out_after_it_ran_holds_no_slot_for_the_next_str
     assert stream(server.url, key.secret).status_code == 200
 
 
+def test_after_redis_restarts_no_request_fails_on_a_connection_it_had_pooled(setup) -> None:
+    server, proxy, key, client = setup
+    for _ in range(4):  # a few pooled connections, each used and idle
+        assert stream(server.url, key.secret).status_code == 200
+    # Redis restarts: every connection the gateway holds is closed by the server side.
+    proxy.go_down()
+    proxy.come_back()
+    answers = [stream(server.url, key.secret).status_code for _ in range(6)]
+    assert answers == [200] * 6
+    assert len(events(client)) == 10
+
+
 def test_a_settle_during_a_redis_outage_is_applied_when_redis_is_back(
     settings,
     tmp_path,

@@ -204,3 +204,26 @@ async def test_a_settle_whose_answer_was_lost_is_retried_without_refunding_twice
     assert limiter.deferred == 0
     assert await held_tokens(aredis) == 120
     await slow.aclose()
+
+
+async def test_an_admission_run_twice_for_one_request_is_allowed_twice_and_takes_once(
+    aredis: aioredis.Redis,
+) -> None:
+    # What a client's retry on a new connection does when the first answer was lost.
+    limiter = RateLimiter(aredis)
+    principal = principal_with(**ONE_STREAM)
+    request_id = uuid.uuid4().hex
+    first = await limiter.admit(principal, request_id=request_id, prompt_tokens=100, max_tokens=400)
+    again = await limiter.admit(principal, request_id=request_id, prompt_tokens=100, max_tokens=400)
+    assert (first.allowed, again.allowed) == (True, True)
+    assert await leases(aredis) == 1
+    assert await held_tokens(aredis) == 500
+    # Another request is still refused: the one stream slot is held once, not freed.
+    other = await limiter.admit(
+        principal, request_id=uuid.uuid4().hex, prompt_tokens=1, max_tokens=1
+    )
+    assert (other.allowed, other.limit) == (False, "concurrent_streams")
+    assert first.reservation is not None
+    await limiter.settle(first.reservation, prompt_tokens=100, completion_tokens=20)
+    assert await leases(aredis) == 0
+    assert await held_tokens(aredis) == 120
