@@ -98,6 +98,7 @@ COLUMNS: tuple[str, ...] = (
     "baseline_replica_id",
     "baseline_pool",
     "baseline_cost_usd_micros",
+    "trace_id",
 )
 # Columns the gateway may leave unset or an older gateway did not send; every other one must be there.
 _DEFAULTS: dict[str, object] = {
@@ -106,6 +107,7 @@ _DEFAULTS: dict[str, object] = {
     "baseline_replica_id": "",
     "baseline_pool": "",
     "baseline_cost_usd_micros": 0,
+    "trace_id": "",
 }
 _DEFAULTED = frozenset(COLUMNS) - set(_DEFAULTS)
 

@@ -61,6 +61,8 @@ class UsageEvent(models.Model):
     baseline_replica_id = models.CharField(max_length=64, blank=True, default="")
     baseline_pool = models.CharField(max_length=64, blank=True, default="")
     baseline_cost_usd_micros = models.BigIntegerField(default=0)
+    # The request's OpenTelemetry trace id, "" when it was not traced.
+    trace_id = models.CharField(max_length=32, blank=True, default="")
 
     class Meta:
         indexes = [

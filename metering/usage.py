@@ -68,6 +68,8 @@ class UsageEvent:
     baseline_replica_id: str = ""
     baseline_pool: str = ""
     baseline_cost_usd_micros: int = 0  # priced later by metering.rollups, never by the gateway
+    # The request's OpenTelemetry trace (32 hex digits), "" when tracing is off or not sampled.
+    trace_id: str = ""
 
     def to_json(self) -> bytes:
         # orjson serializes a dataclass natively, several times faster than asdict().
