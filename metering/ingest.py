@@ -2,8 +2,10 @@
 
 A Redis consumer group (`metering`) hands each stream entry to one consumer. A consumer reads a
 batch, bills every event at the price in force when it started, COPYs the batch into a
-per-session temporary table and inserts it with `ON CONFLICT (request_id) DO NOTHING`, commits,
-and only then acknowledges the entries. So:
+per-session temporary table and inserts it with `ON CONFLICT (request_id, started_at) DO
+NOTHING` (the key of the table partitioned by month; a replayed event carries the same
+`started_at`, so it meets its first copy: metering.partitions), commits, and only then
+acknowledges the entries. So:
 
 - a consumer killed before its commit leaves the entries pending and nothing in PostgreSQL;
 - a consumer killed after its commit but before its ack leaves them pending too, and the
@@ -120,7 +122,7 @@ _COPY = f"COPY metering_usage_staging ({', '.join(COLUMNS)}) FROM STDIN"
 _INSERT = (
     f"INSERT INTO metering_usageevent ({', '.join(COLUMNS)}) "  # nosec B608
     f"SELECT {', '.join(COLUMNS)} FROM metering_usage_staging "
-    "ON CONFLICT (request_id) DO NOTHING"
+    "ON CONFLICT (request_id, started_at) DO NOTHING"
 )
 
 Entry = tuple[bytes, dict[bytes, bytes]]

@@ -8,4 +8,7 @@ BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "metering-budgets": {"task": "metering.check_budgets", "schedule": 60.0},
     # Also at start-up of the gateway's readers: a book lost from Redis comes back in a minute.
     "metering-publish-prices": {"task": "metering.publish_prices", "schedule": 60.0},
+    # Hourly (one catalog query when there is nothing to do, and beat's interval restarts with
+    # it): next months' usage partitions made ahead, expired ones dropped.
+    "metering-partitions": {"task": "metering.maintain_partitions", "schedule": 3600.0},
 }

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from django.conf import settings
 from django.utils import timezone
 
 from config.celery import task
 from config.redis import redis_client
-from metering import budgets, ingest, invoices, prices, rollups
+from metering import budgets, ingest, invoices, partitions, prices, rollups
 from tenants.models import Tenant
 
 # Keep the consumer object (and its name) for the life of the worker process, so its own
@@ -69,3 +70,12 @@ def check_budgets() -> None:
 @task(name="metering.publish_prices", ignore_result=True)
 def publish_prices() -> None:
     prices.publish_price_book()
+
+
+@task(name="metering.maintain_partitions", ignore_result=True)
+def maintain_partitions() -> None:
+    """Hourly: the usage table's partitions for this month and the next two exist, and those
+    past the retention are dropped (metering.partitions)."""
+    now = timezone.now()
+    partitions.ensure_partitions(now)
+    partitions.drop_expired(now, retention_months=settings.USAGE_RETENTION_MONTHS)
