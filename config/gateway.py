@@ -12,6 +12,7 @@ import os
 from django.conf import settings
 
 from serving.gateway.service import Gateway, GatewayConfig, process_gateway
+from serving.gateway.tracing import TracingConfig
 from serving.gateway.upstream import UpstreamTimeouts
 from tenants.actions import load_principal_from_database
 
@@ -32,6 +33,11 @@ def gateway_config() -> GatewayConfig:
         spool_path=spool_path,
         guardrails=tuple(settings.GATEWAY_GUARDRAILS),
         stream_lease_ttl_s=settings.GATEWAY_STREAM_LEASE_TTL_S,
+        tracing=TracingConfig(
+            endpoint=settings.OTEL_TRACES_ENDPOINT,
+            sample_ratio=settings.OTEL_TRACES_SAMPLE_RATIO,
+            service_name=settings.OTEL_SERVICE_NAME,
+        ),
     )
 
 

@@ -312,6 +312,18 @@ GATEWAY_GUARDRAILS = env_list(
 )
 # A stream's concurrency lease outlives a crashed gateway by at most this long.
 GATEWAY_STREAM_LEASE_TTL_S = env_int("GATEWAY_STREAM_LEASE_TTL_S", 600, minimum=1)
+# Tracing of /v1 requests (serving/gateway/tracing.py): spans go over OTLP/HTTP to this traces
+# URL (http://collector:4318/v1/traces); empty is off, and off costs nothing per request.
+OTEL_TRACES_ENDPOINT = env_str("OTEL_TRACES_ENDPOINT", "")
+if OTEL_TRACES_ENDPOINT:
+    env_url("OTEL_TRACES_ENDPOINT", "", schemes={"http", "https"})
+# The share of requests traced (a request that arrives with a traceparent follows its flag).
+OTEL_TRACES_SAMPLE_RATIO = env_float("OTEL_TRACES_SAMPLE_RATIO", 1.0)
+if not 0.0 <= OTEL_TRACES_SAMPLE_RATIO <= 1.0:
+    raise ImproperEnvironment(
+        "OTEL_TRACES_SAMPLE_RATIO", str(OTEL_TRACES_SAMPLE_RATIO), "a number from 0 to 1"
+    )
+OTEL_SERVICE_NAME = env_str("OTEL_SERVICE_NAME", "inference-gateway")
 # The engine simulator's clock: 1.0 is real time, larger runs simulated replicas faster.
 SERVING_SIM_TIME_SCALE = env_float("SERVING_SIM_TIME_SCALE", 1.0)
 

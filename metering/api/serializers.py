@@ -79,6 +79,7 @@ class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Usa
             "price_charged_usd",
             "gpu_seconds",
             "cost_to_serve_usd",
+            "trace_id",
         ]
         extra_kwargs = {
             "replica_id": {"help_text": "Staff only."},

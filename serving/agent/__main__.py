@@ -75,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="address engines listen on (default: the agent's own, from --listen or "
         "--advertise-url); never all interfaces",
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("NODE_AGENT_OTLP_TRACES_ENDPOINT") or None,
+        help="OTLP/HTTP traces URL vLLM exports its request spans to, e.g. "
+        "http://collector:4318/v1/traces (default: NODE_AGENT_OTLP_TRACES_ENDPOINT; unset: "
+        "vLLM does not trace)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds")
     parser.add_argument("--stop-grace", type=float, default=15.0, help="seconds before SIGKILL")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds")
@@ -173,6 +180,7 @@ def config_from_args(
             host=engine_host(args, host),
             cpu_slots=gpus.slots if isinstance(gpus, CpuSlots) else (),
             cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         ),
         timings=SupervisionTimings(
             backoff=Backoff(cap_s=args.restart_backoff_cap),

@@ -54,6 +54,10 @@ class LaunchSettings:
     # --gpu-memory-utilization, and reads it as an integer).
     cpu_slots: tuple[tuple[int, ...], ...] = ()
     cpu_kv_cache_gib: int = 1
+    # vLLM exports its request spans here over OTLP/HTTP (the gateway's collector, so a
+    # request's engine spans join the gateway's trace through the traceparent it sends);
+    # None: vLLM does not trace. The simulator ignores the traceparent and never traces.
+    otlp_traces_endpoint: str | None = None
 
 
 def build_launch_command(
@@ -70,6 +74,8 @@ def build_launch_command(
         argv += _simulator_flags(spec, launch.default_time_scale, launch.sim_gpu_class)
     else:
         argv = [launch.vllm_python, "-m", VLLM_SERVER_MODULE, *flags]
+        if launch.otlp_traces_endpoint:
+            argv += ["--otlp-traces-endpoint", launch.otlp_traces_endpoint]
     return argv, _engine_env(spec, launch)
 
 
@@ -154,6 +160,10 @@ def _engine_env(spec: ReplicaSpec, launch: LaunchSettings) -> dict[str, str]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if spec.api_key is not None:
         env["VLLM_API_KEY"] = spec.api_key
+    if launch.otlp_traces_endpoint and not launch.simulated:
+        # vLLM's exporter speaks gRPC unless told otherwise; the endpoint is an HTTP one.
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        env["OTEL_SERVICE_NAME"] = "vllm"
     return env
 
 

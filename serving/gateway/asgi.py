@@ -33,6 +33,7 @@ from serving.gateway.errors import ApiError, replica_failed
 from serving.gateway.pipeline import END_OF_STREAM, Exchange
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from serving.gateway.service import Gateway
+from serving.gateway.tracing import RequestTrace
 from serving.gateway.websocket import WEBSOCKET_PATH, serve_chat_socket
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,32 @@ class GatewayApp:
         tier = priority_tier(scope)
         exchange = Exchange(gateway=gateway, kind=kind, body=body, principal=principal, tier=tier)
         out["x-request-id"] = exchange.request_id
+        if gateway.tracer is None:
+            await self.generate(gateway, exchange, scope, receive, send, raw)
+            return
+        trace = RequestTrace(
+            gateway.tracer,
+            f"{method} {exchange.path}",
+            traceparent=header(scope, b"traceparent") or "",
+            tracestate=header(scope, b"tracestate") or "",
+        )
+        exchange.trace = trace
+        try:
+            await self.generate(gateway, exchange, scope, receive, send, raw)
+        finally:
+            trace.finish(exchange.span_attributes())
+
+    async def generate(
+        self,
+        gateway: Gateway,
+        exchange: Exchange,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        raw: bytes,
+    ) -> None:
+        """One generation: idempotent, streamed or collected."""
+        body = exchange.body
         idem_key = header(scope, b"idempotency-key")
         if idem_key and not body.stream:
             await self.idempotent(gateway, exchange, raw, idem_key, send, receive)

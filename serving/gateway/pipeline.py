@@ -21,6 +21,8 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.trace import Span, SpanKind
+
 from metering.usage import Status, UsageEvent
 from serving.engine.tokens import estimate_prompt_tokens, prompt_block_hashes
 from serving.gateway import metrics
@@ -30,6 +32,7 @@ from serving.gateway.errors import ApiError, replica_failed
 from serving.gateway.guardrails import GuardrailInput, run_guardrails
 from serving.gateway.routing import ReplicaEndpoint
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from serving.gateway.tracing import RequestTrace, end
 from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream
 from serving.router import Decision, ReplicaState, RouteRequest
 from serving.router.contracts import Tier
@@ -128,6 +131,8 @@ class Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     outcome: Outcome = field(default_factory=Outcome)
     response_id: str | None = None
+    # The request's spans (None: tracing is off, and every phase costs one `is None` test).
+    trace: RequestTrace | None = None
     _upstream: UpstreamStream | None = None
     _settled: bool = False
     # `check()` passed (an idempotent request runs it before claiming its key).
@@ -147,6 +152,10 @@ class Exchange:
     # A stream longer than its concurrency lease renews it, so the slot is not reclaimed
     # from under a healthy stream (the lease still expires if this gateway dies).
     _renew_lease_at: float = math.inf
+    # The open phase spans of the replica being tried (only while traced).
+    _upstream_span: Span | None = None
+    _first_token_span: Span | None = None
+    _decode_span: Span | None = None
 
     @property
     def path(self) -> str:
@@ -163,7 +172,11 @@ class Exchange:
             return
         self._resolve_model()
         texts = self._check_request()
-        await run_guardrails(self.gateway.guardrails, self._guardrail_input(texts))
+        span = self.trace.start("gateway.guardrails") if self.trace is not None else None
+        try:
+            await run_guardrails(self.gateway.guardrails, self._guardrail_input(texts))
+        finally:
+            end(span)
         if self.principal.allowed_tiers and self.tier not in self.principal.allowed_tiers:
             raise ApiError(
                 403,
@@ -176,7 +189,11 @@ class Exchange:
     async def prepare(self) -> None:
         await self.check()
         self._check_deployed()
-        await self._admit()
+        span = self.trace.start("gateway.admission") if self.trace is not None else None
+        try:
+            await self._admit()
+        finally:
+            end(span)
         try:
             await self._choose_replica(exclude=frozenset())
         except BaseException as error:
@@ -283,8 +300,11 @@ class Exchange:
 
     async def _choose_replica(self, exclude: frozenset[str]) -> None:
         request = self.route_request()
+        span = self.trace.start("gateway.routing") if self.trace is not None else None
         decision = self.gateway.choose(request, exclude)
         replica = decision.replica
+        if span is not None:
+            end(span, **{"replica.id": replica.replica_id if replica else ""})
         if replica is None:
             raise _no_capacity(
                 f"No replica of '{self.model}' is available right now; retry shortly."
@@ -299,10 +319,12 @@ class Exchange:
         self, request: RouteRequest, exclude: frozenset[str]
     ) -> tuple[Decision, ReplicaState]:
         queued_at = time.monotonic()
+        span = self.trace.start("gateway.queue_wait") if self.trace is not None else None
         try:
             decision = await self.gateway.wait_in_queue(self.tier, request, exclude)
         finally:
             self.outcome.queue_s += time.monotonic() - queued_at
+            end(span)
         if decision.replica is None:
             raise _no_capacity("No replica is available right now.")
         return decision, decision.replica
@@ -361,6 +383,7 @@ class Exchange:
             self.gateway.request_started(replica_id, self.prefill_tokens())
             self._started_on = replica_id
             stream: UpstreamStream | None = None
+            trace_headers = self._trace_upstream(replica_id) if self.trace is not None else None
             try:
                 stream = await open_stream(
                     self.gateway.session,
@@ -368,7 +391,10 @@ class Exchange:
                     self.path,
                     self.upstream_payload(endpoint),
                     api_key=endpoint.api_key,
+                    extra_headers=trace_headers,
                 )
+                if self.trace is not None:
+                    self._connected()
                 chunks = stream.chunks()
                 first = await anext(chunks, None)
                 self._accepted = True
@@ -380,6 +406,8 @@ class Exchange:
             except UpstreamError as error:
                 if stream is not None:
                     stream.close()
+                if self.trace is not None:
+                    self._upstream_failed(error)
                 self._finish_on_replica(first_token_seen=False)
                 tried.add(replica_id)
                 self._refused_before_first_token(error, endpoint, last_try=attempt == 1)
@@ -390,10 +418,48 @@ class Exchange:
                 # Cancelled (the client left) or a bug while connecting: undo what was taken.
                 if stream is not None:
                     stream.close()
+                if self.trace is not None:
+                    self._end_upstream_spans()
                 self._finish_on_replica(first_token_seen=False)
                 self.gateway.abandon_probe(replica_id)
                 raise
         raise AssertionError("unreachable")
+
+    # --- spans of the upstream phases (called only while traced) --------------------------------
+
+    def _trace_upstream(self, replica_id: str) -> dict[str, str]:
+        """Open this attempt's client span and its connect phase; the traceparent for the
+        engine names the client span, so the engine's spans are its children."""
+        assert self.trace is not None
+        self._upstream_span = self.trace.start("gateway.upstream", kind=SpanKind.CLIENT)
+        if self._upstream_span is not None:
+            self._upstream_span.set_attribute("replica.id", replica_id)
+        self._first_token_span = self.trace.start("gateway.upstream_connect")
+        return self.trace.headers(self._upstream_span)
+
+    def _connected(self) -> None:
+        """The replica answered 200: connect ends, the wait for the first token starts."""
+        assert self.trace is not None
+        end(self._first_token_span)
+        self._first_token_span = self.trace.start("gateway.first_token")
+
+    def _first_token(self) -> None:
+        assert self.trace is not None
+        end(self._first_token_span)
+        self._first_token_span = None
+        self._decode_span = self.trace.start("gateway.decode")
+
+    def _upstream_failed(self, error: UpstreamError) -> None:
+        end(self._first_token_span, **{"error.kind": error.kind})
+        end(self._upstream_span, **{"error.kind": error.kind})
+        self._first_token_span = self._upstream_span = None
+
+    def _end_upstream_spans(self) -> None:
+        outcome = self.outcome
+        end(self._first_token_span)
+        end(self._decode_span, **{"gen_ai.usage.completion_tokens": outcome.completion_tokens})
+        end(self._upstream_span, status=outcome.status)
+        self._first_token_span = self._decode_span = self._upstream_span = None
 
     def _refused_before_first_token(
         self, error: UpstreamError, endpoint: ReplicaEndpoint, *, last_try: bool
@@ -540,6 +606,8 @@ class Exchange:
             self.gateway.renew_lease_soon(self._reservation())
         if self.outcome.first_token_at is None:
             self.outcome.first_token_at = now
+            if self.trace is not None:
+                self._first_token()
             if self._started_on is not None:
                 self.gateway.request_first_token(self._started_on, self.prefill_tokens())
             metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(now - self.started_mono)
@@ -578,6 +646,8 @@ class Exchange:
     async def _end_stream(self) -> None:
         if self._upstream is not None:
             self._upstream.close()
+        if self.trace is not None:
+            self._end_upstream_spans()
         if not self._verdict and self.outcome.replica is not None:
             # A half-open breaker's probe that ended without a verdict (the client left)
             # must not keep its replica blocked.
@@ -629,13 +699,30 @@ class Exchange:
         total_s = time.monotonic() - self.started_mono
         self._observe_settled(total_s)
         replica = outcome.replica
-        await self.gateway.settle(
-            self.usage_event(ended_at=ended, total_ms=total_s * 1000),
-            self._reservation(),
-            rollout_deployment_id=(
-                replica.deployment_id if replica is not None and self._accepted else None
-            ),
-        )
+        span = self.trace.start("gateway.settle") if self.trace is not None else None
+        try:
+            await self.gateway.settle(
+                self.usage_event(ended_at=ended, total_ms=total_s * 1000),
+                self._reservation(),
+                rollout_deployment_id=(
+                    replica.deployment_id if replica is not None and self._accepted else None
+                ),
+            )
+        finally:
+            end(span)
+
+    def span_attributes(self) -> dict[str, str | int]:
+        """What the root span records once the request is settled."""
+        outcome = self.outcome
+        return {
+            "gen_ai.request.model": self.model,
+            "tenant.id": self.principal.tenant_id,
+            "replica.id": outcome.replica.replica_id if outcome.replica else "",
+            "gen_ai.usage.prompt_tokens": outcome.prompt_tokens,
+            "gen_ai.usage.completion_tokens": outcome.completion_tokens,
+            "request.status": outcome.status,
+            "request.id": self.request_id,
+        }
 
     def _observe_settled(self, total_s: float) -> None:
         outcome = self.outcome
@@ -697,6 +784,7 @@ class Exchange:
             price_charged_usd_micros=charged,
             baseline_replica_id=baseline.replica_id if baseline else "",
             baseline_pool=baseline.pool if baseline else "",
+            trace_id=self.trace.trace_id if self.trace is not None else "",
         )
 
     def _reservation(self) -> Reservation | None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import redis.asyncio as aioredis
+from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.trace import Tracer
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -30,6 +32,7 @@ from serving.gateway.catalog import Catalog, load_catalog
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import DEFAULT_CHAIN, Guardrail, load_chain
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
+from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
 from serving.router import (
     POLICIES,
@@ -70,14 +73,27 @@ class GatewayConfig:
     guardrails: tuple[str, ...] = DEFAULT_CHAIN
     max_body_bytes: int = 4 * 1024 * 1024
     stream_lease_ttl_s: int = 600
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 class Gateway:
     """`load_principal` finds a key PostgreSQL knows and Redis does not (the composition
-    root's; see `tenants.keys.DatabaseLoader`)."""
+    root's; see `tenants.keys.DatabaseLoader`). `span_processor` replaces the OTLP exporter
+    of `config.tracing` (and turns tracing on by itself: tests pass an in-memory one)."""
 
-    def __init__(self, config: GatewayConfig, *, load_principal: DatabaseLoader) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        load_principal: DatabaseLoader,
+        span_processor: SpanProcessor | None = None,
+    ) -> None:
         self.config = config
+        self.tracer_provider = build_provider(config.tracing, span_processor)
+        # None when tracing is off: the one test the hot path makes.
+        self.tracer: Tracer | None = (
+            self.tracer_provider.get_tracer(__name__) if self.tracer_provider else None
+        )
         # A bounded pool that makes a burst wait briefly for a connection rather than fail:
         # every in-flight request holds one during admission and settle.
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -142,6 +158,9 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
         await self.redis.aclose()
+        if self.tracer_provider is not None:
+            # Exports what is batched; off the event loop, as the exporter's HTTP call blocks.
+            await asyncio.to_thread(self.tracer_provider.shutdown)
         # The spool's file lock goes with this gateway: a next one in this process (tests
         # start several, on the same per-process spool) would otherwise wait for it forever.
         self.spool.release()

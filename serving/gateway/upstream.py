@@ -261,10 +261,13 @@ async def open_stream(
     path: str,
     payload: dict[str, Any],
     api_key: str | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> UpstreamStream:
-    """POST a streaming generation with the replica's engine key; return once the replica
-    answered with 200 headers."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    """POST a streaming generation with the replica's engine key (and `extra_headers`: the
+    traceparent of a traced request); return once the replica answered with 200 headers."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    if extra_headers:
+        headers.update(extra_headers)
     try:
         response = await session.post(f"{endpoint}{path}", json=payload, headers=headers)
     except (aiohttp.ClientError, TimeoutError, OSError) as error:

@@ -339,6 +339,24 @@ def test_the_usage_page_shows_a_fraction_of_a_cent_and_not_zero(acme: Tenant) ->
     assert "$0.00<" not in text
 
 
+def test_the_usage_page_shows_a_requests_trace_id_beside_it(acme: Tenant) -> None:
+    from metering.models import UsageEvent
+
+    a_request_of(acme, price_usd_micros=6_100, cost_usd_micros=12)
+    UsageEvent.objects.filter(request_id="req-small").update(
+        trace_id="4bf92f3577b34da6a3ce929d0e0e4736"
+    )
+
+    page = client_for(member(acme, "dev", Role.DEVELOPER)).get("/portal/acme/usage/")
+
+    recent = page.content.decode()
+    recent = recent[recent.index('<table id="recent-requests">') :]
+    assert (
+        '<code class="trace-id" title="4bf92f3577b34da6a3ce929d0e0e4736">4bf92f3577b3</code>'
+        in recent
+    )
+
+
 def test_the_console_shows_a_tenants_tiny_cost_to_serve(acme: Tenant) -> None:
     a_request_of(acme, price_usd_micros=6_100, cost_usd_micros=12)
     staff = client_for(user("ops", is_staff=True))

@@ -245,6 +245,15 @@ def test_usage_events_page_newest_first_through_every_event(acme: Tenant) -> Non
     assert seen == [e.request_id for e in newest_first]
 
 
+def test_a_usage_event_carries_the_trace_id_of_its_request(acme: Tenant) -> None:
+    store(acme, JAN, trace_id="4bf92f3577b34da6a3ce929d0e0e4736")
+    url = "/api/v1/tenants/acme/usage/events/?start=2026-01-01&end=2026-01-02"
+
+    [row] = session("acme-viewer").get(url).json()["results"]
+
+    assert row["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
 def test_usage_events_show_cost_to_serve_to_staff_only(acme: Tenant, staff: Any) -> None:
     store(acme, JAN, cost_to_serve_usd_micros=1234, gpu_seconds=0.5)
     url = "/api/v1/tenants/acme/usage/events/?start=2026-01-01&end=2026-01-02"

@@ -240,3 +240,33 @@ def test_a_tensor_parallel_degree_that_does_not_match_the_gpus_is_refused() -> N
 def test_a_quantization_vllm_would_not_take_is_refused() -> None:
     with pytest.raises(SpecError, match="quantization"):
         parse_replica_spec(_spec(quantization="int3"))
+
+
+def test_a_node_given_a_traces_endpoint_has_vllm_export_its_spans_there_over_http() -> None:
+    node = LaunchSettings(
+        simulated=False,
+        vllm_python="/node/bin/python",
+        host="10.0.0.7",
+        otlp_traces_endpoint="http://collector:4318/v1/traces",
+    )
+    argv, env = build_launch_command(parse_replica_spec(_spec()), node)
+
+    assert argv[-2:] == ["--otlp-traces-endpoint", "http://collector:4318/v1/traces"]
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    # Without an endpoint vLLM is not told to trace at all.
+    plain, plain_env = build_launch_command(parse_replica_spec(_spec()), GPU_NODE)
+    assert "--otlp-traces-endpoint" not in plain
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in plain_env
+
+
+def test_a_simulated_node_given_a_traces_endpoint_starts_the_simulator_as_before() -> None:
+    node = LaunchSettings(
+        simulated=True,
+        python="/venv/bin/python",
+        host="127.0.0.1",
+        otlp_traces_endpoint="http://collector:4318/v1/traces",
+    )
+    argv, env = build_launch_command(parse_replica_spec(_spec()), node)
+
+    assert argv == build_launch_command(parse_replica_spec(_spec()), SIMULATED)[0]
+    assert "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" not in env
