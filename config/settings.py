@@ -367,10 +367,14 @@ CELERY_TASK_ROUTES = {
         "metering.rollup_hour",
         "metering.refresh_invoices",
         "metering.check_budgets",
+        "metering.maintain_partitions",
         "tenants.flush_key_last_used",
     )
 }
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+# Usage events older than this many whole months before the current one are dropped, a month's
+# partition at a time (metering.partitions); 0 keeps them all. Invoices and rollups stay.
+USAGE_RETENTION_MONTHS = env_int("USAGE_RETENTION_MONTHS", 24, minimum=0)
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
 
@@ -379,14 +383,10 @@ DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "platform@localhost")
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
 EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
 EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
-        "metering.maintain_partitions",
 EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD")
 EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", default=False)
 
 LOGGING = {
-# Usage events older than this many whole months before the current one are dropped, a month's
-# partition at a time (metering.partitions); 0 keeps them all. Invoices and rollups stay.
-USAGE_RETENTION_MONTHS = env_int("USAGE_RETENTION_MONTHS", 24, minimum=0)
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
