@@ -187,7 +187,9 @@ def sustained(
     produced = 0
     tick = 0.1
     while (elapsed := time.perf_counter() - t0) < seconds:
-        due = int(rate * (elapsed + tick)) - produced
+        # At most one tick's worth at a time: a producer that falls behind offers less, and
+        # the load still ends on time (the table gives the rate it reached).
+        due = min(int(rate * (elapsed + tick)) - produced, max(1, int(rate * tick)))
         if due > 0:
             produce(conn, run, produced, due, start)
             produced += due
