@@ -40,6 +40,7 @@ from serving.demo import TINY_ADAPTER, TINY_MODEL, seed_tiny_model
 from serving.models import GpuClass, GpuPool, Replica
 from tests.gateway.conftest import GatewayServer, free_port, sample
 from tests.live import ControlLoops, eventually
+from tests.real_vllm.otlp import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "var" / "test" / "models" / "tiny-llama"
@@ -96,6 +97,8 @@ class RealFleet:
     agent: subprocess.Popen[bytes]
     agent_log: Path
     blocker: Any
+    # Where the gateway and vLLM export their spans (both trace throughout the package).
+    traces: OtlpReceiver
     keys: dict[str, str] = field(default_factory=dict)
     # Each replica's counters when it first became Ready, before any test traffic.
     at_ready: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -197,10 +200,16 @@ def real_fleet(
     loops = ControlLoops()
     log = state / "agent.log"
     agent: subprocess.Popen[bytes] | None = None
+    traces = OtlpReceiver()
+    traces.start()
     with django_db_blocker.unblock():
         gateway.start()
-        # The gateway starts on its first /v1 request; the fleet waits on its routing view.
-        httpx.get(f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {keys['acme']}"})
+        # The gateway starts on its first /v1 request, tracing to the receiver; the fleet
+        # waits on its routing view.
+        with override_settings(OTEL_TRACES_ENDPOINT=traces.url):
+            httpx.get(
+                f"{gateway.url}/v1/models", headers={"Authorization": f"Bearer {keys['acme']}"}
+            )
         loops.start()
         try:
             with log.open("wb") as out:
@@ -229,13 +238,17 @@ def real_fleet(
                         "5",
                         "--cpu-kv-cache-gib",
                         "1",
+                        "--otlp-traces-endpoint",
+                        traces.url,
                     ],
                     cwd=ROOT,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
-            fleet = RealFleet(gateway, client, deployment.pk, agent, log, django_db_blocker, keys)
+            fleet = RealFleet(
+                gateway, client, deployment.pk, agent, log, django_db_blocker, traces, keys
+            )
             for engine in fleet.wait_ready(1):
                 text = engine.metrics()
                 fleet.at_ready[engine.replica_id] = {
@@ -248,6 +261,7 @@ def real_fleet(
             if agent is not None:
                 _stop(agent)
             gateway.stop()
+            traces.stop()
             close_old_connections()
             call_command("flush", "--noinput", verbosity=0)
             # What the data migrations loaded, which the tests after these expect as they found it.

@@ -76,6 +76,7 @@ def test_the_agent_launches_vllm_with_exactly_the_argv_builders_command(
         host="127.0.0.1",
         cpu_slots=CpuSlots(1, "any").slots,
         cpu_kv_cache_gib=1,
+        otlp_traces_endpoint=real_fleet.traces.url,
     )
     for engine in real_fleet.engines():
         with real_fleet.db():
