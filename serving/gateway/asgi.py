@@ -183,6 +183,9 @@ class GatewayApp:
         exchange.trace = trace
         try:
             await self.generate(gateway, exchange, scope, receive, send, raw)
+        except ApiError as error:
+            trace.refused(error.status, error.code)
+            raise
         finally:
             trace.finish(exchange.span_attributes())
 

@@ -25,7 +25,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Tracer, set_span_in_context
+from opentelemetry.trace import Span, SpanKind, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
@@ -87,6 +87,15 @@ class RequestTrace:
         carrier: dict[str, str] = {}
         PROPAGATOR.inject(carrier, context=set_span_in_context(span or self.root))
         return carrier
+
+    def refused(self, status: int, code: str | None) -> None:
+        """The request was answered with an error before (or instead of) its stream."""
+        if self.sampled:
+            self.root.set_attributes(
+                {"http.response.status_code": status, "error.type": code or str(status)}
+            )
+            if status >= 500:
+                self.root.set_status(StatusCode.ERROR)
 
     def finish(self, attributes: Mapping[str, AttributeValue]) -> None:
         if self.sampled:

@@ -233,6 +233,22 @@ def test_a_request_its_caller_did_not_sample_records_no_span_and_tells_the_engin
     assert sent["traceparent"].endswith("-00")
 
 
+def test_a_request_refused_before_its_stream_is_a_root_span_with_the_refusal(
+    traced: tuple[httpx.Client, RecordingProxy], spans: InMemorySpanExporter
+) -> None:
+    http, proxy = traced
+    body = {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+
+    reply = http.post("/v1/chat/completions", json=body)
+
+    assert reply.status_code == 404
+    [root] = _finished(spans).values()
+    attributes = dict(root.attributes or {})
+    assert attributes["http.response.status_code"] == 404
+    assert attributes["error.type"] == "model_not_found"
+    assert not [h for h in proxy.seen if h.get("traceparent")]
+
+
 def test_with_tracing_off_no_span_is_made(
     ready: tuple[GatewayServer, object, httpx.Client],
     redis_client: redis.Redis,
