@@ -84,9 +84,11 @@ class Engine:
     def metric(self, name: str, **labels: str) -> float:
         return sample(self.metrics(), name, **labels)
 
-    def post(self, path: str, body: dict[str, Any], *, key: str | None = None) -> httpx.Response:
+    def post(
+        self, path: str, body: dict[str, Any], *, key: str | None = None, timeout_s: float = 60
+    ) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key if key is not None else self.key}"}
-        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=60)
+        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=timeout_s)
 
 
 @dataclass

@@ -329,9 +329,11 @@ def test_telemetry_from_the_real_metrics_reaches_redis_and_the_routers_view(
     gateway = real_fleet.gateway.gateway()
     engine = real_fleet.engines()[0]
     body = {"model": TINY_MODEL, "prompt": "Go on and on", "max_tokens": 4000, "ignore_eos": True}
-    # Long generations, so a heartbeat's scrape (every 2 s) finds them running.
+    # Long generations, so a heartbeat's scrape (every 2 s) finds them running. Two of 4,000
+    # tokens take about 25 s alone on two cores, over 60 s in a loaded full suite: they get
+    # their own deadline.
     with ThreadPoolExecutor(2) as pool:
-        load = [pool.submit(engine.post, "/v1/completions", body) for _ in range(2)]
+        load = [pool.submit(engine.post, "/v1/completions", body, timeout_s=300) for _ in range(2)]
 
         def busy() -> dict[str, Any] | None:
             latest = telemetry.read_replica(real_fleet.redis, engine.replica_id) or {}
@@ -347,7 +349,7 @@ def test_telemetry_from_the_real_metrics_reaches_redis_and_the_routers_view(
             10,
             "the running requests in the router's view",
         )
-        assert all(f.result(timeout=120).status_code == 200 for f in load)
+        assert all(f.result(timeout=320).status_code == 200 for f in load)
     own = engine.metrics()
 
     def caught_up() -> dict[str, Any] | None:
