@@ -77,11 +77,11 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
@@ -90,8 +90,10 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tenants.keys import DEFAULT_TIMEOUT_S, KeyPrincipal
+from tenants.redis_calls import bounded, is_cluster
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LUA_DIR = Path(__file__).resolve().parent / "lua"
 ADMIT_SCRIPT = (LUA_DIR / "admit.lua").read_text()
@@ -221,7 +223,7 @@ def usd_to_micros(usd: Any) -> int:
 class RateLimiter:
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: aioredis.Redis | aioredis.RedisCluster,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
@@ -232,6 +234,8 @@ class RateLimiter:
         self._redis = redis
         self._clock = clock
         self._timeout_s = timeout_s
+        # On a Redis Cluster a command is never cancelled mid-flight (tenants/redis_calls.py).
+        self._shield = is_cluster(redis)
         self._lease_ttl_s = lease_ttl_s
         self._admit = redis.register_script(ADMIT_SCRIPT)
         self._settle = redis.register_script(SETTLE_SCRIPT)
@@ -310,7 +314,7 @@ class RateLimiter:
             lease_keys=tuple(lease[0] for lease in leases),
         )
         try:
-            raw = await asyncio.wait_for(self._admit(keys=keys, args=args), self._timeout_s)
+            raw = await self._bounded(self._admit(keys=keys, args=args))
         except UNREACHABLE as error:
             # The script may have run with only its answer lost: give back what it took.
             self._release_soon(reservation)
@@ -321,6 +325,9 @@ class RateLimiter:
         return _admission_from_script(
             raw, reservation, limits.soft_alert_fraction, token_budget, spend_budget
         )
+
+    async def _bounded(self, command: Awaitable[T]) -> T:
+        return await bounded(command, self._timeout_s, shield=self._shield)
 
     def _without_redis(
         self, principal: KeyPrincipal, request_id: str, month: str, error: BaseException
@@ -369,8 +376,8 @@ class RateLimiter:
 
     async def load_scripts(self) -> None:
         """Load the Lua scripts into Redis (idempotent): `settle_commands` relies on it."""
-        await asyncio.wait_for(self._redis.script_load(SETTLE_SCRIPT), self._timeout_s)
-        await asyncio.wait_for(self._redis.script_load(ADMIT_SCRIPT), self._timeout_s)
+        await self._bounded(self._redis.script_load(SETTLE_SCRIPT))
+        await self._bounded(self._redis.script_load(ADMIT_SCRIPT))
 
     async def settle(
         self,
@@ -424,7 +431,7 @@ class RateLimiter:
         """Run the settle script now; if Redis is unreachable, keep the call for
         `retry_deferred` and answer None."""
         try:
-            return await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
+            return await self._bounded(self._settle(keys=keys, args=args))
         except UNREACHABLE as error:
             logger.log(
                 level,
@@ -462,7 +469,7 @@ class RateLimiter:
                     logger.error("Gave up the settle of %s: Redis away too long", request_id)
                 else:
                     try:
-                        await asyncio.wait_for(self._settle(keys=keys, args=args), self._timeout_s)
+                        await self._bounded(self._settle(keys=keys, args=args))
                     except UNREACHABLE:
                         break
                     except RedisError as error:
@@ -518,14 +525,14 @@ class RateLimiter:
         """Push a long stream's lease expiry on (call it every few minutes while streaming)."""
         if not reservation.lease_keys:
             return
-        seconds, micros = await asyncio.wait_for(self._redis.time(), self._timeout_s)
+        seconds, micros = await self._bounded(self._redis.time())
         expiry = seconds + micros / 1_000_000 + self._lease_ttl_s
         pipe = self._redis.pipeline(transaction=False)
         for key in reservation.lease_keys:
             pipe.zadd(key, {reservation.request_id: expiry}, xx=True)
             # The set itself must outlive the renewed lease, as admission makes it do.
             pipe.expire(key, self._lease_ttl_s + 60)
-        await asyncio.wait_for(pipe.execute(), self._timeout_s)
+        await self._bounded(pipe.execute())
 
 
 def _admission_from_script(
