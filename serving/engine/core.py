@@ -22,6 +22,22 @@ request by recompute when a KV block cannot be allocated; then, only if nothing 
 waiting requests in FIFO order (preempted ones return to the front). A request whose LoRA
 adapter is not active while all ``max_loras`` slots are taken is skipped and keeps its place; a
 request whose blocks do not fit stops admission for this step.
+
+Roles, for disaggregated prefill and decode (`role`):
+
+* ``colocated`` (the default): prefill and decode on one engine, as above.
+* ``prefill``: every request stops after its first token (what vLLM's disaggregated proxy
+  asks of a prefill instance, ``max_tokens=1``); its KV then goes to a decode engine. The
+  blocks are freed at the finish: vLLM's NIXL connector keeps them until the decode side has
+  read them, milliseconds on a fast link, which this model leaves out.
+* ``decode``: requests arrive with their prompt's KV on the way (``add_request(...,
+  kv_ready_s=...)``). A request waits in the FIFO queue until its prompt's blocks fit, then
+  holds them while the KV lands (as vLLM's decode side allocates before it pulls); from the
+  first step starting at or after ``kv_ready_s`` it runs, computing only the last prompt
+  token (vLLM recomputes it to sample) and then decoding. If its blocks are reserved later
+  than the simulator assumed when it booked the link, the transfer is taken to start at the
+  reservation (``kv_transfer_s`` after it). A preempted request recomputes its whole
+  context locally, as vLLM does.
 """
 
 from __future__ import annotations
@@ -35,6 +51,11 @@ from serving.engine.perf import PerfModel
 FIRST_TOKEN = "first_token"
 FINISHED = "finished"
 PREEMPTED = "preempted"
+
+COLOCATED = "colocated"
+PREFILL = "prefill"
+DECODE = "decode"
+ROLES: tuple[str, ...] = (COLOCATED, PREFILL, DECODE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +117,8 @@ class _Sequence:
         "finished_s",
         "first_scheduled_s",
         "first_token_s",
+        "kv_ready_s",
+        "kv_transfer_s",
         "limit",
         "limit_reason",
         "output",
@@ -104,7 +127,7 @@ class _Sequence:
         "shared",
     )
 
-    def __init__(self, req: EngineRequest) -> None:
+    def __init__(self, req: EngineRequest, output_cap: int | None = None) -> None:
         self.req = req
         self.computed = 0  # tokens whose KV is in the cache
         self.output = 0  # tokens sampled so far (kept across preemptions)
@@ -112,12 +135,18 @@ class _Sequence:
         self.blocks = 0  # KV blocks held, shared ones included
         stop = req.stop_after if req.stop_after is not None else req.max_tokens
         self.limit = min(req.max_tokens, stop)
+        if output_cap is not None and output_cap < self.limit:
+            self.limit = output_cap
         self.limit_reason = "stop" if stop < req.max_tokens else "length"
         self.first_scheduled_s: float | None = None
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
         self.finish_reason: str | None = None
         self.preemptions = 0
+        # Decode role: when the prompt's KV lands (None once it is local) and how long its
+        # transfer takes, should the blocks be reserved late.
+        self.kv_ready_s: float | None = None
+        self.kv_transfer_s = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +176,11 @@ class Engine:
         max_loras: int = 0,
         kv_capacity_tokens: int | None = None,
         clock_s: float = 0.0,
+        role: str = COLOCATED,
     ) -> None:
+        if role not in ROLES:
+            raise ValueError(f"unknown engine role {role!r}; use one of {', '.join(ROLES)}")
+        self.role = role
         capacity = perf.kv_capacity_tokens if kv_capacity_tokens is None else kv_capacity_tokens
         self.perf = perf
         self.block_size = block_size
@@ -167,6 +200,8 @@ class Engine:
 
         self._running: list[_Sequence] = []
         self._waiting: deque[_Sequence] = deque()
+        # Decode role: requests holding their blocks while their KV is on the wire.
+        self._receiving: list[_Sequence] = []
         self._by_id: dict[str, _Sequence] = {}
         self._used_blocks = 0  # blocks referenced by running sequences
         self._cache: dict[int, int] = {}  # block hash -> references from running sequences
@@ -193,12 +228,22 @@ class Engine:
 
     # --- requests ------------------------------------------------------------------------
 
-    def add_request(self, req: EngineRequest) -> None:
+    def add_request(
+        self, req: EngineRequest, *, kv_ready_s: float | None = None, kv_transfer_s: float = 0.0
+    ) -> None:
+        """`kv_ready_s` (decode role only, and required there): when the prompt's KV lands;
+        `kv_transfer_s`: the transfer's length, should the blocks be reserved later than
+        `kv_ready_s - kv_transfer_s`."""
+        if (kv_ready_s is None) == (self.role == DECODE):
+            raise ValueError(
+                "a decode engine needs kv_ready_s (when the KV lands); other roles compute it"
+            )
         if req.request_id in self._by_id:
             raise ValueError(f"request {req.request_id!r} is already in the engine")
         if req.prompt_tokens < 1 or req.max_tokens < 1:
             raise ValueError("a request needs at least one prompt token and one output token")
-        if req.prompt_tokens + req.max_tokens > self.max_model_len:
+        output_cap = 1 if self.role == PREFILL else None
+        if req.prompt_tokens + (output_cap or req.max_tokens) > self.max_model_len:
             raise ValueError(
                 f"prompt ({req.prompt_tokens}) plus max_tokens ({req.max_tokens}) exceeds "
                 f"max_model_len {self.max_model_len}"
@@ -208,7 +253,10 @@ class Engine:
         if not self.has_work:
             # An idle engine does not step, so its clock jumps to the arrival.
             self.clock_s = max(self.clock_s, req.arrival_s)
-        seq = _Sequence(req)
+        seq = _Sequence(req, output_cap)
+        if kv_ready_s is not None:
+            seq.kv_ready_s = kv_ready_s
+            seq.kv_transfer_s = kv_transfer_s
         self._by_id[req.request_id] = seq
         self._waiting.append(seq)
 
@@ -218,6 +266,9 @@ class Engine:
             return False
         if seq in self._waiting:
             self._waiting.remove(seq)
+        elif seq in self._receiving:
+            self._receiving.remove(seq)
+            self._release(seq)
         else:
             self._running.remove(seq)
             self._release(seq)
@@ -232,7 +283,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._receiving)
 
     @property
     def num_running(self) -> int:
@@ -240,7 +291,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        # Requests whose KV is still landing wait too, as vLLM counts them.
+        return len(self._waiting) + len(self._receiving)
 
     @property
     def kv_usage(self) -> float:
@@ -374,6 +426,11 @@ class Engine:
         waiting = self._waiting
         while waiting and budget > 0 and len(self._running) < self.max_num_seqs:
             seq = waiting[0]
+            if seq.kv_ready_s is not None:
+                if not self._reserve_remote(seq, now_s):
+                    break
+                waiting.popleft()
+                continue
             if self._lora_blocked(seq):
                 skipped.append(waiting.popleft())
                 continue
@@ -407,9 +464,51 @@ class Engine:
             budget -= chunk
         waiting.extendleft(reversed(skipped))
 
+    # --- KV arriving from a prefill engine (decode role) ----------------------------------
+
+    def _remote_blocks(self, seq: _Sequence) -> int:
+        return -(-seq.req.prompt_tokens // self.block_size)
+
+    def _reserve_remote(self, seq: _Sequence, now_s: float) -> bool:
+        """Hold the prompt's blocks while its KV lands; False when they do not fit."""
+        assert seq.kv_ready_s is not None
+        blocks = self._remote_blocks(seq)
+        if blocks > self._free_blocks():
+            return False
+        self._allocate(blocks)
+        seq.blocks = blocks
+        seq.kv_ready_s = max(seq.kv_ready_s, now_s + seq.kv_transfer_s)
+        self._receiving.append(seq)
+        return True
+
+    def _next_landing_s(self) -> float:
+        """When the first KV still on the wire lands (inf when none is)."""
+        return min(
+            (s.kv_ready_s for s in self._receiving if s.kv_ready_s is not None), default=math.inf
+        )
+
+    def _promote_landed(self, now_s: float, result: StepResult) -> None:
+        """Requests whose KV has landed join the running batch, their last prompt token to
+        compute (it samples the first output token)."""
+        landed = sorted(
+            (s for s in self._receiving if s.kv_ready_s is not None and s.kv_ready_s <= now_s),
+            key=lambda s: s.kv_ready_s or 0.0,
+        )
+        for seq in landed:
+            if len(self._running) >= self.max_num_seqs:
+                break
+            self._receiving.remove(seq)
+            seq.kv_ready_s = None
+            seq.computed = seq.req.prompt_tokens - 1
+            seq.first_scheduled_s = now_s
+            result.queue_time_s[seq.req.request_id] = now_s - seq.req.arrival_s
+            self._running.append(seq)
+
     def step(self, now_s: float) -> StepResult:
         start = max(now_s, self.clock_s)
         result = StepResult(started_s=start, duration_s=0.0)
+        if self._receiving:
+            self._promote_landed(start, result)
         scheduled, budget = self._schedule_running(self.max_num_batched_tokens, result)
         if not result.preempted:
             self._schedule_waiting(budget, start, result, scheduled)
@@ -488,6 +587,8 @@ class Engine:
         block = self.block_size
         decode_blocks = sum(1 for s in self._running if s.computed + 1 > s.blocks * block)
         for seq in self._waiting:
+            if seq.kv_ready_s is not None:
+                return self._remote_blocks(seq) + decode_blocks <= self._free_blocks()
             if self._lora_blocked(seq):
                 continue
             hits = self._cached_prefix(seq)
@@ -590,9 +691,20 @@ class Engine:
         """Run every step that starts before until_s; return the events in time order."""
         events: list[EngineEvent] = []
         while self.clock_s < until_s and self.has_work:
-            if self._fast_forward(until_s, events):
+            landing = self._next_landing_s() if self._receiving else math.inf
+            if self._fast_forward(until_s if landing > until_s else landing, events):
                 continue
             result = self.step(self.clock_s)
+            if not result.duration_s:
+                # Nothing to compute: only KV on the wire. Idle until it lands.
+                landing = self._next_landing_s()
+                if landing == math.inf:
+                    break
+                if landing >= until_s:
+                    self.clock_s = max(self.clock_s, until_s)
+                    break
+                self.clock_s = max(self.clock_s, landing)
+                continue
             end = result.ended_s
             for rid in result.preempted:
                 seq = self._by_id[rid]
@@ -611,11 +723,14 @@ class Engine:
         """When the engine next changes by itself (no new arrivals), or None when idle."""
         if not self.has_work:
             return None
+        landing = max(self.clock_s, self._next_landing_s()) if self._receiving else math.inf
+        if not self._running and not self._waiting:
+            return landing
         if self._pure_decode_batch():
             k_finish = min(s.limit - s.output for s in self._running)
             k = max(1, self._steps_with_blocks(k_finish))
-            return self.clock_s + self._run_duration(k, *self._decode_run_constants())
-        return self.clock_s + self._next_step_estimate_s()
+            return min(landing, self.clock_s + self._run_duration(k, *self._decode_run_constants()))
+        return min(landing, self.clock_s + self._next_step_estimate_s())
 
     def _next_step_estimate_s(self) -> float:
         # A step's length depends on what gets scheduled; the fastest possible step is a lower
