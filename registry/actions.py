@@ -39,7 +39,7 @@ from registry.models import (
     RolloutTransition,
     Visibility,
 )
-from registry.placement import check_deployment_placement
+from registry.placement import check_deployment_placement, check_kv_connector
 from registry.rollout_metrics import RedisRolloutMetrics, RolloutMetricsSource
 from registry.rollout_policy import DEFAULT_STEPS, GateThresholds, validate_steps
 from serving.engine.specs import KV_BYTES_PER_ELEMENT
@@ -400,12 +400,24 @@ DEPLOYMENT_FIELDS = {
     "replicas_min",
     "replicas_max",
     "replicas_desired",
+    "decode_pool",
+    "decode_replicas_min",
+    "decode_replicas_max",
+    "decode_replicas_desired",
+    "kv_connector",
     "engine_args",
     "slo_tier",
     "status",
     "traffic_weight",
 }
-PLACEMENT_FIELDS = {"model_version", "pool", "tensor_parallel", "engine_args"}
+PLACEMENT_FIELDS = {
+    "model_version",
+    "pool",
+    "decode_pool",
+    "kv_connector",
+    "tensor_parallel",
+    "engine_args",
+}
 
 
 def check_engine_args(engine_args: Any) -> list[str]:
@@ -434,22 +446,25 @@ def check_engine_args(engine_args: Any) -> list[str]:
 
 
 def replica_bound_errors(deployment: Deployment) -> dict[str, list[str]]:
-    """The database's check constraint on the replica counts, as a field's error."""
-    if deployment.replicas_min <= deployment.replicas_desired <= deployment.replicas_max:
-        return {}
-    return {
-        "replicas_desired": [
-            "Replicas must satisfy min <= desired <= max "
-            f"({deployment.replicas_min} <= {deployment.replicas_desired} "
-            f"<= {deployment.replicas_max})."
-        ]
-    }
+    """The database's check constraints on the replica counts, as fields' errors."""
+    errors: dict[str, list[str]] = {}
+    for prefix, what in (("", "Replicas"), ("decode_", "Decode replicas")):
+        low, desired, high = (
+            getattr(deployment, f"{prefix}replicas_{end}") for end in ("min", "desired", "max")
+        )
+        if not low <= desired <= high:
+            errors[f"{prefix}replicas_desired"] = [
+                f"{what} must satisfy min <= desired <= max ({low} <= {desired} <= {high})."
+            ]
+    return errors
 
 
 def check_deployment(deployment: Deployment) -> None:
     """Field checks, replica bounds and placement; raises ValidationError naming what fits."""
     deployment.full_clean(validate_constraints=False)
     errors = replica_bound_errors(deployment)
+    if connector_problems := check_kv_connector(deployment):
+        errors["kv_connector"] = connector_problems
     engine_problems = check_engine_args(deployment.engine_args)
     if engine_problems:
         errors["engine_args"] = engine_problems

@@ -220,10 +220,23 @@ def default_engine_args() -> dict[str, object]:
 
 
 class Deployment(models.Model):
+    """A model version served from a pool. Colocated (the default): each replica prefills and
+    decodes its own requests. Disaggregated (`decode_pool` set): `pool` runs the prefill
+    replicas (`replicas_*`) and `decode_pool` the decode replicas (`decode_replicas_*`), possibly
+    of another GPU class; each request is prefilled on one and decoded on the other, its KV
+    handed over by `kv_connector` (vLLM's --kv-transfer-config)."""
+
     class Status(models.TextChoices):
         ACTIVE = "active"  # replicas wanted; in the routing table at its traffic weight
         DRAINING = "draining"  # out of the routing table; replicas finish what they hold
         STOPPED = "stopped"  # no replicas
+
+    class KvConnector(models.TextChoices):
+        # vLLM's NixlConnector with kv_role kv_both: KV over RDMA or NVLink, GPU nodes only.
+        NIXL = "nixl", "NIXL (GPU nodes)"
+        # vLLM's ExampleConnector: KV through a directory both phases' nodes mount (the agent's
+        # --kv-shared-dir); what vLLM's CPU build can run.
+        SHARED_STORAGE = "shared_storage", "Shared storage"
 
     name = models.SlugField(max_length=128, unique=True)
     model_version = models.ForeignKey(
@@ -238,6 +251,18 @@ class Deployment(models.Model):
     replicas_min = models.PositiveIntegerField(default=1)
     replicas_max = models.PositiveIntegerField(default=1)
     replicas_desired = models.PositiveIntegerField(default=1)
+    decode_pool = models.ForeignKey(
+        "serving.GpuPool",
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="decode_deployments",
+        help_text="Set to disaggregate: the pool of the decode replicas; `pool` then prefills.",
+    )
+    decode_replicas_min = models.PositiveIntegerField(default=1)
+    decode_replicas_max = models.PositiveIntegerField(default=1)
+    decode_replicas_desired = models.PositiveIntegerField(default=1)
+    kv_connector = models.CharField(max_length=16, choices=KvConnector.choices, blank=True)
     engine_args = models.JSONField(default=default_engine_args, blank=True)
     slo_tier = models.CharField(max_length=16, choices=SloTier.choices, default=SloTier.STANDARD)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
@@ -262,6 +287,11 @@ class Deployment(models.Model):
             models.CheckConstraint(
                 condition=models.Q(traffic_weight__lte=100), name="deployment_weight_percent"
             ),
+            models.CheckConstraint(
+                condition=models.Q(decode_replicas_min__lte=models.F("decode_replicas_desired"))
+                & models.Q(decode_replicas_desired__lte=models.F("decode_replicas_max")),
+                name="deployment_decode_replicas_min_desired_max",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -270,6 +300,27 @@ class Deployment(models.Model):
     @property
     def served_model_name(self) -> str:
         return self.model_version.model.name
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode_pool_id is not None
+
+    def clean(self) -> None:
+        if self.decode_pool_id is None:
+            if self.kv_connector:
+                raise ValidationError(
+                    {
+                        "kv_connector": [
+                            "A KV connector is for a disaggregated deployment: "
+                            "choose its decode pool too."
+                        ]
+                    }
+                )
+            return
+        if not self.kv_connector:
+            raise ValidationError(
+                {"kv_connector": ["A disaggregated deployment needs a KV connector."]}
+            )
 
     def effective_engine_args(self) -> dict[str, object]:
         return {**DEFAULT_ENGINE_ARGS, **(self.engine_args or {})}

@@ -7,13 +7,15 @@ only turns rows into specs and adds the pools where the deployment would fit as 
 
 from __future__ import annotations
 
+import csv
 from dataclasses import replace
 from decimal import Decimal
+from functools import cache
 from typing import Any, Protocol, TypedDict
 
 from registry.models import pools
 from serving.engine.placement import PlacementResult, check_placement
-from serving.engine.specs import GpuSpec
+from serving.engine.specs import DATA_DIR, GpuSpec
 
 ENGINE_OVERHEAD_GB = 3.0
 
@@ -52,8 +54,42 @@ class _EngineSettings(TypedDict):
     engine_overhead_gb: float
 
 
+@cache
+def cpu_class_names() -> frozenset[str]:
+    """The classes that are CPU slots (cpus.csv), not GPUs."""
+    with (DATA_DIR / "cpus.csv").open(newline="") as handle:
+        return frozenset(row["gpu"] for row in csv.DictReader(handle))
+
+
+def check_kv_connector(deployment: Any) -> list[str]:
+    """Problems with a disaggregated deployment's KV hand-over; empty when both phases' nodes
+    can run its connector (NIXL needs GPUs: vLLM's CPU build has no NIXL)."""
+    if deployment.decode_pool_id is None or deployment.kv_connector != "nixl":
+        return []
+    cpu = [
+        pool.name
+        for pool in (deployment.pool, deployment.decode_pool)
+        if pool.gpu_class.name in cpu_class_names()
+    ]
+    if not cpu:
+        return []
+    return [f"NIXL needs GPU nodes and {', '.join(cpu)} runs on CPUs: use shared storage."]
+
+
 def check_deployment_placement(deployment: Any) -> PlacementResult:
-    """`deployment` is a registry Deployment, saved or not."""
+    """`deployment` is a registry Deployment, saved or not. A disaggregated one must fit both
+    its prefill pool (`pool`) and its decode pool."""
+    result = _check_on_pool(deployment, deployment.pool)
+    if result.ok and deployment.decode_pool_id is not None:
+        decode = _check_on_pool(deployment, deployment.decode_pool)
+        if not decode.ok:
+            return replace(
+                decode, message=f"Decode pool {deployment.decode_pool.name}: {decode.message}"
+            )
+    return result
+
+
+def _check_on_pool(deployment: Any, pool: Any) -> PlacementResult:
     version = deployment.model_version
     args = deployment.effective_engine_args()
     settings: _EngineSettings = {
@@ -63,7 +99,7 @@ def check_deployment_placement(deployment: Any) -> PlacementResult:
     }
     model = version.model.spec()
     result = check_placement(
-        gpu_spec(deployment.pool.gpu_class),
+        gpu_spec(pool.gpu_class),
         model,
         version.quantization,
         deployment.tensor_parallel,
@@ -72,10 +108,10 @@ def check_deployment_placement(deployment: Any) -> PlacementResult:
     if result.ok:
         return result
     fitting = [
-        pool.name
-        for pool in pools().exclude(pk=deployment.pool_id)
+        other.name
+        for other in pools().exclude(pk=pool.pk)
         if check_placement(
-            gpu_spec(pool.gpu_class),
+            gpu_spec(other.gpu_class),
             model,
             version.quantization,
             deployment.tensor_parallel,

@@ -170,10 +170,18 @@ class Replica(models.Model):
     # States that hold GPUs on the node (a draining process is still alive).
     HOLDING_STATES = (*DESIRED_STATES, State.DRAINING)
 
+    class Phase(models.TextChoices):
+        # A colocated replica prefills and decodes its requests; a disaggregated deployment's
+        # replicas do one phase each, and hand KV from prefill to decode.
+        COLOCATED = "colocated", "Colocated"
+        PREFILL = "prefill", "Prefill"
+        DECODE = "decode", "Decode"
+
     deployment = models.ForeignKey(
         "registry.Deployment", on_delete=models.CASCADE, related_name="replicas"
     )
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="replicas")
+    phase = models.CharField(max_length=16, choices=Phase.choices, default=Phase.COLOCATED)
     gpu_indices = models.JSONField(default=list)
     port = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)

@@ -108,6 +108,9 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
     model_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
     pool = serializers.SlugRelatedField(slug_field="name", queryset=pools())
     gpu_class = serializers.CharField(source="pool.gpu_class.name", read_only=True)
+    decode_pool = serializers.SlugRelatedField(
+        slug_field="name", queryset=pools(), required=False, allow_null=True
+    )
     effective_engine_args = serializers.DictField(read_only=True)
 
     class Meta:
@@ -123,6 +126,11 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
             "replicas_min",
             "replicas_max",
             "replicas_desired",
+            "decode_pool",
+            "decode_replicas_min",
+            "decode_replicas_max",
+            "decode_replicas_desired",
+            "kv_connector",
             "engine_args",
             "effective_engine_args",
             "slo_tier",

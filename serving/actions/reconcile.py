@@ -50,7 +50,7 @@ def desired_replica_specs(node: Node) -> list[dict[str, Any]]:
 
 
 def replica_spec(replica: Replica) -> dict[str, Any]:
-    launch = deployment_launch(replica.deployment)
+    launch = phase_launch(replica.deployment, replica.phase)
     return {
         "replica_id": replica.replica_id,
         "deployment_id": str(replica.deployment_id),
@@ -75,7 +75,26 @@ def replica_spec(replica: Replica) -> dict[str, Any]:
             "time_scale": settings.SERVING_SIM_TIME_SCALE,
         },
         "api_key": engine_api_key(replica.pk),
+        "kv_transfer": kv_transfer(launch),
     }
+
+
+# vLLM's connector and KV role for each registry connector and phase: NIXL runs kv_both on
+# either side (the prefill answer's kv_transfer_params tell the decode side where to pull
+# from, as llm-d and vLLM's disaggregated proxy pass them); the shared-storage connector
+# writes on the producer and reads on the consumer.
+KV_CONNECTORS: dict[str, tuple[str, dict[str, str]]] = {
+    "nixl": ("NixlConnector", {"prefill": "kv_both", "decode": "kv_both"}),
+    "shared_storage": ("ExampleConnector", {"prefill": "kv_producer", "decode": "kv_consumer"}),
+}
+
+
+def kv_transfer(launch: Launch) -> dict[str, str] | None:
+    """The replica's KV hand-over as the agent launches it; None for a colocated replica."""
+    if launch.phase == Replica.Phase.COLOCATED:
+        return None
+    connector, roles = KV_CONNECTORS[launch.kv_connector]
+    return {"connector": connector, "role": roles[launch.phase]}
 
 
 # --- what a deployment asks for (the one place that reads registry fields) -----------------
@@ -107,10 +126,46 @@ class Launch:
     adapters: tuple[tuple[str, str], ...]
     slo_tier: str
     traffic_weight: int
+    # Colocated, or the phase of a disaggregated deployment this launch is (its pool and
+    # desired count are that phase's), with the deployment's KV connector.
+    phase: str = "colocated"
+    kv_connector: str = ""
 
 
 def registry_related(prefix: str = "") -> list[str]:
-    return [f"{prefix}model_version__model", f"{prefix}pool__gpu_class"]
+    return [
+        f"{prefix}model_version__model",
+        f"{prefix}pool__gpu_class",
+        f"{prefix}decode_pool__gpu_class",
+    ]
+
+
+def deployment_launches(deployment: Any) -> list[Launch]:
+    """One launch per phase: the colocated one, or a disaggregated deployment's prefill and
+    decode launches, each on its own pool with its own desired count."""
+    launch = deployment_launch(deployment)
+    if deployment.decode_pool_id is None:
+        return [launch]
+    return [
+        phase_launch(deployment, Replica.Phase.PREFILL, launch),
+        phase_launch(deployment, Replica.Phase.DECODE, launch),
+    ]
+
+
+def phase_launch(deployment: Any, phase: str, launch: Launch | None = None) -> Launch:
+    launch = launch or deployment_launch(deployment)
+    if phase == Replica.Phase.COLOCATED or deployment.decode_pool_id is None:
+        return launch
+    if phase == Replica.Phase.PREFILL:
+        return replace(launch, phase=phase, kv_connector=deployment.kv_connector)
+    active = deployment.status == "active"
+    return replace(
+        launch,
+        phase=phase,
+        kv_connector=deployment.kv_connector,
+        pool_id=deployment.decode_pool_id,
+        desired=int(deployment.decode_replicas_desired) if active else 0,
+    )
 
 
 def deployments_to_run() -> list[Any]:
@@ -226,11 +281,13 @@ def do_reconcile() -> ReconcileReport:
             if not cursor.fetchone()[0]:
                 return report  # another worker is reconciling right now
         report.stopped += _retire_overdue_drains()
-        launches = [deployment_launch(d) for d in deployments_to_run()]
+        launches = [launch for d in deployments_to_run() for launch in deployment_launches(d)]
         rooms = _node_rooms()
         for launch in launches:
             _reconcile_deployment(launch, rooms, report)
-        report.drained += _drain_orphans({launch.deployment_id for launch in launches})
+        report.drained += _drain_orphans(
+            {(launch.deployment_id, launch.phase) for launch in launches}
+        )
         if report.placed or report.drained or report.stopped:
             request_publish()
     return report
@@ -265,7 +322,11 @@ def _reconcile_deployment(
     launch: Launch, rooms: dict[int, NodeRoom], report: ReconcileReport
 ) -> None:
     live = list(
-        Replica.objects.filter(deployment_id=launch.deployment_id, state__in=Replica.DESIRED_STATES)
+        Replica.objects.filter(
+            deployment_id=launch.deployment_id,
+            phase=launch.phase,
+            state__in=Replica.DESIRED_STATES,
+        )
         .select_related("node")
         .order_by("pk")
     )
@@ -307,16 +368,21 @@ def _place(launch: Launch, node_id: int, gpus: tuple[int, ...]) -> Replica:
         node_id=node_id,
         gpu_indices=list(gpus),
         state=Replica.State.PENDING,
+        phase=launch.phase,
     )
-    _control_plane_event(replica, "placed", f"on node {node_id}, GPUs {list(gpus)}")
+    where = f"on node {node_id}, GPUs {list(gpus)}"
+    if launch.phase != Replica.Phase.COLOCATED:
+        where = f"{where}, {launch.phase} phase"
+    _control_plane_event(replica, "placed", where)
     return replica
 
 
-def _drain_orphans(deployment_ids: set[int]) -> int:
-    orphans = Replica.objects.filter(state__in=Replica.DESIRED_STATES).exclude(
-        deployment_id__in=deployment_ids
-    )
-    return _drain(list(orphans), "deployment_gone")
+def _drain_orphans(wanted: set[tuple[int, str]]) -> int:
+    """Drain the replicas no launch wants: their deployment is gone or stopped, or it changed
+    between colocated and disaggregated (its old phase's replicas)."""
+    live = Replica.objects.filter(state__in=Replica.DESIRED_STATES).only("deployment_id", "phase")
+    orphans = [r for r in live if (r.deployment_id, r.phase) not in wanted]
+    return _drain(orphans, "deployment_gone")
 
 
 def _drain(replicas: Iterable[Replica], reason: str) -> int:

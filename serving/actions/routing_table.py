@@ -20,7 +20,7 @@ from django.utils import timezone
 from config.redis import redis_client
 from registry.models import Rollout
 from serving.actions.credentials import engine_api_key
-from serving.actions.reconcile import Launch, deployment_launch, deployments_to_run
+from serving.actions.reconcile import Launch, deployment_launch, deployments_to_run, phase_launch
 from serving.models import Node, Replica
 from serving.redis_contracts import (
     ROUTING_DIGEST_KEY,
@@ -74,9 +74,12 @@ def build_routing_table() -> dict[str, Any]:
                 "slo_tier": launch.slo_tier,
                 "role": _role(rollout, deployment.pk),
                 "pool": deployment.pool.name,
+                # Disaggregated: its replicas' rows say which phase each serves.
+                "decode_pool": deployment.decode_pool.name if deployment.decode_pool else None,
                 "adapters": [name for name, _ in launch.adapters],
                 "replicas": [
-                    _replica_row(replica, launch) for replica in ready.get(deployment.pk, [])
+                    _replica_row(replica, phase_launch(deployment, replica.phase, launch))
+                    for replica in ready.get(deployment.pk, [])
                 ],
             }
         )
@@ -123,6 +126,7 @@ def _replica_row(replica: Replica, launch: Launch) -> dict[str, Any]:
     gpus = len(replica.gpu_indices)
     return {
         "replica_id": replica.replica_id,
+        "phase": replica.phase,
         "endpoint": f"http://{host}:{replica.port}",
         "api_key": engine_api_key(replica.pk),
         "node": replica.node.hostname,

@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         "http://collector:4318/v1/traces (default: NODE_AGENT_OTLP_TRACES_ENDPOINT; unset: "
         "vLLM does not trace)",
     )
+    parser.add_argument(
+        "--kv-shared-dir",
+        type=Path,
+        default=None,
+        help="where disaggregated replicas on the shared-storage connector hand KV over: a "
+        "directory every node of both phases' pools mounts at this path (default: "
+        "STATE_DIR/kv, which only replicas of this node share)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds")
     parser.add_argument("--stop-grace", type=float, default=15.0, help="seconds before SIGKILL")
     parser.add_argument("--drain-timeout", type=float, default=60.0, help="seconds")
@@ -181,6 +189,7 @@ def config_from_args(
             cpu_slots=gpus.slots if isinstance(gpus, CpuSlots) else (),
             cpu_kv_cache_gib=args.cpu_kv_cache_gib,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            kv_shared_dir=str((args.kv_shared_dir or args.state_dir / "kv").resolve()),
         ),
         timings=SupervisionTimings(
             backoff=Backoff(cap_s=args.restart_backoff_cap),

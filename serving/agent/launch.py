@@ -10,6 +10,7 @@ which vLLM reads when `--api-key` is absent (vllm/entrypoints/serve/middleware/r
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ class LaunchSettings:
     # request's engine spans join the gateway's trace through the traceparent it sends);
     # None: vLLM does not trace. The simulator ignores the traceparent and never traces.
     otlp_traces_endpoint: str | None = None
+    # Where the shared-storage connector (vLLM's ExampleConnector) writes and reads KV: a
+    # directory every node of a disaggregated deployment's two pools mounts at this path.
+    kv_shared_dir: str = "/var/lib/node-agent/kv"
 
 
 def build_launch_command(
@@ -69,6 +73,8 @@ def build_launch_command(
     if spec.port is None:
         raise ValueError(f"replica {spec.replica_id} has no port yet")
     flags = ["--model", engine_path(spec.model), *_engine_flags(spec, launch.host)]
+    if spec.kv_transfer is not None:
+        flags += ["--kv-transfer-config", kv_transfer_config(spec, launch.kv_shared_dir)]
     if launch.simulated:
         argv = [launch.python, "-m", ENGINE_SIMULATOR_MODULE, *flags]
         argv += _simulator_flags(spec, launch.default_time_scale, launch.sim_gpu_class)
@@ -77,6 +83,19 @@ def build_launch_command(
         if launch.otlp_traces_endpoint:
             argv += ["--otlp-traces-endpoint", launch.otlp_traces_endpoint]
     return argv, _engine_env(spec, launch)
+
+
+def kv_transfer_config(spec: ReplicaSpec, shared_dir: str) -> str:
+    """vLLM's --kv-transfer-config for a disaggregated replica (KVTransferConfig's JSON:
+    vllm/config/kv_transfer.py), compact and with its keys in a fixed order."""
+    assert spec.kv_transfer is not None
+    config: dict[str, object] = {
+        "kv_connector": spec.kv_transfer.connector,
+        "kv_role": spec.kv_transfer.role,
+    }
+    if spec.kv_transfer.connector == "ExampleConnector":
+        config["kv_connector_extra_config"] = {"shared_storage_path": shared_dir}
+    return json.dumps(config, separators=(",", ":"))
 
 
 def engine_environment(agent_env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

@@ -10,6 +10,11 @@ from typing import Any
 
 QUANTIZATIONS: frozenset[str] = frozenset({"fp8", "awq"})
 KV_CACHE_DTYPES: frozenset[str] = frozenset({"auto", "fp8"})
+# The KV connectors a disaggregated replica may run, with the roles each takes (vLLM's names).
+KV_CONNECTOR_ROLES: dict[str, frozenset[str]] = {
+    "NixlConnector": frozenset({"kv_both"}),
+    "ExampleConnector": frozenset({"kv_producer", "kv_consumer"}),
+}
 
 
 class SpecError(ValueError):
@@ -31,6 +36,14 @@ class SimSpec:
     time_scale: float | None = None
     # Simulator-only flags such as fault injection (--sim-hang, --sim-crash-after-tokens N).
     extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferSpec:
+    """A disaggregated replica's KV hand-over: vLLM's connector and its role."""
+
+    connector: str
+    role: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +69,8 @@ class ReplicaSpec:
     # The replica's own engine key: the engine refuses /v1 requests without it, so only the
     # gateways (which read it from the routing table) and this agent can call it.
     api_key: str | None = field(default=None, repr=False)
+    # Set on the prefill and decode replicas of a disaggregated deployment.
+    kv_transfer: KvTransferSpec | None = None
 
     def launch_identity(self) -> ReplicaSpec:
         """The spec without what can change on a live process (adapters) or that the agent
@@ -89,6 +104,9 @@ class ReplicaSpec:
             },
             # Reported specs never carry the engine key back out.
             "api_key": None if self.api_key is None else "***",
+            "kv_transfer": None
+            if self.kv_transfer is None
+            else {"connector": self.kv_transfer.connector, "role": self.kv_transfer.role},
         }
 
 
@@ -121,6 +139,7 @@ def parse_replica_spec(raw: Any) -> ReplicaSpec:
             adapters=tuple(_parse_adapter(a) for a in raw.get("adapters") or ()),
             sim=_parse_sim(raw.get("sim")),
             api_key=_optional_str(raw.get("api_key")),
+            kv_transfer=_parse_kv_transfer(raw.get("kv_transfer")),
         )
     except (TypeError, ValueError, KeyError) as exc:
         if isinstance(exc, SpecError):
@@ -196,6 +215,22 @@ def _parse_adapter(raw: Any) -> AdapterSpec:
     if not isinstance(raw, dict):
         raise SpecError("an adapter must be an object with name and path")
     return AdapterSpec(name=_required_str(raw, "name"), path=_required_str(raw, "path"))
+
+
+def _parse_kv_transfer(raw: Any) -> KvTransferSpec | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SpecError("kv_transfer must be an object with connector and role")
+    connector, role = _required_str(raw, "connector"), _required_str(raw, "role")
+    roles = KV_CONNECTOR_ROLES.get(connector)
+    if roles is None:
+        raise SpecError(
+            f"kv_transfer.connector {connector!r} is not one of {sorted(KV_CONNECTOR_ROLES)}"
+        )
+    if role not in roles:
+        raise SpecError(f"kv_transfer.role {role!r} is not one of {sorted(roles)} for {connector}")
+    return KvTransferSpec(connector=connector, role=role)
 
 
 def _parse_sim(raw: Any) -> SimSpec:

@@ -7,6 +7,7 @@ fail loudly here rather than pass silently in tests and break on a GPU node.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
@@ -93,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument("--max-lora-rank", type=int, default=16)
+    # Accepted as vLLM accepts it, so a disaggregated replica launches under the simulator
+    # too; the simulator serves every request whole (it does not hand KV over).
+    p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None)
     sim = p.add_argument_group("simulator")
     sim.add_argument("--sim-gpu-class", required=True, help="a gpus.csv row, e.g. L4-24GB")
     sim.add_argument("--sim-model-spec", default=None, help="a models.csv row")
@@ -121,6 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-fixed-itl-ms", type=float, default=None)
     sim.add_argument("--sim-seed", type=int, default=0)
     return p
+
+
+def _kv_transfer_config(value: str) -> dict[str, object]:
+    try:
+        config = json.loads(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
+    if not isinstance(config, dict) or not config.get("kv_connector") or not config.get("kv_role"):
+        raise argparse.ArgumentTypeError("a JSON object with kv_connector and kv_role")
+    return config
 
 
 def parse_args(argv: list[str]) -> SimConfig:

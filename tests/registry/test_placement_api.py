@@ -112,3 +112,31 @@ def test_a_tenant_member_cannot_create_a_deployment(
         format="json",
     )
     assert response.status_code == 403
+
+
+def test_a_disaggregated_deployment_is_created_with_both_pools_through_the_api(
+    staff: Any, pools: dict[str, GpuPool], llama_8b: Model
+) -> None:
+    version = approved_version(llama_8b, "v-pd", "bf16")
+    body = {
+        "model_version": version.pk,
+        "pool": pools["h100"].name,
+        "decode_pool": pools["h200"].name,
+        "kv_connector": "nixl",
+        "decode_replicas_max": 4,
+        "decode_replicas_desired": 2,
+        "engine_args": {},
+    }
+    response = client_for(staff).post("/api/v1/deployments/", body, format="json")
+    assert response.status_code == 201, response.json()
+    answer = response.json()
+    assert (answer["decode_pool"], answer["decode_replicas_desired"]) == ("h200-us-east", 2)
+    assert Deployment.objects.get(pk=answer["id"]).disaggregated
+    # A decode pool without a connector: a 400 on the field, nothing created.
+    before = Deployment.objects.count()
+    response = client_for(staff).post(
+        "/api/v1/deployments/", {**body, "kv_connector": ""}, format="json"
+    )
+    assert response.status_code == 400
+    assert "needs a KV connector" in " ".join(response.json()["kv_connector"])
+    assert Deployment.objects.count() == before
