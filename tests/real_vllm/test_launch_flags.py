@@ -30,6 +30,10 @@ for argv in json.load(sys.stdin):
         "model", "served_model_name", "host", "port", "tensor_parallel_size",
         "gpu_memory_utilization", "max_model_len", "max_num_seqs", "quantization",
         "kv_cache_dtype", "enable_prefix_caching", "enable_lora", "max_loras", "max_lora_rank")})
+    kv = args.kv_transfer_config
+    read[-1]["kv_transfer_config"] = None if kv is None else {
+        "kv_connector": kv.kv_connector, "kv_role": kv.kv_role,
+        "kv_connector_extra_config": kv.kv_connector_extra_config}
 print(json.dumps(read))
 """
 BASE: dict[str, Any] = {
@@ -69,14 +73,27 @@ SPECS = [
         "quantization": None,
         "kv_cache_dtype": "auto",
     },
+    # Disaggregated phases: a GPU decode replica on NIXL, a CPU prefill replica on shared storage.
+    {**BASE, "kv_transfer": {"connector": "NixlConnector", "role": "kv_both"}},
+    {
+        **BASE,
+        "model": "file:///var/models/tiny-llama/base",
+        "gpu_indices": [0],
+        "tensor_parallel_size": 1,
+        "quantization": None,
+        "kv_cache_dtype": "auto",
+        "kv_transfer": {"connector": "ExampleConnector", "role": "kv_producer"},
+    },
 ]
 GPU = LaunchSettings(simulated=False, host="10.0.0.7")
-CPU = LaunchSettings(simulated=False, device="cpu", host="10.0.0.9", cpu_slots=((0, 1),))
+CPU = LaunchSettings(
+    simulated=False, device="cpu", host="10.0.0.9", cpu_slots=((0, 1),), kv_shared_dir="/srv/kv"
+)
 
 
 def test_vllm_parses_every_command_line_the_agent_writes_to_the_values_of_the_spec() -> None:
-    launches = [(parse_replica_spec(raw), GPU) for raw in SPECS[:3]]
-    launches.append((parse_replica_spec(SPECS[3]), CPU))
+    nodes = [GPU, GPU, GPU, CPU, GPU, CPU]
+    launches = [(parse_replica_spec(raw), node) for raw, node in zip(SPECS, nodes, strict=True)]
     argvs = [build_launch_command(spec, node)[0][3:] for spec, node in launches]
 
     done = subprocess.run(
@@ -110,5 +127,17 @@ def test_vllm_parses_every_command_line_the_agent_writes_to_the_values_of_the_sp
                 spec.max_loras,
                 spec.max_lora_rank,
             )
+    assert [values["kv_transfer_config"] for values in read] == [
+        None,
+        None,
+        None,
+        None,
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_connector_extra_config": {}},
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": "/srv/kv"},
+        },
+    ]
     assert read[0]["model"] == "meta-llama/Llama-3.1-70B-Instruct"
     assert read[3]["model"] == "/var/models/tiny-llama/base"
