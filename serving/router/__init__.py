@@ -15,6 +15,7 @@ from serving.router.contracts import (
     SloTier,
     VersionRoute,
 )
+from serving.router.disaggregated import Disaggregated
 from serving.router.index import ReplicaSet, RouterState
 from serving.router.policies import (
     POLICIES,
@@ -39,6 +40,7 @@ __all__ = [
     "CostAware",
     "Decision",
     "DeploymentRoute",
+    "Disaggregated",
     "LeastLoad",
     "ModelRoute",
     "Policy",

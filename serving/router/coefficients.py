@@ -51,4 +51,5 @@ def coefficients_from_perf(
         kv_capacity_tokens=perf.kv_capacity_tokens,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        kv_bytes_per_token=perf.kv_bytes_per_token,
     )

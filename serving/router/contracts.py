@@ -52,6 +52,27 @@ class ReplicaPerf:
     max_num_seqs: int
     # Prompt tokens (prefill chunks plus decodes) the engine schedules per step.
     max_num_batched_tokens: int = 8192
+    # KV bytes per token of the model as served: what a disaggregated hand-off moves.
+    kv_bytes_per_token: int = 0
+
+
+# Engine roles (disaggregated serving): prefill-only, decode-only, or both on one replica.
+COLOCATED = "colocated"
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(slots=True, frozen=True)
+class KvLink:
+    """A replica's end of the link its KV cache is handed over on (its NIC, or NVLink)."""
+
+    gbytes_per_s: float
+    latency_s: float
+
+    def transfer_s(self, other: KvLink, nbytes: float) -> float:
+        """Between this end and `other`: the lower bandwidth, the higher latency."""
+        bandwidth = min(self.gbytes_per_s, other.gbytes_per_s) * 1e9
+        return max(self.latency_s, other.latency_s) + nbytes / bandwidth
 
 
 @dataclass(slots=True)
@@ -92,6 +113,9 @@ class ReplicaState:
     breaker_open_until: float = 0.0
     # Monotonic seconds at which the telemetry above was scraped.
     telemetry_at: float = 0.0
+    # COLOCATED, PREFILL or DECODE; only the disaggregated policy routes to the last two.
+    role: str = COLOCATED
+    kv_link: KvLink | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -172,6 +196,7 @@ class Reason(StrEnum):
     PREFIX_AFFINITY = "prefix_affinity"
     ADAPTER_AFFINITY = "adapter_affinity"
     LEAST_BAD = "least_bad"
+    DISAGGREGATED = "disaggregated"
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
     SCORED = "scored"
@@ -202,6 +227,10 @@ class Decision:
     # request's work there too. Set whenever `replica` is: least load walks every live
     # replica of the versions (all their deployments) the policy looked in.
     baseline_replica: ReplicaState | None = None
+    # Disaggregated: the replica that prefills (`replica` then decodes and streams) and the
+    # predicted KV transfer between them, part of `predicted_ttft_s`.
+    prefill_replica: ReplicaState | None = None
+    predicted_transfer_s: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
