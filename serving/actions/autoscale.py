@@ -95,8 +95,11 @@ class ScalingOutcome:
 
 
 def autoscaled_deployments() -> list[Deployment]:
+    """Active colocated deployments. A disaggregated one keeps the counts staff set for each
+    phase: its load signals (queue per phase, KV headroom on the decode side) are not the
+    colocated ones this loop reads, so it is not scaled on them."""
     return list(
-        Deployment.objects.filter(status=Deployment.Status.ACTIVE)
+        Deployment.objects.filter(status=Deployment.Status.ACTIVE, decode_pool__isnull=True)
         .select_related("pool__gpu_class", "model_version__model")
         .order_by("pk")
     )

@@ -90,6 +90,19 @@ def test_it_scales_a_busy_deployment_up(
     assert deployment.replicas_desired == outcome.desired == 4
 
 
+def test_a_disaggregated_deployment_keeps_the_counts_staff_set(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    deployment, replicas = fleet()
+    Deployment.objects.filter(pk=deployment.pk).update(
+        decode_pool=deployment.pool, kv_connector="nixl"
+    )
+    report(redis_client, replicas, running=int(target_running(deployment) * 2), kv=0.9)
+    assert do_autoscale(redis_client, now_s=1000.0) == []
+    deployment.refresh_from_db()
+    assert deployment.replicas_desired == 2
+
+
 def test_it_stays_within_the_pools_free_gpus(
     fleet: Callable[..., Any], redis_client: redis.Redis
 ) -> None:
