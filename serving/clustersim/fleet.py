@@ -25,6 +25,8 @@ class PoolSpec:
     region: str = "local"
     # None: a static pool of `replicas`; otherwise `replicas` is the starting count.
     autoscale: AutoscaleBounds | None = None
+    # "colocated", or "prefill" / "decode" for disaggregated serving (engine roles).
+    role: str = "colocated"
 
     @property
     def price_per_gpu_hour(self) -> float:
@@ -52,6 +54,13 @@ class FleetSpec:
     # Engine flags per pool are derived: max_model_len is the model's context, or what the
     # pool's KV cache holds when that is less (vLLM refuses to start otherwise).
     engine_overrides: dict[str, int] = field(default_factory=dict)
+    # The link KV is handed from prefill to decode replicas over (a row of links.csv): every
+    # replica's port is one of these.
+    kv_link: str = "infiniband-ndr-400"
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(pool.role != "colocated" for pool in self.pools)
 
     @property
     def hourly_cost(self) -> float:
@@ -74,7 +83,10 @@ class FleetSpec:
         return min(perf.model.max_context, held)
 
     def describe(self) -> str:
-        return " + ".join(f"{p.replicas}x {p.gpu_class}" for p in self.pools)
+        return " + ".join(
+            f"{p.replicas}x {p.gpu_class}" + ("" if p.role == "colocated" else f" {p.role}")
+            for p in self.pools
+        )
 
 
 def pool_name(gpu_class: str) -> str:
@@ -83,6 +95,26 @@ def pool_name(gpu_class: str) -> str:
 
 def homogeneous(gpu_class: str, replicas: int, model: str = "llama-3.1-8b") -> FleetSpec:
     return FleetSpec(pools=(PoolSpec(pool_name(gpu_class), gpu_class, replicas),), model=model)
+
+
+def disaggregated(
+    prefill_gpu: str,
+    prefills: int,
+    decode_gpu: str,
+    decodes: int,
+    *,
+    kv_link: str = "infiniband-ndr-400",
+    model: str = "llama-3.1-8b",
+) -> FleetSpec:
+    """A prefill pool and a decode pool, possibly of different GPU classes."""
+    return FleetSpec(
+        pools=(
+            PoolSpec(f"{pool_name(prefill_gpu)}-prefill", prefill_gpu, prefills, role="prefill"),
+            PoolSpec(f"{pool_name(decode_gpu)}-decode", decode_gpu, decodes, role="decode"),
+        ),
+        model=model,
+        kv_link=kv_link,
+    )
 
 
 def with_budget(

@@ -10,6 +10,11 @@ same batch and context (the chosen replica's) are priced on both: what moves is 
 hardware and its price, not the work nor the batch sizes the router's choices made. On a
 fixed fleet the bill is the same whichever the policy; this is the price of the hardware
 choice, which turns into a smaller bill only when the fleet shrinks.
+
+Disaggregated requests (prefilled on one replica, decoded on another) are left out of that
+comparison, which is about colocated placement; their GPU time is counted per phase instead
+(`prefill_gpu_hours`, `decode_gpu_hours`: the ready time of the prefill and decode pools),
+and the KV transfer's time from hand-off to landing is reported (`transfer_p50_s`, p99).
 """
 
 from __future__ import annotations
@@ -91,6 +96,13 @@ class Summary:
     saving_vs_least_load_usd: float
     tiers: dict[str, TierFigures]
     share_by_gpu: dict[str, float]
+    # Disaggregated fleets: the share of served requests that went through a prefill
+    # replica, GPU-hours of the prefill and decode pools, and hand-off to KV landed.
+    disaggregated_share: float = 0.0
+    prefill_gpu_hours: float = 0.0
+    decode_gpu_hours: float = 0.0
+    transfer_p50_s: float = float("nan")
+    transfer_p99_s: float = float("nan")
 
 
 def _percentiles(values: list[float]) -> tuple[float, float, float]:
@@ -175,7 +187,11 @@ def work_costs(result: SimResult) -> list[WorkCost]:
     }
     served: dict[str, list[tuple[RequestRecord, ServedRequest]]] = {}
     for record in result.records:
-        if record.finished_s is not None and record.replica_id is not None:
+        if (
+            record.finished_s is not None
+            and record.replica_id is not None
+            and record.prefill_replica_id is None
+        ):
             served.setdefault(record.replica_id, []).append((record, served_request(record)))
     replicas = {replica.replica_id: replica for replica in result.replicas}
     costs = []
@@ -260,7 +276,33 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
             for name, members in sorted(by_tier.items())
         },
         share_by_gpu={gpu: n / len(served) for gpu, n in sorted(by_gpu.items())} if served else {},
+        **_phase_figures(result, served),
     )
+
+
+def _phase_figures(result: SimResult, served: list[RequestRecord]) -> dict[str, float]:
+    """Summary's disaggregated fields (their defaults for a colocated fleet)."""
+    if not result.fleet.disaggregated:
+        return {}
+    split = [r for r in served if r.prefill_replica_id is not None]
+    hours = {"prefill": 0.0, "decode": 0.0}
+    for replica in result.replicas:
+        if replica.pool.role in hours:
+            stopped = replica.stopped_s or result.ended_s
+            hours[replica.pool.role] += replica.gpus * (stopped - replica.started_s) / 3600
+    transfers = [
+        r.kv_ready_s - r.handoff_s
+        for r in split
+        if r.kv_ready_s is not None and r.handoff_s is not None
+    ]
+    p50, _, p99 = _percentiles(transfers)
+    return {
+        "disaggregated_share": len(split) / len(served) if served else 0.0,
+        "prefill_gpu_hours": hours["prefill"],
+        "decode_gpu_hours": hours["decode"],
+        "transfer_p50_s": p50,
+        "transfer_p99_s": p99,
+    }
 
 
 def summary_rows(summary: Summary) -> list[dict[str, object]]:
@@ -404,6 +446,13 @@ def format_summary(summary: Summary) -> str:
         f"${summary.baseline_work_cost_usd:.4f} where least load would have sent it: "
         f"saving vs least load ${summary.saving_vs_least_load_usd:.4f}",
     ]
+    if summary.prefill_gpu_hours or summary.decode_gpu_hours:
+        lines.append(
+            f"  disaggregated {summary.disaggregated_share:.0%} of requests; GPU-hours prefill "
+            f"{summary.prefill_gpu_hours:.2f}, decode {summary.decode_gpu_hours:.2f}; KV "
+            f"transfer p50/p99 {summary.transfer_p50_s * 1000:.1f}/"
+            f"{summary.transfer_p99_s * 1000:.1f} ms"
+        )
     for t in summary.tiers.values():
         lines.append(
             f"  {t.tier:<12} n={t.requests:<6} TTFT p99 {t.ttft_p99_s:.3f} s  "

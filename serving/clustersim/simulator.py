@@ -10,10 +10,21 @@ scrape, every `telemetry_interval_s`, plus its own in-flight counts, which are e
 autoscaler sees windowed samples of the same scrapes; a replica it adds pays for its cold
 start before it takes traffic, and one it removes drains (leaves the router at once, stops
 when its engine is empty), paying until then.
+
+Disaggregated fleets (pools with role prefill and decode) run through the disaggregated
+policy (`SimConfig(policy="disaggregated")`), which may also pick a colocated pool's
+replica. A disaggregated request is prefilled on its prefill replica (asked for one token,
+as vLLM's proxy does); at that finish its KV is booked on the link (`link.schedule_transfer`:
+the prefill replica's port and the decode replica's, first come first served) and the
+request is added to the decode engine with the landing time. Its TTFT is the decode
+engine's first token, the one the client sees. Prefill engines are advanced first at every
+event, so each hand-off reaches its decode engine at its own time, before that engine runs
+past it.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -28,19 +39,32 @@ from serving.capacity.autoscaler import (
 )
 from serving.clustersim.fleet import FleetSpec, PoolSpec
 from serving.clustersim.workloads import SimRequest
-from serving.engine.core import FINISHED, FIRST_TOKEN, PREEMPTED, Engine, EngineRequest
+from serving.engine.core import (
+    DECODE,
+    FINISHED,
+    FIRST_TOKEN,
+    PREEMPTED,
+    Engine,
+    EngineEvent,
+    EngineRequest,
+)
+from serving.engine.link import LinkPort, load_link_specs, schedule_transfer
 from serving.router import (
     POLICIES,
     DeploymentRoute,
     ModelRoute,
+    Policy,
     ReplicaState,
     RouterConfig,
     RouteRequest,
     RouterState,
 )
 from serving.router.coefficients import coefficients_from_perf
+from serving.router.contracts import KvLink
+from serving.router.disaggregated import Disaggregated
 
 DEPLOYMENT = "sim"
+DISAGGREGATED = Disaggregated.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +80,9 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; use one of {', '.join(POLICIES)}")
+        if self.policy not in POLICIES and self.policy != DISAGGREGATED:
+            known = ", ".join([*POLICIES, DISAGGREGATED])
+            raise ValueError(f"unknown policy {self.policy!r}; use one of {known}")
 
 
 @dataclass(slots=True)
@@ -75,6 +100,12 @@ class RequestRecord:
     prefill_tokens: int = 0
     # Why it never ran: "no_candidates", "too_long"; None when it was served.
     failed: str | None = None
+    # Disaggregated: where it was prefilled (replica_id then decoded it), when the prefill
+    # handed its KV off, and when the KV landed on the decode replica.
+    prefill_replica_id: str | None = None
+    prefill_gpu_class: str | None = None
+    handoff_s: float | None = None
+    kv_ready_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -100,6 +131,7 @@ class SimReplica:
     drain_s: float | None = None
     stopped_s: float | None = None
     busy_s: float = 0.0
+    port: LinkPort | None = None
 
     @property
     def gpus(self) -> int:
@@ -145,7 +177,17 @@ class ClusterSimulator:
         self._replicas: dict[str, SimReplica] = {}
         self._serial = 0
         self._state = RouterState([self._route], [], seed=self.config.seed)
-        self._policy = POLICIES[self.config.policy](self._state, self.config.router)
+        if fleet.disaggregated and self.config.policy != DISAGGREGATED:
+            raise ValueError(
+                f"fleet {fleet.describe()} has prefill and decode pools: use policy "
+                f"{DISAGGREGATED!r}, not {self.config.policy!r}"
+            )
+        self._link = load_link_specs()[fleet.kv_link]
+        self._policy = self._make_policy()
+        # Disaggregated requests waiting on their prefill: request id -> decode replica; and
+        # the prefills finished, (time, request id), to hand off when the loop reaches them.
+        self._handoff_to: dict[str, str] = {}
+        self._handoffs: list[tuple[float, str]] = []
         self._records: dict[str, RequestRecord] = {}
         self._samples: dict[str, deque[FleetSample]] = {p.name: deque() for p in fleet.pools}
         self._raw: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in fleet.pools}
@@ -169,6 +211,7 @@ class ClusterSimulator:
             max_num_batched_tokens=self.fleet.max_num_batched_tokens,
             enable_prefix_caching=self.fleet.enable_prefix_caching,
             clock_s=now_s,
+            role=pool.role,
         )
         state = ReplicaState(
             replica_id=replica_id,
@@ -181,8 +224,12 @@ class ClusterSimulator:
             price_per_hour=pool.price_per_replica_hour,
             perf=self._coefficients[pool.name],
             telemetry_at=ready_s,
+            role=pool.role,
+            kv_link=KvLink(self._link.gbytes_per_s, self._link.latency_s),
         )
-        replica = SimReplica(replica_id, pool, engine, state, now_s, ready_s)
+        replica = SimReplica(
+            replica_id, pool, engine, state, now_s, ready_s, port=LinkPort(self._link)
+        )
         self._replicas[replica_id] = replica
         self._dirty = True
         return replica
@@ -199,39 +246,103 @@ class ClusterSimulator:
             prefix_index=self._state.prefix_index,
             seed=self.config.seed + self._state.version + 1,
         )
-        self._policy = POLICIES[self.config.policy](self._state, self.config.router)
+        self._policy = self._make_policy()
         self._dirty = False
+
+    def _make_policy(self) -> Policy:
+        if self.config.policy == DISAGGREGATED:
+            return Disaggregated(self._state, self.config.router)
+        return POLICIES[self.config.policy](self._state, self.config.router)
 
     # --- engines -----------------------------------------------------------------------
 
     def _advance_all(self, now_s: float) -> None:
-        records = self._records
+        if not self._handoff_to:
+            for replica in self._replicas.values():
+                if replica.engine.has_work:
+                    self._advance(replica, now_s)
+            return
+        # Prefill engines first: their hand-offs reach decode engines at their own times. A
+        # prefill step that ends after `now_s` hands off later, when the loop gets there, so
+        # the link is booked in the order the prefills finished.
+        handoffs = self._handoffs
         for replica in self._replicas.values():
-            engine = replica.engine
-            if not engine.has_work:
+            if replica.pool.role != DECODE and replica.engine.has_work:
+                for handoff in self._advance(replica, now_s):
+                    heapq.heappush(handoffs, handoff)
+        while handoffs and handoffs[0][0] <= now_s:
+            at_s, request_id = heapq.heappop(handoffs)
+            decode = self._replicas[self._handoff_to.pop(request_id)]
+            if decode.engine.has_work:
+                self._advance(decode, at_s)
+            self._hand_off(request_id, at_s, decode)
+        for replica in self._replicas.values():
+            if replica.pool.role == DECODE and replica.engine.has_work:
+                self._advance(replica, now_s)
+
+    def _hand_off(self, request_id: str, at_s: float, decode: SimReplica) -> None:
+        """The prefill finished at `at_s`: book the KV on the link, queue it at the decode."""
+        record = self._records[request_id]
+        request = record.request
+        assert record.prefill_replica_id is not None
+        prefill = self._replicas[record.prefill_replica_id]
+        assert prefill.port is not None and decode.port is not None
+        nbytes = request.prompt_tokens * self._perf[decode.pool.name].kv_bytes_per_token
+        start, landed = schedule_transfer(at_s, nbytes, prefill.port, decode.port)
+        record.handoff_s, record.kv_ready_s = at_s, landed
+        decode.engine.add_request(
+            EngineRequest(request.request_id, request.prompt_tokens, request.output_tokens, at_s),
+            kv_ready_s=landed,
+            kv_transfer_s=landed - start,
+        )
+
+    def _advance(self, replica: SimReplica, now_s: float) -> list[tuple[float, str]]:
+        """Advance one engine to `now_s`; the prefill hand-offs it made, (time, request)."""
+        records = self._records
+        engine = replica.engine
+        handoffs: list[tuple[float, str]] = []
+        started = engine.clock_s
+        events = engine.advance(now_s)
+        last = started
+        for event in events:
+            record = records[event.request_id]
+            kind = event.kind
+            if record.prefill_replica_id == replica.replica_id:
+                self._prefill_event(replica, record, event, handoffs)
+                last = event.time_s if kind == FINISHED else last
                 continue
-            started = engine.clock_s
-            events = engine.advance(now_s)
-            last = started
-            for event in events:
-                record = records[event.request_id]
-                kind = event.kind
-                if kind == FIRST_TOKEN:
-                    record.first_token_s = event.time_s
-                    self._state.request_first_token(replica.replica_id, record.prefill_tokens)
-                    self._recent_ttft[replica.pool.name].append(
-                        event.time_s - record.request.arrival_s
-                    )
-                elif kind == FINISHED:
-                    record.finished_s = event.time_s
-                    record.output_tokens = event.output_tokens
-                    self._state.request_finished(replica.replica_id, record.prefill_tokens)
-                    last = event.time_s
-                elif kind == PREEMPTED:
-                    record.preemptions += 1
-            replica.busy_s += (engine.clock_s if engine.has_work else last) - started
-            if replica.drain_s is not None and not engine.has_work:
-                replica.stopped_s = max(last, replica.drain_s)
+            # A decode replica did none of the prefill the router was told about.
+            prompt = record.prefill_tokens if record.prefill_replica_id is None else 0
+            if kind == FIRST_TOKEN:
+                record.first_token_s = event.time_s
+                self._state.request_first_token(replica.replica_id, prompt)
+                self._recent_ttft[replica.pool.name].append(event.time_s - record.request.arrival_s)
+            elif kind == FINISHED:
+                record.finished_s = event.time_s
+                record.output_tokens = event.output_tokens
+                self._state.request_finished(replica.replica_id, prompt)
+                last = event.time_s
+            elif kind == PREEMPTED:
+                record.preemptions += 1
+        replica.busy_s += (engine.clock_s if engine.has_work else last) - started
+        if replica.drain_s is not None and not engine.has_work:
+            replica.stopped_s = max(last, replica.drain_s)
+        return handoffs
+
+    def _prefill_event(
+        self,
+        replica: SimReplica,
+        record: RequestRecord,
+        event: EngineEvent,
+        handoffs: list[tuple[float, str]],
+    ) -> None:
+        if event.kind == FIRST_TOKEN:
+            self._state.request_first_token(replica.replica_id, record.prefill_tokens)
+        elif event.kind == FINISHED:
+            self._state.request_finished(replica.replica_id, record.prefill_tokens)
+            handoffs.append((event.time_s, record.request.request_id))
+        elif event.kind == PREEMPTED:
+            record.preemptions += 1
 
     # --- routing -----------------------------------------------------------------------
 
@@ -261,6 +372,24 @@ class ClusterSimulator:
         engine = replica.engine
         if request.prompt_tokens + request.output_tokens > engine.max_model_len:
             record.failed = "too_long"
+            return
+        if decision.prefill_replica is not None:
+            self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)
+            record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
+            prefill = self._replicas[decision.prefill_replica.replica_id]
+            self._state.request_started(
+                prefill.replica_id, record.prefill_tokens, request.arrival_s
+            )
+            self._state.request_started(replica.replica_id, 0, request.arrival_s)
+            prefill.engine.add_request(
+                EngineRequest(
+                    request.request_id,
+                    request.prompt_tokens,
+                    1,
+                    request.arrival_s,
+                    request.block_hashes,
+                )
+            )
             return
         record.replica_id = replica.replica_id
         record.gpu_class = replica.pool.gpu_class
@@ -405,7 +534,8 @@ class ClusterSimulator:
             next_ready = min(pending) if pending else math.inf
             if index >= total and not self._busy():
                 break
-            now = min(arrival, next_scrape, next_ready)
+            next_handoff = self._handoffs[0][0] if self._handoffs else math.inf
+            now = min(arrival, next_scrape, next_ready, next_handoff)
             self._advance_all(now)
             if next_ready <= now or self._dirty:
                 self._republish(now)
@@ -438,8 +568,19 @@ class ClusterSimulator:
             self._queue_advised,
         )
 
+    def _route_disaggregated(
+        self, record: RequestRecord, prefill_id: str, decode: SimReplica
+    ) -> None:
+        prefill = self._replicas[prefill_id]
+        record.replica_id = decode.replica_id
+        record.gpu_class = decode.pool.gpu_class
+        record.baseline_replica_id = decode.replica_id
+        record.prefill_replica_id = prefill_id
+        record.prefill_gpu_class = prefill.pool.gpu_class
+        self._handoff_to[record.request.request_id] = decode.replica_id
+
     def _busy(self) -> bool:
-        return any(r.engine.has_work for r in self._replicas.values())
+        return bool(self._handoffs) or any(r.engine.has_work for r in self._replicas.values())
 
 
 def simulate(

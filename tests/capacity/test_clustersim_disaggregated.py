@@ -1,0 +1,117 @@
+"""Disaggregated fleets in the cluster simulator: prefill and decode pools through the
+disaggregated policy, each phase's GPU time counted, and colocated runs as they were."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.clustersim import (
+    LengthClass,
+    LengthMix,
+    SimConfig,
+    homogeneous,
+    poisson,
+    simulate,
+    summarize,
+    with_budget,
+)
+from serving.clustersim.fleet import FleetSpec, PoolSpec, disaggregated
+
+LONG = LengthMix((LengthClass(1.0, 6000, 100),))
+SPLIT = SimConfig(policy="disaggregated")
+
+
+def test_a_disaggregated_fleet_serves_every_request_through_both_phases() -> None:
+    requests = poisson(3, 40, lengths=LONG, seed=1)
+    result = simulate(disaggregated("H100-SXM-80GB", 1, "H100-SXM-80GB", 1), requests, SPLIT)
+    assert len(result.records) == len(requests)
+    for record in result.records:
+        assert record.failed is None and record.finished_s is not None
+        assert record.prefill_replica_id is not None and record.replica_id is not None
+        assert record.prefill_replica_id.endswith("-0") and record.replica_id.endswith("-1")
+        assert record.handoff_s is not None and record.kv_ready_s is not None
+        assert record.first_token_s is not None
+        # The client's first token comes from the decode replica, after the KV landed.
+        assert record.request.arrival_s < record.handoff_s < record.kv_ready_s
+        assert record.kv_ready_s < record.first_token_s
+        assert record.output_tokens == record.request.output_tokens
+
+
+def test_both_phases_gpu_time_is_counted() -> None:
+    requests = poisson(3, 40, lengths=LONG, seed=1)
+    summary = summarize(
+        simulate(disaggregated("L40S-48GB", 2, "H200-SXM-141GB", 1), requests, SPLIT)
+    )
+    assert summary.disaggregated_share == 1.0
+    assert summary.prefill_gpu_hours == pytest.approx(2 * summary.decode_gpu_hours, rel=0.01)
+    assert summary.prefill_gpu_hours + summary.decode_gpu_hours == pytest.approx(summary.gpu_hours)
+    assert summary.cost_per_hour == pytest.approx(2 * 0.99 + 3.99, rel=0.01)
+    # 6000 tokens x 131072 bytes over 50 GB/s: about 16 ms.
+    assert 0.012 < summary.transfer_p50_s < 0.025
+
+
+def test_a_slower_link_delays_the_first_token_by_the_transfer() -> None:
+    requests = poisson(1, 30, lengths=LONG, seed=2)
+    fast = summarize(
+        simulate(disaggregated("H100-SXM-80GB", 1, "H100-SXM-80GB", 1), requests, SPLIT)
+    )
+    slow_fleet = disaggregated("H100-SXM-80GB", 1, "H100-SXM-80GB", 1, kv_link="ethernet-25g")
+    slow = summarize(simulate(slow_fleet, requests, SPLIT))
+    assert slow.transfer_p50_s > 10 * fast.transfer_p50_s
+    assert slow.ttft_p50_s - fast.ttft_p50_s == pytest.approx(
+        slow.transfer_p50_s - fast.transfer_p50_s, rel=0.3
+    )
+
+
+def test_short_prompts_stay_colocated_where_a_fleet_has_both_kinds() -> None:
+    fleet = FleetSpec(
+        pools=(
+            PoolSpec("h100", "H100-SXM-80GB", 2),
+            PoolSpec("h100-prefill", "H100-SXM-80GB", 1, role="prefill"),
+            PoolSpec("h100-decode", "H100-SXM-80GB", 1, role="decode"),
+        )
+    )
+    short = LengthMix((LengthClass(1.0, 200, 100),))
+    summary = summarize(simulate(fleet, poisson(2, 30, lengths=short, seed=3), SPLIT))
+    assert summary.failed == 0
+    assert summary.disaggregated_share < 0.05
+
+
+def test_a_fleet_with_prefill_and_decode_pools_needs_the_disaggregated_policy() -> None:
+    with pytest.raises(ValueError, match="disaggregated"):
+        simulate(disaggregated("H100-SXM-80GB", 1, "H100-SXM-80GB", 1), [], SimConfig())
+
+
+# Figures of these colocated runs from before the engine had roles (commit 5dac023): the
+# disaggregated work must not move a colocated fleet's results by a single float.
+COLOCATED_BEFORE = [
+    (
+        homogeneous("H100-SXM-80GB", 2),
+        "cost_aware",
+        (0.4623663467670943, 0.01777745631124792, 0.13184444444444446, 0.140635),
+    ),
+    (
+        with_budget({"H100-SXM-80GB": 1, "L40S-48GB": 1}, 9.0),
+        "cost_aware",
+        (0.9041242023147699, 0.0535647341012357, 0.19693333333333338, 0.125921),
+    ),
+    (
+        homogeneous("A100-SXM-80GB", 2),
+        "least_load",
+        (2.5902386196054064, 0.07801172719842028, 0.0735888888888889, 0.069681),
+    ),
+]
+
+
+@pytest.mark.parametrize(("fleet", "policy", "figures"), COLOCATED_BEFORE)
+def test_colocated_fleets_give_the_figures_they_gave_before(
+    fleet: FleetSpec, policy: str, figures: tuple[float, float, float, float]
+) -> None:
+    summary = summarize(simulate(fleet, poisson(6, 60, seed=3), SimConfig(policy=policy)))
+    assert (
+        summary.ttft_p99_s,
+        summary.tpot_p99_s,
+        summary.cost_usd,
+        summary.work_cost_usd,
+    ) == figures
+    assert summary.disaggregated_share == 0.0 and summary.prefill_gpu_hours == 0.0
