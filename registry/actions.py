@@ -8,7 +8,7 @@ it. A deployment is visible when its model is. Staff see everything. A row that 
 is a 404 (Http404), never a 403 that would confirm it exists.
 
 After a change the gateway caches, once the transaction commits:
-- visibility: `publish_visibility()` rewrites the Redis hash `registry:visibility` (see below);
+- visibility: `publish_visibility()` rewrites the Redis hash `{registry:visibility}` (see below);
 - traffic weights: the task `serving.publish_routing_table` is enqueued by name (the registry
   never imports the fleet), so a rollback reaches the gateways at once.
 """
@@ -201,7 +201,7 @@ def visibility_entries() -> dict[str, dict[str, Any]]:
 def published_name_visible(
     entries: Mapping[str, Mapping[str, Any]], name: str, tenant: int
 ) -> bool:
-    """The gateway's check over the decoded `registry:visibility` hash."""
+    """The gateway's check over the decoded `{registry:visibility}` hash."""
     entry = entries.get(name)
     if entry is None:
         return False

@@ -1,6 +1,6 @@
 """Which models and adapters each tenant may call, held in memory from Redis.
 
-The registry publishes the Redis hash `registry:visibility` (registry.actions.publish_visibility)
+The registry publishes the Redis hash `{registry:visibility}` (registry.actions.publish_visibility)
 whenever a model, adapter or grant changes: served name -> JSON
 `{"kind": "model"|"adapter", "base_model", "public", "tenants": [ids], "max_context", "created"}`.
 An adapter is called by its own name as the request's `model`, as with vLLM.

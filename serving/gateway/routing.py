@@ -1,6 +1,6 @@
 """The gateway's in-memory routing state, refreshed in the background from Redis.
 
-The control plane publishes one versioned routing-table document (`routing:table`, version
+The control plane publishes one versioned routing-table document (`{routing}:table`, version
 announced on `routing:updates`) and the latest replica telemetry (`routing:telemetry`, a hash
 of replica id -> compact JSON). This module turns them into the router's `RouterState`; the
 hot path only reads memory.

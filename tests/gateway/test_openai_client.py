@@ -8,6 +8,7 @@ import openai
 import pytest
 import redis
 
+from serving.redis_contracts import VISIBILITY_HASH
 from tests.gateway.conftest import (
     MODEL,
     EngineSim,
@@ -182,7 +183,7 @@ def test_a_visible_model_without_a_deployment_is_a_404_not_a_retry(
 ) -> None:
     fleet.publish()  # a routing table with no replica and no route for MODEL
     redis_client.hset(
-        "registry:visibility",
+        VISIBILITY_HASH,
         "undeployed-model",
         '{"kind": "model", "base_model": "undeployed-model", "public": true, "tenants": []}',
     )

@@ -9,6 +9,7 @@ import redis
 from registry import demo
 from registry.models import Adapter, Model, ModelVersion, Visibility
 from serving.engine.specs import load_model_specs
+from serving.redis_contracts import VISIBILITY_HASH
 from tenants.models import Tenant
 
 
@@ -20,7 +21,7 @@ def test_the_demo_seeds_every_catalogue_model_once(acme: Tenant, redis_client: r
     assert ModelVersion.objects.filter(status="approved").count() == len(load_model_specs()) + 1
     assert Model.objects.get(name=demo.RESTRICTED_TO_ACME).visibility == Visibility.RESTRICTED
     assert Adapter.objects.get(name="acme-support-tone").owner_tenant == acme
-    assert redis_client.hlen("registry:visibility") == Model.objects.count() + 2
+    assert redis_client.hlen(VISIBILITY_HASH) == Model.objects.count() + 2
 
 
 def test_seeded_architecture_figures_match_the_catalogue(db: Any, redis_client: Any) -> None:
