@@ -11,6 +11,7 @@ import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Phase, Phas
             phases.append(Phase(f"http://127.0.0.1:{spec.port}", spec.api_key, process))
         for phase, role in zip(phases, ("kv_producer", "kv_consumer"), strict=True):
             try:
-                eventually(lambda p=phase: _healthy(p), READY_TIMEOUT_S, f"{role} up", step_s=2)
+                eventually(partial(_healthy, phase), READY_TIMEOUT_S, f"{role} up", step_s=2)
             except AssertionError:
                 tail = (logs / f"{role}.log").read_text(errors="replace")[-3000:]
                 raise AssertionError(f"{role} did not come up:\n{tail}") from None
