@@ -36,6 +36,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
@@ -114,33 +115,48 @@ def idle_misses(gpu: str, router: RouterConfig) -> float:
 def smallest_meeting(
     task: tuple[str, str, RouterConfig],
 ) -> tuple[str, str, int, Summary | None]:
-    """The fewest replicas of one GPU class on which `policy` meets the SLO: doubling up to
-    a fleet that meets it, then bisecting (attainment grows with the fleet)."""
+    """The fewest replicas of one GPU class on which `policy` meets the SLO."""
     gpu, policy, router = task
     cacheable = any(r.block_hashes for r in REQUESTS[:100])  # prefix hits can bring them in
     if not cacheable and idle_misses(gpu, router) > 1 - SLO_SHARE:
         return gpu, policy, 0, None
+    count, found = smallest_size(
+        lambda size: run(homogeneous(gpu, size), policy, router),
+        meets,
+        lambda summary: summary.tiers["interactive"].ttft_attainment,
+    )
+    return gpu, policy, count, found
+
+
+def smallest_size(
+    evaluate: Callable[[int], Summary],
+    meets: Callable[[Summary], bool],
+    attainment: Callable[[Summary], float],
+    max_size: int = MAX_REPLICAS,
+) -> tuple[int, Summary | None]:
+    """The smallest size on which `meets` holds: doubling up to a size that meets it, then
+    bisecting (attainment grows with the size); (0, None) when more stopped helping."""
     failing, meeting, found = 0, 0, None
     size, previous = 1, -1.0
-    while size <= MAX_REPLICAS:
-        summary = run(homogeneous(gpu, size), policy, router)
+    while size <= max_size:
+        summary = evaluate(size)
         if meets(summary):
             meeting, found = size, summary
             break
-        attained = summary.tiers["interactive"].ttft_attainment
+        attained = attainment(summary)
         if hopeless(summary) or (size >= 8 and attained <= previous):
-            return gpu, policy, 0, None  # more replicas stopped helping
+            return 0, None  # more replicas stopped helping
         failing, size, previous = size, size * 2, attained
     if found is None:
-        return gpu, policy, 0, None
+        return 0, None
     while meeting - failing > 1:
         middle = (failing + meeting) // 2
-        summary = run(homogeneous(gpu, middle), policy, router)
+        summary = evaluate(middle)
         if meets(summary):
             meeting, found = middle, summary
         else:
             failing = middle
-    return gpu, policy, meeting, found
+    return meeting, found
 
 
 def cheapest_mix(
