@@ -8,23 +8,13 @@ import openai
 import pytest
 
 from metering.usage import UsageEvent
+from tests.gateway.test_tracing import PHASES
 from tests.live import eventually
 from tests.metering.helpers import stream_events
 from tests.real_vllm.conftest import TINY_MODEL, RealFleet
 from tests.real_vllm.otlp import ReceivedSpan
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.slow, pytest.mark.django_db]
-
-GATEWAY_PHASES = {
-    "gateway.guardrails",
-    "gateway.admission",
-    "gateway.routing",
-    "gateway.upstream",
-    "gateway.upstream_connect",
-    "gateway.first_token",
-    "gateway.decode",
-    "gateway.settle",
-}
 
 
 def _usage_event(fleet: RealFleet, request_id: str) -> UsageEvent:
@@ -71,8 +61,8 @@ def test_a_streamed_request_is_traced_through_the_gateway_into_vllms_own_spans(
     assert root.attributes["request.status"] == "ok"
     assert root.attributes["gen_ai.usage.completion_tokens"] == chunks[-1].usage.completion_tokens
     phases = {s.name: s for s in gateway if s is not root}
-    assert set(phases) >= GATEWAY_PHASES
-    assert all(phases[name].parent_span_id == root.span_id for name in GATEWAY_PHASES)
+    assert set(phases) >= PHASES
+    assert all(phases[name].parent_span_id == root.span_id for name in PHASES)
     # The engine's request span is a child of the gateway's upstream span: the traceparent.
     [llm_request] = [s for s in engine if s.name == "llm_request"]
     assert llm_request.parent_span_id == phases["gateway.upstream"].span_id
