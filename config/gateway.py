@@ -25,6 +25,7 @@ def gateway_config() -> GatewayConfig:
     )
     return GatewayConfig(
         redis_url=settings.REDIS_URL,
+        redis_cluster=settings.REDIS_CLUSTER,
         redis_timeout_s=settings.REDIS_SOCKET_TIMEOUT_S,
         policy=settings.GATEWAY_ROUTER_POLICY,
         upstream=UpstreamTimeouts(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlparse
 
 import dj_database_url
 import django_stubs_ext
@@ -281,6 +282,18 @@ CACHES = {
 REDIS_SOCKET_TIMEOUT_S = env_float("REDIS_SOCKET_TIMEOUT_S", 0.5)
 # Background work (publishing tables, invoices, usage ingest) waits longer before it fails.
 REDIS_WORKER_TIMEOUT_S = env_float("REDIS_WORKER_TIMEOUT_S", 5.0)
+# REDIS_URL names one node of a Redis Cluster: the limiter, key records, routing table,
+# telemetry, catalog and usage stream (config/redis.py and the gateway) use a cluster client.
+# Celery's broker, the Channels layer and Django's cache do not speak Cluster: they still take
+# REDIS_URL as a plain Redis, and a cluster node answers them only for keys of its own slots
+# (MOVED for the rest), so they need a plain Redis of their own, which no setting names yet.
+REDIS_CLUSTER = env_bool("REDIS_CLUSTER", False)
+if REDIS_CLUSTER and (
+    urlparse(REDIS_URL).scheme == "unix" or urlparse(REDIS_URL).path.strip("/") not in {"", "0"}
+):
+    raise ImproperEnvironment(
+        "REDIS_URL", REDIS_URL, "a redis:// or rediss:// URL of database 0 with REDIS_CLUSTER"
+    )
 
 # Runtime files: embedded PostgreSQL and Redis, logs, the gateway's usage spool, the demo's
 # tiny model. On Kubernetes an emptyDir per pod.

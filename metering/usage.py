@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import orjson
+import redis.asyncio as aioredis
 
 USAGE_STREAM = "usage:events"
 # Approximate trimming (MAXLEN ~) keeps XADD O(1); the cap only bounds memory if ingest stops
@@ -185,14 +186,14 @@ class UsageSpool:
     def pending(self) -> int:
         return sum(len(_read_lines(p)) for p in (self.replaying_path, self.path))
 
-    async def replay(self, redis: Any) -> int:
+    async def replay(self, redis: aioredis.Redis | aioredis.RedisCluster) -> int:
         """Send spooled events to the stream; return how many were sent. Raises what Redis
         raises, leaving the unsent events spooled."""
         async with self._replay_lock:
             await asyncio.to_thread(self.claim)
             return await _replay(redis, self.path, self._lock, self.REPLAY_CHUNK)
 
-    async def adopt_orphans(self, redis: Any) -> int:
+    async def adopt_orphans(self, redis: aioredis.Redis | aioredis.RedisCluster) -> int:
         """Replay and remove the spools in this directory whose owner has exited; return how
         many events were sent. A spool whose owner is alive, or that another process is
         adopting, is left alone. Raises what Redis raises, leaving the unsent events spooled
@@ -278,7 +279,12 @@ def _lock_file(path: Path, *, wait: bool) -> int | None:
         os.close(fd)
 
 
-async def _replay(redis: Any, path: Path, rotate_lock: threading.Lock, chunk_size: int) -> int:
+async def _replay(
+    redis: aioredis.Redis | aioredis.RedisCluster,
+    path: Path,
+    rotate_lock: threading.Lock,
+    chunk_size: int,
+) -> int:
     """Send the spool at `path`, its aside file first, until neither is left."""
     replaying = _replaying_path(path)
     sent = 0

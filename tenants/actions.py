@@ -468,12 +468,14 @@ def write_key_records(keys: Iterable[ApiKey], events: Sequence[str] | None = Non
 
 def _write_records(records: list[tuple[str, KeyPrincipal | None]], events: Sequence[str]) -> int:
     try:
-        pipe = redis_client().pipeline(transaction=False)
+        client = redis_client()
+        pipe = client.pipeline(transaction=False)
         for secret_hash, principal in records:
             pipe.set(key_record_name(secret_hash), encode_key_record(secret_hash, principal))
-        for event in events:
-            pipe.publish(KEY_EVENTS_CHANNEL, event)
         pipe.execute()
+        # After the records, and not pipelined: a Redis Cluster pipeline refuses PUBLISH.
+        for event in events:
+            client.publish(KEY_EVENTS_CHANNEL, event)
     except redis.RedisError as error:
         # Not retried here (Celery's broker is this same Redis). PostgreSQL has the change, and
         # it is not lost: each gateway rechecks keys in PostgreSQL once its key events are back

@@ -272,7 +272,7 @@ class KeyAuthenticator:
 
     def __init__(
         self,
-        redis: aioredis.Redis,
+        redis: aioredis.Redis | aioredis.RedisCluster,
         *,
         load_from_database: DatabaseLoader,
         cache_ttl_s: float = 5.0,

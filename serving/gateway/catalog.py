@@ -80,7 +80,7 @@ class Catalog:
         return items
 
 
-async def load_catalog(redis: aioredis.Redis) -> Catalog:
+async def load_catalog(redis: aioredis.Redis | aioredis.RedisCluster) -> Catalog:
     rows = await redis.hgetall(VISIBILITY_HASH)
     catalog = Catalog(loaded=True)
     for raw_name, raw in rows.items():

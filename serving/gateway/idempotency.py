@@ -39,7 +39,10 @@ def body_fingerprint(raw_body: bytes) -> str:
 
 
 async def claim(
-    redis: aioredis.Redis, tenant_id: str, idempotency_key: str, fingerprint: str
+    redis: aioredis.Redis | aioredis.RedisCluster,
+    tenant_id: str,
+    idempotency_key: str,
+    fingerprint: str,
 ) -> StoredResponse | None:
     """Claim the key for this request, or return the stored response to replay.
 
@@ -75,7 +78,7 @@ async def claim(
 
 
 async def complete(
-    redis: aioredis.Redis,
+    redis: aioredis.Redis | aioredis.RedisCluster,
     tenant_id: str,
     idempotency_key: str,
     fingerprint: str,
@@ -86,6 +89,8 @@ async def complete(
     await redis.set(_key(tenant_id, idempotency_key), orjson.dumps(record), ex=REPLAY_TTL_S)
 
 
-async def release(redis: aioredis.Redis, tenant_id: str, idempotency_key: str) -> None:
+async def release(
+    redis: aioredis.Redis | aioredis.RedisCluster, tenant_id: str, idempotency_key: str
+) -> None:
     """Forget a claim whose request failed before producing a response worth replaying."""
     await redis.delete(_key(tenant_id, idempotency_key))

@@ -199,7 +199,9 @@ def build_snapshot(
 class RoutingCache:
     """Holds the current snapshot; a background task keeps it and its telemetry fresh."""
 
-    def __init__(self, redis: aioredis.Redis, telemetry_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, redis: aioredis.Redis | aioredis.RedisCluster, telemetry_interval_s: float = 1.0
+    ) -> None:
         self.redis = redis
         self.telemetry_interval_s = telemetry_interval_s
         self.snapshot = build_snapshot({})

@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import Tracer
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -57,6 +58,8 @@ ADAPTER_MISS_S = 15.0
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     redis_url: str
+    # REDIS_URL names one node of a Redis Cluster, which the client discovers from it.
+    redis_cluster: bool = False
     redis_timeout_s: float = 0.5
     redis_max_connections: int = 512
     policy: str = "cost_aware"
@@ -94,21 +97,7 @@ class Gateway:
         self.tracer: Tracer | None = (
             self.tracer_provider.get_tracer(__name__) if self.tracer_provider else None
         )
-        # A bounded pool that makes a burst wait briefly for a connection rather than fail:
-        # every in-flight request holds one during admission and settle.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            config.redis_url,
-            max_connections=config.redis_max_connections,
-            timeout=config.redis_timeout_s * 4,
-            socket_timeout=config.redis_timeout_s,
-            socket_connect_timeout=config.redis_timeout_s,
-            health_check_interval=10,
-            # A pooled connection to a Redis that restarted fails on first use: once, on a new
-            # connection. Timeouts are not retried (the command may have run); the admission
-            # script answers a second run of the same request as the first.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
-        self.redis = aioredis.Redis(connection_pool=pool)
+        self.redis: aioredis.Redis | aioredis.RedisCluster = _redis_client(config)
         self.authenticator = KeyAuthenticator(
             self.redis, load_from_database=load_principal, timeout_s=config.redis_timeout_s
         )
@@ -135,6 +124,12 @@ class Gateway:
 
     async def start(self) -> None:
         self.session = make_session(self.config.upstream)
+        if isinstance(self.redis, aioredis.RedisCluster):
+            # The slot map first: a cluster client's pub/sub subscribe fails on an empty one
+            # (KeyError), where commands would fetch it themselves. If the cluster is away,
+            # the first command that reaches it loads the map and the subscribers retry.
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.redis.initialize()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.authenticator.start()
         await self.routing.start()
@@ -457,7 +452,12 @@ class Gateway:
     ) -> None:
         """ONE Redis round trip: limiter refund/charge and slot release, the usage event,
         the rollout counters. If Redis refuses, the usage event goes to the local spool and
-        the limiter's settle waits in memory; both are sent again once Redis is back."""
+        the limiter's settle waits in memory; both are sent again once Redis is back.
+        On a Redis Cluster, whose pipelines refuse EVALSHA, the limiter's settle goes first
+        on its own (its script is reloaded if lost, and it waits in memory the same way)."""
+        if reservation is not None and isinstance(self.redis, aioredis.RedisCluster):
+            await self._settle_limiter_alone(event, reservation)
+            reservation = None
         pipeline = await self._settle_pipeline(event, reservation, rollout_deployment_id)
         try:
             await pipeline.execute()
@@ -474,6 +474,19 @@ class Gateway:
             await self.spool.append_async(event)
         if event.key_id is not None:
             self.authenticator.touch(event.key_id)
+
+    async def _settle_limiter_alone(self, event: UsageEvent, reservation: Reservation) -> None:
+        try:
+            # An unreachable Redis is handled inside: the settle waits in memory.
+            await self.limiter.settle(
+                reservation,
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                charged_usd_micros=event.price_charged_usd_micros,
+            )
+        except RedisError as error:
+            log.error("limiter settle of %s failed: %s", event.request_id, error)
+            self._defer_limiter_settle(event, reservation)
 
     def _defer_limiter_settle(self, event: UsageEvent, reservation: Reservation | None) -> None:
         if reservation is None:
@@ -493,13 +506,7 @@ class Gateway:
         try:
             await self.limiter.load_scripts()
             pipeline = self.redis.pipeline(transaction=False)
-            await self.limiter.settle_commands(
-                pipeline,
-                reservation,
-                prompt_tokens=event.prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                charged_usd_micros=event.price_charged_usd_micros,
-            )
+            await self._queue_limiter_settle(pipeline, event, reservation)
             await pipeline.execute()
         except (RedisError, OSError, TimeoutError) as error:
             # The usage event, which bills, was written; the refund is retried later.
@@ -508,23 +515,32 @@ class Gateway:
 
     async def _settle_pipeline(
         self, event: UsageEvent, reservation: Reservation | None, rollout_deployment_id: str | None
-    ) -> Pipeline:
+    ) -> Pipeline | ClusterPipeline:
         pipeline = self.redis.pipeline(transaction=False)
         if reservation is not None and not reservation.degraded:
-            await self.limiter.settle_commands(
-                pipeline,
-                reservation,
-                prompt_tokens=event.prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                charged_usd_micros=event.price_charged_usd_micros,
-            )
+            await self._queue_limiter_settle(pipeline, event, reservation)
         add_usage_event(pipeline, event)
         if rollout_deployment_id is not None:
             _count_for_rollout(pipeline, rollout_deployment_id, event)
         return pipeline
 
+    async def _queue_limiter_settle(
+        self, pipeline: Pipeline | ClusterPipeline, event: UsageEvent, reservation: Reservation
+    ) -> None:
+        # Never a Cluster's pipeline, which refuses EVALSHA: there the settle went alone.
+        assert isinstance(pipeline, Pipeline)
+        await self.limiter.settle_commands(
+            pipeline,
+            reservation,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
+            charged_usd_micros=event.price_charged_usd_micros,
+        )
 
-def _count_for_rollout(pipeline: Pipeline, deployment_id: str, event: UsageEvent) -> None:
+
+def _count_for_rollout(
+    pipeline: Pipeline | ClusterPipeline, deployment_id: str, event: UsageEvent
+) -> None:
     """The request's counters for its deployment's rollout (registry.rollout_metrics)."""
     ttft_ms, completion_tokens = event.ttft_ms, event.completion_tokens
     tpot_s = None
@@ -539,6 +555,38 @@ def _count_for_rollout(pipeline: Pipeline, deployment_id: str, event: UsageEvent
         output_tokens=completion_tokens,
         finish_reason=event.finish_reason or None,
     )
+
+
+def _redis_client(config: GatewayConfig) -> aioredis.Redis | aioredis.RedisCluster:
+    # A pooled connection to a Redis that restarted fails on first use: once, on a new
+    # connection. Timeouts are not retried (the command may have run); the admission script
+    # answers a second run of the same request as the first.
+    retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+    if config.redis_cluster:
+        # One pool per node, of at most `redis_max_connections`; a command beyond that fails
+        # (MaxConnectionsError) where the plain pool below would wait. The cluster client's
+        # one retry also follows a timeout (redis-py retries its own error list there), which
+        # the scripts and the usage event's unique request id make harmless.
+        return aioredis.RedisCluster.from_url(
+            config.redis_url,
+            max_connections=config.redis_max_connections,
+            socket_timeout=config.redis_timeout_s,
+            socket_connect_timeout=config.redis_timeout_s,
+            health_check_interval=10,
+            retry=retry,
+        )
+    # A bounded pool that makes a burst wait briefly for a connection rather than fail:
+    # every in-flight request holds one during admission and settle.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        config.redis_url,
+        max_connections=config.redis_max_connections,
+        timeout=config.redis_timeout_s * 4,
+        socket_timeout=config.redis_timeout_s,
+        socket_connect_timeout=config.redis_timeout_s,
+        health_check_interval=10,
+        retry=retry,
+    )
+    return aioredis.Redis(connection_pool=pool)
 
 
 _gateway: Gateway | None = None
