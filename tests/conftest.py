@@ -9,6 +9,8 @@ import pytest
 import redis
 from django.conf import settings
 
+from tests.redis_cluster import LocalRedisCluster
+
 
 @pytest.fixture(autouse=True)
 def _fast_password_hashing(settings: Any) -> None:
@@ -25,6 +27,15 @@ def redis_client() -> Iterator[redis.Redis]:
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def redis_cluster(settings: Any) -> Iterator[LocalRedisCluster]:
+    """REDIS_CLUSTER on, REDIS_URL naming one node of a fresh local 3-master cluster."""
+    with LocalRedisCluster() as cluster:
+        settings.REDIS_CLUSTER = True
+        settings.REDIS_URL = cluster.url
+        yield cluster
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -33,15 +33,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def redis_cluster(settings: Any) -> Iterator[LocalRedisCluster]:
-    """REDIS_CLUSTER on, REDIS_URL naming one node of a fresh local cluster."""
-    with LocalRedisCluster() as cluster:
-        settings.REDIS_CLUSTER = True
-        settings.REDIS_URL = cluster.url
-        yield cluster
-
-
-@pytest.fixture
 def cluster_gateway(
     redis_cluster: LocalRedisCluster, transactional_db: None
 ) -> Iterator[GatewayServer]:
