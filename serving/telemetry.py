@@ -99,5 +99,6 @@ def forget_replicas(client: redis.Redis, replica_ids: Iterable[str]) -> None:
         return
     pipe = client.pipeline(transaction=False)
     pipe.hdel(ROUTING_TELEMETRY_KEY, *ids)
-    pipe.delete(*(replica_key(rid) for rid in ids))
+    for rid in ids:  # one key a DEL: keys in different slots are CROSSSLOT on a Cluster
+        pipe.delete(replica_key(rid))
     pipe.execute()

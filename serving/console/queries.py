@@ -32,7 +32,7 @@ import redis
 from django.db import connection
 from django.utils import timezone
 
-from config.redis import redis_client
+from config.redis import get_many, redis_client
 from serving import telemetry
 from serving.models import Gpu, Node, Replica
 
@@ -57,7 +57,7 @@ def _live_replicas() -> list[Replica]:
 def _replica_telemetry(client: redis.Redis, replica_ids: list[str]) -> dict[str, dict[str, Any]]:
     if not replica_ids:
         return {}
-    raw = client.mget([telemetry.replica_key(rid) for rid in replica_ids])
+    raw = get_many(client, [telemetry.replica_key(rid) for rid in replica_ids])
     return {rid: orjson.loads(row) for rid, row in zip(replica_ids, raw, strict=True) if row}
 
 
@@ -65,7 +65,7 @@ def _node_utilizations(client: redis.Redis, node_ids: list[int]) -> list[float]:
     if not node_ids:
         return []
     values: list[float] = []
-    for row in client.mget([telemetry.node_key(nid) for nid in node_ids]):
+    for row in get_many(client, [telemetry.node_key(nid) for nid in node_ids]):
         if not row:
             continue
         for gpu in orjson.loads(row).get("gpus") or []:
