@@ -7,7 +7,9 @@ before this starts, so the pair has the machine's two cores, one each."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -116,13 +118,16 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Phase, Phas
                 raise AssertionError(f"{role} did not come up:\n{tail}") from None
         yield phases[0], phases[1]
     finally:
+        # Each engine leads its own process group (its engine core is a child): the whole
+        # group goes, so no busy-polling engine core outlives the test.
         for phase in phases:
-            phase.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(phase.process.pid, signal.SIGTERM)
         for phase in phases:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 phase.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                phase.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(phase.process.pid, signal.SIGKILL)
 
 
 def _healthy(phase: Phase) -> bool:
