@@ -49,12 +49,15 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from tenants.redis_calls import bounded, is_cluster
+
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 KEY_RECORD_PREFIX = "apikey:"
 KEY_EVENTS_CHANNEL = "tenants:key-events"
@@ -283,6 +286,8 @@ class KeyAuthenticator:
         self._redis = redis
         self._cache_ttl_s = cache_ttl_s
         self._timeout_s = timeout_s
+        # On a Redis Cluster a command is never cancelled mid-flight (tenants/redis_calls.py).
+        self._shield = is_cluster(redis)
         self._touch_flush_s = touch_flush_s
         self._load_from_database = load_from_database
         # Bounded: made-up keys must not grow a process's memory without limit.
@@ -323,9 +328,7 @@ class KeyAuthenticator:
     async def _lookup(self, raw_key: str, secret_hash: str) -> KeyPrincipal | None:
         redis_up = True
         try:
-            raw = await asyncio.wait_for(
-                self._redis.get(key_record_name(secret_hash)), self._timeout_s
-            )
+            raw = await self._bounded(self._redis.get(key_record_name(secret_hash)))
         except (RedisError, OSError, TimeoutError) as error:
             logger.warning("API key record unreadable from Redis (%s); asking PostgreSQL", error)
             raw, redis_up = None, False
@@ -338,7 +341,7 @@ class KeyAuthenticator:
         if redis_up:
             # Seed Redis so the next process to miss its cache need not ask PostgreSQL.
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await asyncio.wait_for(
+                await self._bounded(
                     # NX: a revocation written meanwhile by the control plane wins.
                     self._redis.set(
                         key_record_name(secret_hash),
@@ -346,10 +349,12 @@ class KeyAuthenticator:
                         nx=True,
                         # an unknown key's tombstone expires: the key may be created later
                         ex=None if principal is not None else MISSING_KEY_TTL_S,
-                    ),
-                    self._timeout_s,
+                    )
                 )
         return principal
+
+    async def _bounded(self, command: Awaitable[T]) -> T:
+        return await bounded(command, self._timeout_s, shield=self._shield)
 
     def _must_recheck(self, secret_hash: str) -> bool:
         return time.monotonic() < self._recheck_until and secret_hash not in self._rechecked
@@ -376,11 +381,10 @@ class KeyAuthenticator:
                 "is revoked" if authority is None else "reads otherwise",
             )
             with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await asyncio.wait_for(
+                await self._bounded(
                     self._replace_if_unchanged(
                         keys=[key_record_name(secret_hash)], args=[raw, record]
-                    ),
-                    self._timeout_s,
+                    )
                 )
         return authority
 
@@ -407,9 +411,8 @@ class KeyAuthenticator:
             return
         batch, self._touched = self._touched, {}
         try:
-            await asyncio.wait_for(
-                self._redis.hset(LAST_USED_HASH, mapping={str(k): v for k, v in batch.items()}),
-                self._timeout_s,
+            await self._bounded(
+                self._redis.hset(LAST_USED_HASH, mapping={str(k): v for k, v in batch.items()})
             )
         except (RedisError, OSError, TimeoutError) as error:
             logger.warning("Could not record API key use in Redis: %s", error)
