@@ -18,6 +18,10 @@ from the roofline of `serving.engine.perf.PerfModel` for the replica's GPU class
   shared by the batch), at the hour's mean context;
 - a cached prompt token weighs nothing: the prefix cache skipped its prefill.
 
+A disaggregated request is in two replicas' splits, each charging its own part: on its prefill
+replica its prompt with no completion, on its decode replica its completion with the whole
+prompt cached (it arrived as KV cache over the link); metering.rollups adds the two up.
+
 The mean batch is read from the requests themselves: the sum of their decode times
 (total - TTFT) over the ready time is the mean number decoding at once. A decode token
 therefore weighs more on a quiet replica (its step is shared by fewer requests).

@@ -101,6 +101,8 @@ COLUMNS: tuple[str, ...] = (
     "baseline_pool",
     "baseline_cost_usd_micros",
     "trace_id",
+    "prefill_replica_id",
+    "prefill_pool",
 )
 # Columns the gateway may leave unset or an older gateway did not send; every other one must be there.
 _DEFAULTS: dict[str, object] = {
@@ -110,6 +112,8 @@ _DEFAULTS: dict[str, object] = {
     "baseline_pool": "",
     "baseline_cost_usd_micros": 0,
     "trace_id": "",
+    "prefill_replica_id": "",
+    "prefill_pool": "",
 }
 _DEFAULTED = frozenset(COLUMNS) - set(_DEFAULTS)
 

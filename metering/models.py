@@ -5,12 +5,12 @@ invoice totals and price sheets are also kept as Decimal USD for people and expo
 
 The usage-event table is written in bulk (COPY) and read by tenant and time. It stores ids,
 not foreign keys: a constraint check per row would slow the bulk insert, and an event must be
-kept even after its key, version or deployment is deleted. It is a plain table with a BRIN
-index on `started_at` (rows arrive in time order, so a BRIN range summary stays tight and costs
-a few pages at hundreds of millions of rows) and a B-tree on (tenant_id, started_at) for
-per-tenant queries. Monthly partitioning was rejected: PostgreSQL only enforces a unique key
-that includes the partition key, and the request id must be unique across all time so a
-replay is always a no-op.
+kept even after its key, version or deployment is deleted. It has a BRIN index on `started_at`
+(rows arrive in time order, so a BRIN range summary stays tight and costs a few pages at
+hundreds of millions of rows) and a B-tree on (tenant_id, started_at) for per-tenant queries.
+In PostgreSQL it is partitioned by month of `started_at` with the primary key (request_id,
+started_at), which this model does not declare (migration 0004, metering.partitions): a column
+added here reaches every partition, and partitions made later copy the parent's columns.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ class UsageEvent(models.Model):
     baseline_cost_usd_micros = models.BigIntegerField(default=0)
     # The request's OpenTelemetry trace id, "" when it was not traced.
     trace_id = models.CharField(max_length=32, blank=True, default="")
+    # Where a disaggregated request's prompt was prefilled ("" when it was colocated):
+    # replica_id and pool are then its decode replica's.
+    prefill_replica_id = models.CharField(max_length=64, blank=True, default="")
+    prefill_pool = models.CharField(max_length=64, blank=True, default="")
 
     class Meta:
         indexes = [

@@ -3,6 +3,10 @@
 `recompute_hour(hour)` is idempotent: it attributes the hour's replica cost to its events, then
 replaces the hour's rollup rows with fresh aggregates. Running it twice, or after late events
 arrived, leaves the same rows a single run over the same events would.
+
+A disaggregated request (one with a prefill replica) is work on two replicas: its prompt's
+prefill on the prefill replica, its decode on the decode replica (`replica_id`). Each replica's
+split charges it for its own part, and the event's cost to serve is the sum of both.
 """
 
 from __future__ import annotations
@@ -97,8 +101,9 @@ Served = dict[str, list[tuple[cost.ServedRequest, str]]]
 def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
     """Split each replica's ready GPU time of the hour (metering.ledger) over the requests it
     served there, the rest idle (metering.cost.split); price each request's work where least
-    load would have sent it; replace the hour's ReplicaHour rows. Returns how many events were
-    updated. Events of a replica with no ready time in the hour are charged nothing."""
+    load would have sent it; replace the hour's ReplicaHour rows. A disaggregated request is
+    charged the sum of its parts on its prefill and decode replicas. Returns how many events
+    were updated. Work on a replica with no ready time in the hour is charged nothing."""
     now = now or timezone.now()
     end = hour + timedelta(hours=1)
     events = _served_in(hour, end)
@@ -127,10 +132,11 @@ def attribute_hour(hour: datetime, now: datetime | None = None) -> int:
                 )
             )
         rows.append(_replica_hour(hour, item, share, now))
-    _write_charges(charges)
+    totals = _per_request(charges)
+    _write_charges(totals)
     ReplicaHour.objects.filter(hour=hour).delete()
     ReplicaHour.objects.bulk_create(rows)
-    return len(charges)
+    return len(totals)
 
 
 def _priced(
@@ -150,14 +156,16 @@ def _priced(
 
 
 def _served_in(start: datetime, end: datetime) -> Served:
-    """The period's events by replica: each as work to price, with its baseline replica."""
+    """The period's events by replica: each as work to price, with its baseline replica. A
+    disaggregated request is listed on both of its replicas, with its work on each."""
     rows = (
         UsageEvent.objects.filter(started_at__gte=start, started_at__lt=end)
-        .exclude(replica_id="")
+        .exclude(replica_id="", prefill_replica_id="")
         .order_by("started_at", "request_id")
         .values_list(
             "request_id",
             "replica_id",
+            "prefill_replica_id",
             "baseline_replica_id",
             "prompt_tokens",
             "cached_prompt_tokens",
@@ -167,11 +175,23 @@ def _served_in(start: datetime, end: datetime) -> Served:
         )
     )
     by_replica: Served = defaultdict(list)
-    for rid, replica, baseline, prompt, cached, completion, ttft, total in rows:
+    for rid, replica, prefill_replica, baseline, prompt, cached, completion, ttft, total in rows:
         decode_ms = max(0.0, (total or 0.0) - (ttft or total or 0.0))
-        by_replica[replica].append(
-            (cost.ServedRequest(rid, prompt, cached, completion, decode_ms), baseline)
-        )
+        if not prefill_replica:
+            by_replica[replica].append(
+                (cost.ServedRequest(rid, prompt, cached, completion, decode_ms), baseline)
+            )
+            continue
+        # Its prefill (the one token the prefill phase generates is not worth a decode step);
+        # no baseline: least load's choice is priced on the decode part.
+        by_replica[prefill_replica].append((cost.ServedRequest(rid, prompt, cached, 0, 0.0), ""))
+        if replica:
+            # The whole prompt arrived over the KV link, so it counts as cached here. The decode
+            # engine's recompute of the prompt's last partial block (under one KV block of
+            # tokens) is not charged.
+            by_replica[replica].append(
+                (cost.ServedRequest(rid, prompt, prompt, completion, decode_ms), baseline)
+            )
     return by_replica
 
 
@@ -214,6 +234,25 @@ def _replica_hour(
         idle_usd_micros=share.idle_usd_micros,
         as_of=min(now, hour + timedelta(hours=1)),
     )
+
+
+def _per_request(charges: Sequence[_Charge]) -> list[_Charge]:
+    """One charge per request: a disaggregated request's parts on its two replicas summed, since
+    an UPDATE ... FROM with a request id twice would apply only one of them."""
+    totals: dict[str, _Charge] = {}
+    for charge in charges:
+        seen = totals.get(charge.request_id)
+        totals[charge.request_id] = (
+            charge
+            if seen is None
+            else _Charge(
+                charge.request_id,
+                seen.gpu_seconds + charge.gpu_seconds,
+                seen.cost_usd_micros + charge.cost_usd_micros,
+                seen.baseline_usd_micros + charge.baseline_usd_micros,
+            )
+        )
+    return list(totals.values())
 
 
 def _write_charges(charges: Sequence[_Charge]) -> None:

@@ -71,6 +71,10 @@ class UsageEvent:
     baseline_cost_usd_micros: int = 0  # priced later by metering.rollups, never by the gateway
     # The request's OpenTelemetry trace (32 hex digits), "" when tracing is off or not sampled.
     trace_id: str = ""
+    # Where the prompt was prefilled for a disaggregated request (the prefill replica's router
+    # id and its pool's name; replica_id and pool are then the decode replica's), "" otherwise.
+    prefill_replica_id: str = ""
+    prefill_pool: str = ""
 
     def to_json(self) -> bytes:
         # orjson serializes a dataclass natively, several times faster than asdict().
