@@ -49,7 +49,7 @@ class StaffOnlyFieldsMixin:
 
 
 class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[UsageEvent]):
-    staff_only_fields = ("replica_id", "gpu_seconds", "cost_to_serve_usd")
+    staff_only_fields = ("replica_id", "prefill_replica_id", "gpu_seconds", "cost_to_serve_usd")
     price_charged_usd = serializers.SerializerMethodField()
     cost_to_serve_usd = serializers.SerializerMethodField(help_text="Staff only.")
 
@@ -65,6 +65,8 @@ class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Usa
             "deployment_id",
             "pool",
             "replica_id",
+            "prefill_pool",
+            "prefill_replica_id",
             "priority",
             "prompt_tokens",
             "cached_prompt_tokens",
@@ -83,6 +85,11 @@ class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Usa
         ]
         extra_kwargs = {
             "replica_id": {"help_text": "Staff only."},
+            "prefill_pool": {
+                "help_text": "Where a disaggregated request's prompt was prefilled; empty "
+                "for a request served whole on one replica (`pool`)."
+            },
+            "prefill_replica_id": {"help_text": "Staff only."},
             "gpu_seconds": {"help_text": "Staff only."},
         }
 

@@ -87,6 +87,14 @@ KV_CONNECTORS: dict[str, tuple[str, dict[str, str]]] = {
     "nixl": ("NixlConnector", {"prefill": "kv_both", "decode": "kv_both"}),
     "shared_storage": ("ExampleConnector", {"prefill": "kv_producer", "decode": "kv_consumer"}),
 }
+# The link (a row of serving/engine/data/links.csv) the router predicts each connector's
+# hand-over on. NIXL: GPU nodes' RDMA NICs, one 400 Gb/s NIC per GPU as in HGX rail designs
+# (no pool field names its fabric yet, so a RoCE or slower fabric is predicted optimistic);
+# shared storage: one host's file system, as the CPU nodes run it.
+KV_CONNECTOR_LINKS: dict[str, str] = {
+    "nixl": "infiniband-ndr-400",
+    "shared_storage": "shared-storage-local",
+}
 
 
 def kv_transfer(launch: Launch) -> dict[str, str] | None:

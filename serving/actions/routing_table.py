@@ -20,7 +20,13 @@ from django.utils import timezone
 from config.redis import redis_client
 from registry.models import Rollout
 from serving.actions.credentials import engine_api_key
-from serving.actions.reconcile import Launch, deployment_launch, deployments_to_run, phase_launch
+from serving.actions.reconcile import (
+    KV_CONNECTOR_LINKS,
+    Launch,
+    deployment_launch,
+    deployments_to_run,
+    phase_launch,
+)
 from serving.models import Node, Replica
 from serving.redis_contracts import (
     ROUTING_DIGEST_KEY,
@@ -146,6 +152,8 @@ def _replica_row(replica: Replica, launch: Launch) -> dict[str, Any]:
         # LoRA slots: the router sends adapter requests only where adapters can be served.
         "max_loras": launch.max_loras if launch.enable_lora else 0,
         "adapters": [name for name, _ in launch.adapters],
+        # A prefill or decode replica's end of the KV hand-over (colocated: none).
+        "kv_link": KV_CONNECTOR_LINKS.get(launch.kv_connector) if launch.kv_connector else None,
     }
 
 

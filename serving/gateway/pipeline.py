@@ -33,7 +33,7 @@ from serving.gateway.guardrails import GuardrailInput, run_guardrails
 from serving.gateway.routing import ReplicaEndpoint
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from serving.gateway.tracing import RequestTrace, end
-from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream
+from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream, post_json
 from serving.router import Decision, ReplicaState, RouteRequest
 from serving.router.contracts import Tier
 from tenants.keys import KeyPrincipal
@@ -56,6 +56,18 @@ CLIENT_ERROR_STATUSES = frozenset({400, 413, 422})
 REPLICA_REFUSALS = frozenset({401, 403, 429})
 # An engine's internal error: the replica's fault, or the request's when it repeats elsewhere.
 ENGINE_INTERNAL_ERROR = 500
+# A disaggregated request's prefill asks the engine to keep the prompt's KV for a decode
+# elsewhere, with the fields vLLM's disaggregated proxy sends
+# (vllm tests/v1/kv_connector/nixl_integration/toy_proxy_server.py) and llm-d's routing
+# sidecar too; the answer's `kv_transfer_params` say where the decode pulls it from.
+REMOTE_DECODE: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def engine_cache_salt(tenant_id: object) -> str:
@@ -104,7 +116,10 @@ class Outcome:
     completion_tokens: int = 0
     first_token_at: float | None = None
     queue_s: float = 0.0
+    # The replica that streamed (or was to stream) the answer; for a disaggregated request
+    # the decode replica, `prefill_replica` the one that prefilled the prompt.
     replica: ReplicaEndpoint | None = None
+    prefill_replica: ReplicaEndpoint | None = None
     error: str | None = None
 
 
@@ -156,6 +171,9 @@ class Exchange:
     _upstream_span: Span | None = None
     _first_token_span: Span | None = None
     _decode_span: Span | None = None
+    # A disaggregated request's prompt tokens that the prefill replica's prefix cache held
+    # (the decode engine reports every prompt token it received over the KV link as cached).
+    _prefill_cached: int | None = None
 
     @property
     def path(self) -> str:
@@ -341,12 +359,31 @@ class Exchange:
         return self._accepted
 
     def prefill_tokens(self) -> int:
-        """The prefill this request puts on its replica: the prompt less what the router
-        expects that replica to hold in its prefix cache."""
+        """The prefill this request puts on the replica that streams it: the prompt less
+        what the router expects that replica to hold in its prefix cache. None on a decode
+        replica: its prompt arrives over the KV link (`prompt_prefill_tokens` is the prefill
+        replica's)."""
+        if self.decision is not None and self.decision.prefill_replica is not None:
+            return 0
+        return self.prompt_prefill_tokens()
+
+    def prompt_prefill_tokens(self) -> int:
+        """The prompt less what the router expects its prefilling replica's cache to hold."""
         cached = self.decision.cached_tokens if self.decision is not None else 0
         return max(0, self.prompt_estimate - cached)
 
-    def upstream_payload(self, endpoint: ReplicaEndpoint) -> dict[str, Any]:
+    def prefill_payload(self, endpoint: ReplicaEndpoint) -> dict[str, Any]:
+        """The body of a disaggregated request's prefill: the request itself, not streamed,
+        one token to generate, the KV kept for a remote decode."""
+        payload = self.upstream_payload(endpoint)
+        payload.pop("stream_options", None)
+        payload.pop("min_tokens", None)  # above max_tokens 1 the engine would refuse it
+        payload.update(stream=False, max_tokens=1, kv_transfer_params=dict(REMOTE_DECODE))
+        return payload
+
+    def upstream_payload(
+        self, endpoint: ReplicaEndpoint, kv_transfer_params: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         payload = self.body.engine_fields()
         payload["model"] = self.adapter or endpoint.served_model_name
         # The tenant's own prefix-cache namespace in the engine: one tenant's cached prompt is
@@ -363,6 +400,9 @@ class Exchange:
             # the key's cap (which the admission reserved).
             max_tokens = max(1, min(max_tokens, endpoint.max_model_len - self.prompt_estimate))
         payload["max_tokens"] = max_tokens
+        if kv_transfer_params is not None:
+            # Where the decode engine pulls the prompt's KV from: the prefill's answer.
+            payload["kv_transfer_params"] = kv_transfer_params
         return payload
 
     async def _open_upstream(
@@ -371,25 +411,43 @@ class Exchange:
         """Open the replica's stream and wait for its first chunk, retrying once on another
         replica if this one fails before producing anything (connect error, an error status,
         a crash or a silence during prefill). Returns the stream, its chunk iterator and the
-        first chunk (None for an empty stream)."""
+        first chunk (None for an empty stream).
+
+        A disaggregated decision (`Decision.prefill_replica`) runs its prefill first
+        (`_prefill`), then streams the decode from the decode replica with the prefill's
+        `kv_transfer_params`. A failure of either phase before the first token is that
+        replica's: it is excluded and the router asked again, so a failed prefill is retried
+        on another prefill replica, and a failed decode runs the request again on a new
+        choice (its prefill a prefix-cache hit on the replica that prefilled it, or a
+        colocated replica where the router now finds that better). Re-running the prefill
+        rather than handing the first prefill's KV to another decode replica is the safe
+        choice: vLLM frees a prefill's blocks once a decode has pulled them, and a decode
+        that failed may have."""
         tried: set[str] = set()
         for attempt in range(2):
             assert self.decision is not None and self.decision.replica is not None
             replica_id = self.decision.replica.replica_id
             endpoint = self.gateway.endpoint(replica_id)
+            prefill = self._prefill_endpoint()
             self.outcome.replica = endpoint
+            self.outcome.prefill_replica = prefill
+            self._prefill_cached = None
             if endpoint is None:
                 raise _no_capacity("The chosen replica left the routing table; retry.", retry_s=1)
-            self.gateway.request_started(replica_id, self.prefill_tokens())
-            self._started_on = replica_id
+            # The replica whose failure it is if this attempt fails.
+            failing = prefill or endpoint
             stream: UpstreamStream | None = None
-            trace_headers = self._trace_upstream(replica_id) if self.trace is not None else None
             try:
+                kv_params = await self._prefill(prefill) if prefill is not None else None
+                failing = endpoint
+                self.gateway.request_started(replica_id, self.prefill_tokens())
+                self._started_on = replica_id
+                trace_headers = self._trace_upstream(replica_id) if self.trace is not None else None
                 stream = await open_stream(
                     self.gateway.session,
                     endpoint.endpoint,
                     self.path,
-                    self.upstream_payload(endpoint),
+                    self.upstream_payload(endpoint, kv_params),
                     api_key=endpoint.api_key,
                     extra_headers=trace_headers,
                 )
@@ -409,8 +467,8 @@ class Exchange:
                 if self.trace is not None:
                     self._upstream_failed(error)
                 self._finish_on_replica(first_token_seen=False)
-                tried.add(replica_id)
-                self._refused_before_first_token(error, endpoint, last_try=attempt == 1)
+                tried.add(failing.replica_id)
+                self._refused_before_first_token(error, failing, last_try=attempt == 1)
                 if error.status == 404 and not self._served_elsewhere(tried):
                     raise self._not_loaded() from error
                 await self._choose_replica(exclude=frozenset(tried))
@@ -422,8 +480,65 @@ class Exchange:
                     self._end_upstream_spans()
                 self._finish_on_replica(first_token_seen=False)
                 self.gateway.abandon_probe(replica_id)
+                if prefill is not None:
+                    self.gateway.abandon_probe(prefill.replica_id)
                 raise
         raise AssertionError("unreachable")
+
+    def _prefill_endpoint(self) -> ReplicaEndpoint | None:
+        """The prefill replica of a disaggregated decision, None for a colocated one."""
+        assert self.decision is not None
+        chosen = self.decision.prefill_replica
+        if chosen is None:
+            return None
+        endpoint = self.gateway.endpoint(chosen.replica_id)
+        if endpoint is None:
+            raise _no_capacity("The chosen replica left the routing table; retry.", retry_s=1)
+        return endpoint
+
+    async def _prefill(self, endpoint: ReplicaEndpoint) -> dict[str, Any] | None:
+        """A disaggregated request's first phase: the prompt prefilled on `endpoint`, one
+        token generated and dropped, its KV kept for the decode replica. Returns the answer's
+        `kv_transfer_params` for the decode call (None where the connector needs none: the
+        shared-storage one finds the KV by the prompt). The client leaving cancels the call,
+        and dropping its connection makes the engine abort it."""
+        gateway = self.gateway
+        tokens = self.prompt_prefill_tokens()
+        gateway.request_started(endpoint.replica_id, tokens)
+        span = None
+        headers = None
+        if self.trace is not None:
+            span = self.trace.start("gateway.prefill", kind=SpanKind.CLIENT)
+            if span is not None:
+                span.set_attribute("replica.id", endpoint.replica_id)
+            headers = self.trace.headers(span)
+        failure = "cancelled"
+        try:
+            answer = await post_json(
+                gateway.session,
+                endpoint.endpoint,
+                self.path,
+                self.prefill_payload(endpoint),
+                api_key=endpoint.api_key,
+                extra_headers=headers,
+            )
+            failure = ""
+        except UpstreamError as error:
+            failure = error.kind
+            raise
+        finally:
+            # Its prompt is no longer queued there either way: done, failed or abandoned.
+            gateway.request_finished(endpoint.replica_id, tokens, first_token_seen=False)
+            if failure:
+                end(span, **{"error.kind": failure})
+            else:
+                end(span)
+        gateway.record_success(endpoint)
+        usage = answer.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        self._prefill_cached = int(details.get("cached_tokens") or 0)
+        params = answer.get("kv_transfer_params")
+        return params if isinstance(params, dict) else None
 
     # --- spans of the upstream phases (called only while traced) --------------------------------
 
@@ -660,6 +775,10 @@ class Exchange:
         self.outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
         self.outcome.cached_prompt_tokens = int(details.get("cached_tokens") or 0)
+        if self._prefill_cached is not None:
+            # The decode engine counts the prompt it received over the KV link as cached:
+            # the tenant's cached tokens are those the prefill replica's cache held.
+            self.outcome.cached_prompt_tokens = self._prefill_cached
 
     @staticmethod
     def _has_content(choice: dict[str, Any]) -> bool:
@@ -718,6 +837,9 @@ class Exchange:
             "gen_ai.request.model": self.model,
             "tenant.id": self.principal.tenant_id,
             "replica.id": outcome.replica.replica_id if outcome.replica else "",
+            "replica.prefill_id": (
+                outcome.prefill_replica.replica_id if outcome.prefill_replica else ""
+            ),
             "gen_ai.usage.prompt_tokens": outcome.prompt_tokens,
             "gen_ai.usage.completion_tokens": outcome.completion_tokens,
             "request.status": outcome.status,
@@ -739,6 +861,7 @@ class Exchange:
         outcome = self.outcome
         principal = self.principal
         replica = outcome.replica
+        prefill = outcome.prefill_replica if replica is not None else None
         # The decision that sent the request to `replica` (a retry's replaces the first's).
         baseline = (
             self.decision.baseline_replica
@@ -785,6 +908,8 @@ class Exchange:
             baseline_replica_id=baseline.replica_id if baseline else "",
             baseline_pool=baseline.pool if baseline else "",
             trace_id=self.trace.trace_id if self.trace is not None else "",
+            prefill_replica_id=prefill.replica_id if prefill else "",
+            prefill_pool=prefill.pool if prefill else "",
         )
 
     def _reservation(self) -> Reservation | None:

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
+from serving.engine.link import load_link_specs
 from serving.engine.perf import PerfModel
 from serving.engine.specs import find_model_spec, load_gpu_specs
 from serving.redis_contracts import (
@@ -27,7 +28,9 @@ from serving.redis_contracts import (
     ROUTING_UPDATES_CHANNEL,
 )
 from serving.router import (
+    COLOCATED,
     DeploymentRoute,
+    KvLink,
     ModelRoute,
     PrefixIndex,
     ReplicaPerf,
@@ -76,6 +79,8 @@ class ReplicaEndpoint:
     version_id: str | None
     price_per_hour: float
     max_model_len: int = 0
+    # Colocated, or the phase of a disaggregated deployment it serves (prefill or decode).
+    phase: str = COLOCATED
     # The replica's engine key, sent as its Bearer token (vLLM's --api-key).
     api_key: str | None = field(default=None, repr=False)
 
@@ -87,6 +92,9 @@ class RoutingSnapshot:
     endpoints: dict[str, ReplicaEndpoint]
     deployment_tiers: dict[str, str] = field(default_factory=dict)
     served_models: frozenset[str] = frozenset()
+    # Models with prefill or decode replicas: routed by the disaggregated policy, which also
+    # weighs their colocated replicas (the other policies know no phases).
+    disaggregated_models: frozenset[str] = frozenset()
 
 
 @lru_cache(maxsize=512)
@@ -140,7 +148,16 @@ def _replica_state(model: str, deployment: dict[str, Any], row: dict[str, Any]) 
         adapters_loaded=frozenset(row.get("adapters") or ()),
         max_loras=int(row.get("max_loras") or 0),
         telemetry_at=time.monotonic(),
+        role=str(row.get("phase") or COLOCATED),
+        kv_link=_kv_link(row.get("kv_link")),
     )
+
+
+def _kv_link(name: object) -> KvLink | None:
+    """The replica's end of its KV hand-over (links.csv); None for a colocated replica or a
+    link this gateway's data does not know (the router then pairs it with nothing)."""
+    spec = load_link_specs().get(str(name)) if name else None
+    return KvLink(spec.gbytes_per_s, spec.latency_s) if spec is not None else None
 
 
 def build_snapshot(
@@ -185,6 +202,7 @@ def build_snapshot(
                     ),
                     price_per_hour=replica.price_per_hour,
                     max_model_len=int(row.get("max_model_len") or 0),
+                    phase=replica.role,
                     api_key=str(row["api_key"]) if row.get("api_key") else None,
                 )
     state = RouterState(
@@ -193,7 +211,10 @@ def build_snapshot(
     served = frozenset(
         route.model for route in routes if any(d.weight > 0 for d in route.deployments)
     )
-    return RoutingSnapshot(int(table.get("version", 0)), state, endpoints, tiers, served)
+    disaggregated = frozenset(replica.model for replica in replicas if replica.role != COLOCATED)
+    return RoutingSnapshot(
+        int(table.get("version", 0)), state, endpoints, tiers, served, disaggregated
+    )
 
 
 class RoutingCache:

@@ -40,6 +40,7 @@ from serving.router import (
     AdmissionQueue,
     CircuitBreaker,
     Decision,
+    Disaggregated,
     Policy,
     QueueFull,
     RouterConfig,
@@ -117,6 +118,7 @@ class Gateway:
         self.session: aiohttp.ClientSession = None  # type: ignore[assignment]  # set in start
         self._policy: Policy | None = None
         self._policy_version = -1
+        self._disaggregated: Disaggregated | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
 
@@ -262,7 +264,9 @@ class Gateway:
             headers={"Retry-After": "2"},
         )
 
-    def policy(self) -> Policy:
+    def policy(self, model: str = "") -> Policy:
+        """The configured policy, or for a model with prefill and decode replicas the
+        disaggregated one (the others know no phases), both over the current snapshot."""
         snapshot = self.routing.snapshot
         if (
             self._policy is None
@@ -270,7 +274,10 @@ class Gateway:
             or (self._policy.state is not snapshot.state)
         ):
             self._policy = POLICIES[self.config.policy](snapshot.state, self.router_config)
+            self._disaggregated = Disaggregated(snapshot.state, self.router_config)
             self._policy_version = snapshot.version
+        if model in snapshot.disaggregated_models and self._disaggregated is not None:
+            return self._disaggregated
         return self._policy
 
     def choose(self, request: RouteRequest, exclude: frozenset[str]) -> Decision:
@@ -287,7 +294,7 @@ class Gateway:
                 hidden.append((replica_id, replica.breaker_open_until))
                 replica.breaker_open_until = far_future
         try:
-            decision = self.policy().choose(request, time.monotonic())
+            decision = self.policy(request.model).choose(request, time.monotonic())
         finally:
             for replica_id, until in hidden:
                 state.set_breaker(replica_id, until)

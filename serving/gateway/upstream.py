@@ -265,11 +265,57 @@ async def open_stream(
 ) -> UpstreamStream:
     """POST a streaming generation with the replica's engine key (and `extra_headers`: the
     traceparent of a traced request); return once the replica answered with 200 headers."""
+    response = await _post(session, f"{endpoint}{path}", payload, api_key, extra_headers)
+    return UpstreamStream(response)
+
+
+async def post_json(
+    session: aiohttp.ClientSession,
+    endpoint: str,
+    path: str,
+    payload: dict[str, Any],
+    api_key: str | None = None,
+    extra_headers: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """POST a generation that is not streamed (a disaggregated request's prefill) and return
+    its JSON answer; failures raise `UpstreamError` as `open_stream`'s do (a body that is not
+    a JSON object, or that breaks off, is `stream_broken`). Cancelling the call drops the
+    connection, which makes the engine abort."""
+    response = await _post(session, f"{endpoint}{path}", payload, api_key, extra_headers)
+    try:
+        body = await response.read()
+    except (aiohttp.ClientError, TimeoutError) as error:
+        response.close()
+        raise UpstreamError(f"replica answer broke: {error!r}", kind="stream_broken") from error
+    finally:
+        response.release()
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise UpstreamError(
+            f"replica answered 200 without a JSON object: {body[:200]!r}", kind="stream_broken"
+        )
+    failure = error_event(answer)
+    if failure is not None:
+        raise failure
+    return answer
+
+
+async def _post(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    api_key: str | None,
+    extra_headers: dict[str, str] | None,
+) -> aiohttp.ClientResponse:
+    """The replica's 200 response to a POST; anything else raises `UpstreamError`."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     if extra_headers:
         headers.update(extra_headers)
     try:
-        response = await session.post(f"{endpoint}{path}", json=payload, headers=headers)
+        response = await session.post(url, json=payload, headers=headers)
     except (aiohttp.ClientError, TimeoutError, OSError) as error:
         raise UpstreamError(f"could not reach replica: {error!r}", kind="connect") from error
     if response.status != 200:
@@ -287,4 +333,4 @@ async def open_stream(
             engine_message=engine_message,
             param=param,
         )
-    return UpstreamStream(response)
+    return response

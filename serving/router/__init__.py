@@ -3,9 +3,13 @@
 from serving.router.breaker import BreakerState, CircuitBreaker
 from serving.router.canary import deployments_in_order, split_by_weight, versions_in_order
 from serving.router.contracts import (
+    COLOCATED,
+    DECODE,
     DEFAULT_SLO_TIERS,
+    PREFILL,
     Decision,
     DeploymentRoute,
+    KvLink,
     ModelRoute,
     Reason,
     ReplicaPerf,
@@ -32,8 +36,11 @@ from serving.router.prefix import PrefixIndex
 from serving.router.queue import AdmissionQueue, QueueFull
 
 __all__ = [
+    "COLOCATED",
+    "DECODE",
     "DEFAULT_SLO_TIERS",
     "POLICIES",
+    "PREFILL",
     "AdmissionQueue",
     "BreakerState",
     "CircuitBreaker",
@@ -41,6 +48,7 @@ __all__ = [
     "Decision",
     "DeploymentRoute",
     "Disaggregated",
+    "KvLink",
     "LeastLoad",
     "ModelRoute",
     "Policy",

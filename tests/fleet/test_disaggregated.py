@@ -11,10 +11,11 @@ from django.core.exceptions import ValidationError
 
 from registry.actions import do_create_deployment, do_update_deployment
 from registry.models import Deployment, ModelVersion
-from serving.actions.reconcile import desired_replica_specs, do_reconcile
+from serving.actions.reconcile import KV_CONNECTOR_LINKS, desired_replica_specs, do_reconcile
 from serving.actions.routing_table import build_routing_table
 from serving.agent.launch import LaunchSettings, build_launch_command
 from serving.agent.specs import SpecError, parse_replica_spec, with_port
+from serving.engine.link import load_link_specs
 from serving.enginesim.config import parse_args
 from serving.models import GpuPool, Node, Replica
 
@@ -184,6 +185,10 @@ def test_the_routing_table_says_which_phase_each_replica_serves(
     phases = {r["phase"]: r["pool"] for r in row["replicas"]}
     assert phases == {"prefill": prefill_pool.name, "decode": decode_pool.name}
     assert deployment.pk == row["deployment_id"]
+    # Each phase's end of the hand-over, as the gateway's router predicts the transfer on it.
+    links = {r["kv_link"] for r in row["replicas"]}
+    assert links == {KV_CONNECTOR_LINKS[deployment.kv_connector]}
+    assert links <= set(load_link_specs())
 
 
 # --- what the registry refuses -------------------------------------------------------------

@@ -76,6 +76,9 @@ class EngineSim:
     price_per_hour: float
     max_loras: int = 0
     adapters: list[str] = field(default_factory=list)
+    # A disaggregated deployment's phase ("prefill" or "decode") and its end of the KV link.
+    phase: str = "colocated"
+    kv_link: str | None = None
 
     @property
     def url(self) -> str:
@@ -115,6 +118,8 @@ class Fleet:
         price_per_hour: float = 3.49,
         time_scale: float = 20,
         extra: tuple[str, ...] = (),
+        phase: str = "colocated",
+        kv_link: str | None = None,
     ) -> EngineSim:
         port = free_port()
         argv = [sys.executable, "-m", "serving.enginesim", MODEL, "--served-model-name", MODEL]
@@ -137,6 +142,8 @@ class Fleet:
             region,
             price_per_hour,
             max_loras,
+            phase=phase,
+            kv_link=kv_link,
         )
         wait_http(f"{sim.url}/health", process=process)
         self.sims.append(sim)
@@ -167,6 +174,8 @@ class Fleet:
                                     "max_num_seqs": 256,
                                     "max_loras": sim.max_loras,
                                     "adapters": sim.adapters,
+                                    "phase": sim.phase,
+                                    "kv_link": sim.kv_link,
                                 }
                                 for sim in self.sims
                             ],

@@ -263,6 +263,18 @@ def test_usage_events_show_cost_to_serve_to_staff_only(acme: Tenant, staff: Any)
     assert Decimal(as_staff["cost_to_serve_usd"]) == micros_to_usd(1234)
 
 
+def test_a_disaggregated_request_shows_its_prefill_pool_and_its_replica_to_staff_only(
+    acme: Tenant, staff: Any
+) -> None:
+    store(acme, JAN, prefill_replica_id="r-prefill-1", prefill_pool="l40s-prefill")
+    url = "/api/v1/tenants/acme/usage/events/?start=2026-01-01&end=2026-01-02"
+    [as_tenant] = session("acme-owner").get(url).json()["results"]
+    [as_staff] = session(staff).get(url).json()["results"]
+    assert as_tenant["prefill_pool"] == as_staff["prefill_pool"] == "l40s-prefill"
+    assert "prefill_replica_id" not in as_tenant
+    assert as_staff["prefill_replica_id"] == "r-prefill-1"
+
+
 def test_a_read_usage_key_reads_its_tenants_usage(acme: Tenant) -> None:
     stored = store(acme, JAN)
     response = bearer(acme, ["read_usage"]).get(
