@@ -57,6 +57,12 @@ PREFILL = "prefill"
 DECODE = "decode"
 ROLES: tuple[str, ...] = (COLOCATED, PREFILL, DECODE)
 
+# vLLM's labels of vllm:prompt_tokens_by_source (vllm/v1/metrics/stats.py PromptTokenStats).
+LOCAL_COMPUTE = "local_compute"
+LOCAL_CACHE_HIT = "local_cache_hit"
+EXTERNAL_KV_TRANSFER = "external_kv_transfer"
+PROMPT_TOKEN_SOURCES: tuple[str, ...] = (LOCAL_COMPUTE, LOCAL_CACHE_HIT, EXTERNAL_KV_TRANSFER)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
@@ -69,6 +75,9 @@ class EngineRequest:
     priority: int = 0
     # Emulates EOS: the request stops (finish reason "stop") after this many output tokens.
     stop_after: int | None = None
+    # Prompt tokens a KV connector loads from elsewhere (a remote prefill's KV) instead of
+    # computing them, beyond the local prefix-cache hit; honoured at first admission only.
+    external_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +102,9 @@ class StepResult:
     queue_time_s: dict[str, float] = field(default_factory=dict)
     # request_id -> total output tokens, for the requests in `finished`.
     finished_output_tokens: dict[str, int] = field(default_factory=dict)
+    # request_id -> prompt tokens not computed here (prefix-cache hits plus KV loaded from
+    # elsewhere), for the requests in `first_token`.
+    cached_prompt_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def ended_s(self) -> float:
@@ -112,7 +124,9 @@ class RequestProgress:
 class _Sequence:
     __slots__ = (
         "blocks",
+        "cache_hit_tokens",
         "computed",
+        "external_tokens",
         "finish_reason",
         "finished_s",
         "first_scheduled_s",
@@ -147,6 +161,9 @@ class _Sequence:
         # transfer takes, should the blocks be reserved late.
         self.kv_ready_s: float | None = None
         self.kv_transfer_s = 0.0
+        # Where the prompt's KV came from at first admission, for prompt_tokens_by_source.
+        self.cache_hit_tokens = 0
+        self.external_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -220,6 +237,8 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.preemptions_total = 0
+        # vLLM's prompt_tokens_by_source: every prompt token once, at its first output token.
+        self.prompt_tokens_by_source: dict[str, int] = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
         self.finished_total: dict[str, int] = {"length": 0, "stop": 0, "abort": 0}
         # Seconds of the roofline's compute and memory terms over every step so far: over
         # wall time, how much of the GPU's (efficiency-scaled) FLOPS and bandwidth was used.
@@ -386,10 +405,24 @@ class Engine:
             and len(self._lora_refs) >= self.max_loras
         )
 
-    def _admission_blocks(self, seq: _Sequence, hits: list[int], chunk: int) -> tuple[int, int]:
-        """(new blocks to allocate, cached hit blocks that are evictable today)."""
+    def _external_tokens(self, seq: _Sequence, hit_tokens: int) -> int:
+        """Prompt tokens a connector loads beyond the local hit: only at first admission (a
+        preempted request recomputes its context, as vLLM's connector loads once)."""
+        if seq.first_scheduled_s is not None:
+            return 0
+        return max(0, min(seq.req.external_tokens, seq.req.prompt_tokens) - hit_tokens)
+
+    def _admission_start(self, seq: _Sequence, hits: list[int]) -> tuple[int, int]:
+        """(tokens already in the cache at admission, those of them loaded from elsewhere).
+        A prompt loaded whole still has its last token computed, to sample from (vLLM)."""
         hit_tokens = len(hits) * self.block_size
-        new_blocks = math.ceil((hit_tokens + chunk) / self.block_size) - len(hits)
+        external = self._external_tokens(seq, hit_tokens)
+        return min(hit_tokens + external, seq.num_tokens - 1), external
+
+    def _admission_blocks(self, hits: list[int], start: int, chunk: int) -> tuple[int, int]:
+        """(new blocks to allocate, cached hit blocks that are evictable today), for `chunk`
+        tokens computed after the first `start`."""
+        new_blocks = math.ceil((start + chunk) / self.block_size) - len(hits)
         revived = sum(1 for h in hits if self._cache[h] == 0)
         return new_blocks, revived
 
@@ -435,9 +468,9 @@ class Engine:
                 skipped.append(waiting.popleft())
                 continue
             hits = self._cached_prefix(seq)
-            hit_tokens = len(hits) * self.block_size
-            chunk = min(seq.num_tokens - hit_tokens, budget)
-            new_blocks, revived = self._admission_blocks(seq, hits, chunk)
+            start, external = self._admission_start(seq, hits)
+            chunk = min(seq.num_tokens - start, budget)
+            new_blocks, revived = self._admission_blocks(hits, start, chunk)
             if new_blocks + revived > self._free_blocks():
                 break
             waiting.popleft()
@@ -448,10 +481,13 @@ class Engine:
                     self._used_blocks += 1
                 self._cache[block_hash] = refs + 1
             seq.shared = hits
-            seq.computed = hit_tokens
+            seq.computed = start
             self._allocate(new_blocks)
             seq.blocks = len(hits) + new_blocks
             if seq.first_scheduled_s is None:
+                hit_tokens = len(hits) * self.block_size
+                seq.cache_hit_tokens = hit_tokens
+                seq.external_tokens = external
                 seq.first_scheduled_s = now_s
                 result.queue_time_s[seq.req.request_id] = now_s - seq.req.arrival_s
                 if self.enable_prefix_caching:
@@ -500,6 +536,7 @@ class Engine:
             self._receiving.remove(seq)
             seq.kv_ready_s = None
             seq.computed = seq.req.prompt_tokens - 1
+            seq.external_tokens = seq.req.prompt_tokens
             seq.first_scheduled_s = now_s
             result.queue_time_s[seq.req.request_id] = now_s - seq.req.arrival_s
             self._running.append(seq)
@@ -547,7 +584,8 @@ class Engine:
             if seq.output == 1:
                 seq.first_token_s = end
                 result.first_token.append(rid)
-                self.prompt_tokens_total += seq.req.prompt_tokens
+                self._count_prompt_sources(seq)
+                result.cached_prompt_tokens[rid] = seq.cache_hit_tokens + seq.external_tokens
             if seq.output >= seq.limit:
                 finished.append(seq)
         for seq in finished:
@@ -555,6 +593,14 @@ class Engine:
             result.finished.append((seq.req.request_id, seq.limit_reason))
             result.finished_output_tokens[seq.req.request_id] = seq.output
         return result
+
+    def _count_prompt_sources(self, seq: _Sequence) -> None:
+        prompt = seq.req.prompt_tokens
+        self.prompt_tokens_total += prompt
+        by_source = self.prompt_tokens_by_source
+        by_source[LOCAL_CACHE_HIT] += seq.cache_hit_tokens
+        by_source[EXTERNAL_KV_TRANSFER] += seq.external_tokens
+        by_source[LOCAL_COMPUTE] += prompt - seq.cache_hit_tokens - seq.external_tokens
 
     def _finish(self, seq: _Sequence, reason: str, now_s: float) -> None:
         self._running.remove(seq)
@@ -592,8 +638,9 @@ class Engine:
             if self._lora_blocked(seq):
                 continue
             hits = self._cached_prefix(seq)
-            chunk = min(seq.num_tokens - len(hits) * block, budget)
-            new_blocks, revived = self._admission_blocks(seq, hits, chunk)
+            start, _ = self._admission_start(seq, hits)
+            chunk = min(seq.num_tokens - start, budget)
+            new_blocks, revived = self._admission_blocks(hits, start, chunk)
             return new_blocks + revived + decode_blocks <= self._free_blocks()
         return False
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import uuid
 from dataclasses import dataclass
 
 from serving.engine.placement import check_placement
@@ -20,6 +21,32 @@ from serving.engine.specs import (
     load_model_specs,
     normalize_quantization,
 )
+
+# vLLM's KVTransferConfig roles (vllm/config/kv_transfer.py).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# The connectors whose hand-over the simulator models: NIXL's pull mode, the one llm-d and
+# vLLM's disaggregated proxy drive with kv_transfer_params (NixlConnector is its alias).
+NIXL_CONNECTORS = ("NixlConnector", "NixlPullConnector")
+
+
+@dataclass(frozen=True)
+class KvTransferConfig:
+    """What the simulator reads of --kv-transfer-config."""
+
+    connector: str
+    role: str
+    # vLLM draws a uuid4 when the config names none; the simulator derives a stable one.
+    engine_id: str
+    # Where a decode engine would reach this one's NIXL side channel: vLLM's
+    # VLLM_NIXL_SIDE_CHANNEL_HOST/_PORT. Nothing listens there in the simulator, so unset
+    # they default to its own --host/--port (vLLM's localhost:5600 would name every replica
+    # alike).
+    side_channel_host: str
+    side_channel_port: int
+
+    @property
+    def is_nixl(self) -> bool:
+        return self.connector in NIXL_CONNECTORS
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,7 @@ class SimConfig:
     seed: int = 0
     # Bearer keys of /v1 (vLLM's --api-key, or VLLM_API_KEY); none means open, as in vLLM.
     api_keys: tuple[str, ...] = ()
+    kv_transfer: KvTransferConfig | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -94,8 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument("--max-lora-rank", type=int, default=16)
-    # Accepted as vLLM accepts it, so a disaggregated replica launches under the simulator
-    # too; the simulator serves every request whole (it does not hand KV over).
+    # With NixlConnector, a prefill (do_remote_decode) answers kv_transfer_params as vLLM's
+    # connector builds them and a decode (do_remote_prefill) skips its prompt's prefill;
+    # other connectors are accepted and serve every request whole.
     p.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None)
     sim = p.add_argument_group("simulator")
     sim.add_argument("--sim-gpu-class", required=True, help="a gpus.csv row, e.g. L4-24GB")
@@ -134,7 +163,31 @@ def _kv_transfer_config(value: str) -> dict[str, object]:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from error
     if not isinstance(config, dict) or not config.get("kv_connector") or not config.get("kv_role"):
         raise argparse.ArgumentTypeError("a JSON object with kv_connector and kv_role")
+    if config["kv_role"] not in KV_ROLES:
+        # vLLM's KVTransferConfig refuses it at start-up, in these words.
+        raise argparse.ArgumentTypeError(
+            f"Unsupported kv_role: {config['kv_role']}. Supported roles are {KV_ROLES}"
+        )
     return config
+
+
+def _kv_transfer(raw: dict[str, object] | None, host: str, port: int) -> KvTransferConfig | None:
+    if raw is None:
+        return None
+    engine_id = raw.get("engine_id")
+    if not isinstance(engine_id, str) or not engine_id:
+        # Stable across restarts of one replica, distinct between replicas.
+        engine_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"enginesim://{host}:{port}"))
+    side_port = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or str(port)
+    if not side_port.isdigit():
+        raise ConfigError(f"VLLM_NIXL_SIDE_CHANNEL_PORT={side_port!r}: not a port number")
+    return KvTransferConfig(
+        connector=str(raw["kv_connector"]),
+        role=str(raw["kv_role"]),
+        engine_id=engine_id,
+        side_channel_host=os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or host,
+        side_channel_port=int(side_port),
+    )
 
 
 def parse_args(argv: list[str]) -> SimConfig:
@@ -201,6 +254,7 @@ def parse_args(argv: list[str]) -> SimConfig:
         fixed_itl_ms=args.sim_fixed_itl_ms,
         seed=args.sim_seed,
         api_keys=tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key),
+        kv_transfer=_kv_transfer(args.kv_transfer_config, args.host, args.port),
     )
 
 

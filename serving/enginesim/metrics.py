@@ -6,7 +6,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from serving.engine.core import Engine
+from serving.engine.core import LOCAL_COMPUTE, PROMPT_TOKEN_SOURCES, Engine
 
 LABELS = ["model_name", "engine"]
 # The finished_reason values vLLM exports (vllm/v1/metrics/loggers.py), all created at start.
@@ -54,6 +54,21 @@ class EngineMetrics:
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", LABELS, registry=r
         )
+        # vLLM's PromptTokenStats: every prompt token once, by where its KV came from.
+        self.prompt_tokens_by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*LABELS, "source"],
+            registry=r,
+        )
+        for source in PROMPT_TOKEN_SOURCES:
+            self.prompt_tokens_by_source.labels(**self.labels, source=source)
+        self.prompt_tokens_cached = Counter(
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local + external).",
+            LABELS,
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "vllm:generation_tokens", "Generation tokens.", LABELS, registry=r
         )
@@ -87,6 +102,7 @@ class EngineMetrics:
             registry=r,
         )
         self._synced = {"queries": 0, "hits": 0, "prompt": 0, "generation": 0, "preemptions": 0}
+        self._synced_sources = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
         # vLLM exports every series from the start, at zero, before the first request.
         for family in (
             self.running,
@@ -96,6 +112,7 @@ class EngineMetrics:
             self.prefix_queries,
             self.prefix_hits,
             self.prompt_tokens,
+            self.prompt_tokens_cached,
             self.generation_tokens,
             self.preemptions,
             self.ttft,
@@ -136,6 +153,7 @@ class EngineMetrics:
     def add_tokens(self, prompt: int, generation: int) -> None:
         """For the fixed-latency mode, which has no engine to sync from."""
         self.prompt_tokens.labels(**self.labels).inc(prompt)
+        self.prompt_tokens_by_source.labels(**self.labels, source=LOCAL_COMPUTE).inc(prompt)
         self.generation_tokens.labels(**self.labels).inc(generation)
 
     def sync_engine(self, engine: Engine) -> None:
@@ -160,6 +178,13 @@ class EngineMetrics:
             if delta > 0:
                 counters[key].labels(**self.labels).inc(delta)
                 self._synced[key] = total
+        for source, total in engine.prompt_tokens_by_source.items():
+            delta = total - self._synced_sources[source]
+            if delta > 0:
+                self.prompt_tokens_by_source.labels(**self.labels, source=source).inc(delta)
+                if source != LOCAL_COMPUTE:
+                    self.prompt_tokens_cached.labels(**self.labels).inc(delta)
+                self._synced_sources[source] = total
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -31,6 +31,11 @@ from serving.engine.tokens import (
     render_chat_prompt,
 )
 from serving.enginesim.config import ConfigError, SimConfig, parse_args
+from serving.enginesim.kv_transfer import (
+    hands_off_to_decode,
+    loads_remote_prefill,
+    prefill_handoff,
+)
 from serving.enginesim.metrics import EngineMetrics
 from serving.enginesim.text import eos_length, next_word, request_rng
 
@@ -41,6 +46,8 @@ CRASH_EXIT_CODE = 137  # what a SIGKILLed vLLM reports
 class Emission:
     tokens: int
     finish_reason: str | None
+    # On a request's first emission: prompt tokens it did not compute (cache hits, KV loaded).
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -120,7 +127,8 @@ class EngineRunner:
                 self.metrics.observe_token_gap(end - tracked.last_token_s)
             tracked.last_token_s = end
             reason = reasons.get(rid)
-            tracked.queue.put_nowait(Emission(count, reason))
+            cached = result.cached_prompt_tokens.get(rid, 0)
+            tracked.queue.put_nowait(Emission(count, reason, cached))
             if reason is not None:
                 del self._tracked[rid]
                 self.metrics.observe_finish(reason, end - tracked.arrival_s)
@@ -194,6 +202,7 @@ class Generation:
     seed: int | None
     # vLLM's per-request prefix-cache salt: equal prompts under other salts share no block.
     cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
@@ -264,9 +273,26 @@ def _check_temperature(body: dict[str, Any]) -> None:
         )
 
 
+def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+    value = body.get("kv_transfer_params")
+    if value is None or isinstance(value, dict):
+        return value
+    # vLLM's pydantic body validation (dict[str, Any] | None), as its handler words it
+    # (vllm/entrypoints/serve/exception_handling/handlers/validation.py).
+    shown = f"<list of {len(value)} items>" if isinstance(value, list) else str(value)
+    error = {
+        "type": "dict_type",
+        "loc": "body.kv_transfer_params",
+        "msg": "Input should be a valid dictionary",
+        "input": shown[:200] + "...[truncated]" if len(shown) > 200 else shown,
+    }
+    raise ApiError(400, f"1 validation error:\n  {error}", "Bad Request", "body.kv_transfer_params")
+
+
 def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    kv_transfer_params = _kv_transfer_params(body)  # the body's schema comes first in vLLM
     model = body.get("model")
     config = state.config
     if model is None:
@@ -347,6 +373,7 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
         include_usage=bool(options.get("include_usage")),
         seed=seed,
         cache_salt=cache_salt,
+        kv_transfer_params=kv_transfer_params,
     )
 
 
@@ -356,6 +383,7 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
 async def engine_tokens(state: ServerState, gen: Generation) -> AsyncGenerator[Emission, None]:
     runner = state.runner
     assert runner is not None
+    remote = loads_remote_prefill(state.config.kv_transfer, gen.kv_transfer_params)
     request = EngineRequest(
         request_id=gen.request_id,
         prompt_tokens=gen.prompt_tokens,
@@ -364,6 +392,7 @@ async def engine_tokens(state: ServerState, gen: Generation) -> AsyncGenerator[E
         block_hashes=prompt_block_hashes(gen.prompt_text, salt=_cache_salt(gen)),
         lora=gen.lora,
         stop_after=gen.stop_after,
+        external_tokens=gen.prompt_tokens if remote else 0,
     )
     queue = runner.submit(request)
     finished = False
@@ -433,6 +462,32 @@ class ServerState:
         self.fixed_active = 0
         self.rng = random.Random(config.seed)
         self._task: asyncio.Task[None] | None = None
+        self._next_block_id = 1
+
+    def handoff(self, gen: Generation, cached_tokens: int) -> dict[str, Any] | None:
+        """The kv_transfer_params a finished, non-streamed request answers."""
+        kv_transfer = self.config.kv_transfer
+        if kv_transfer is None or not hands_off_to_decode(kv_transfer, gen.kv_transfer_params):
+            return None
+        block_size = self.runner.engine.block_size if self.runner is not None else 16
+        # vLLM's completions name their one prompt "<id>-0"; its engine appends 8 characters.
+        external_id = gen.response_id + ("-0" if gen.kind == "completion" else "")
+        return prefill_handoff(
+            kv_transfer,
+            request_id=f"{external_id}-{uuid.uuid4().hex[:8]}",
+            prompt_tokens=gen.prompt_tokens,
+            cached_tokens=cached_tokens,
+            block_ids=self._block_ids(-(-gen.prompt_tokens // block_size)),
+            tensor_parallel_size=self.config.tensor_parallel_size,
+        )
+
+    def _block_ids(self, count: int) -> list[int]:
+        # The engine model counts blocks without naming them; these stand in, from 1 up
+        # (vLLM's block 0 is its null block), wrapping at the cache's size.
+        total = self.runner.engine.total_blocks if self.runner is not None else 1 << 16
+        first = self._next_block_id
+        self._next_block_id = (first - 1 + count) % (total - 1) + 1
+        return [(first - 1 + i) % (total - 1) + 1 for i in range(count)]
 
     def ready(self) -> bool:
         return time.monotonic() >= self.ready_at
@@ -510,9 +565,12 @@ class _Reply:
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
+        self.cached_tokens = 0
 
     def add(self, emission: Emission) -> str:
         """The new text of this emission ("" once a stop string has matched)."""
+        if not self.completion_tokens:
+            self.cached_tokens = emission.cached_tokens
         piece = "".join(next_word(self.rng) for _ in range(emission.tokens))
         self.completion_tokens += emission.tokens
         before = len(self.text)
@@ -655,6 +713,8 @@ async def _complete(state: ServerState, gen: Generation) -> web.Response:
         "choices": [choice],
         "usage": _usage(gen, reply.completion_tokens, details=True),
         "system_fingerprint": SYSTEM_FINGERPRINT,
+        # vLLM's responses always carry it (model_dump() keeps None).
+        "kv_transfer_params": state.handoff(gen, reply.cached_tokens),
     }
     return web.json_response(body, dumps=_dumps)
 

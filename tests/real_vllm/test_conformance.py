@@ -197,7 +197,9 @@ def test_non_streamed_answers_carry_vllms_fields(target: Target) -> None:
             "choices",
             "usage",
             "system_fingerprint",
+            "kv_transfer_params",
         } <= set(answer)
+        assert answer["kv_transfer_params"] is None  # no connector: always there, null
         assert set(answer["usage"]) == {
             "prompt_tokens",
             "total_tokens",
@@ -259,6 +261,13 @@ def test_non_streamed_answers_carry_vllms_fields(target: Target) -> None:
             "BadRequestError",
             "cache_salt",
             "Parameter 'cache_salt' must be a non-empty string if provided. (parameter=cache_salt)",
+        ),
+        (
+            {"kv_transfer_params": "x"},
+            400,
+            "Bad Request",
+            "body.kv_transfer_params",
+            "1 validation error:\n  {'type': 'dict_type', 'loc': 'body.kv_transfer_params'",
         ),
         (
             {"prompt": "word " * 4200},
@@ -356,6 +365,8 @@ READ_METRICS: dict[str, tuple[str, set[str]]] = {
     "vllm:prefix_cache_queries": ("counter", BASE_LABELS),
     "vllm:prefix_cache_hits": ("counter", BASE_LABELS),
     "vllm:prompt_tokens": ("counter", BASE_LABELS),
+    "vllm:prompt_tokens_by_source": ("counter", BASE_LABELS | {"source"}),
+    "vllm:prompt_tokens_cached": ("counter", BASE_LABELS),
     "vllm:generation_tokens": ("counter", BASE_LABELS),
     "vllm:num_preemptions": ("counter", BASE_LABELS),
     "vllm:request_success": ("counter", BASE_LABELS | {"finished_reason"}),
@@ -385,6 +396,8 @@ def test_the_metrics_the_platform_reads_have_vllms_names_types_and_labels(target
             assert {frozenset(s.labels) for s in samples if s.name.endswith("_bucket")} == {
                 frozenset(labels)
             }, name
+    sources = {s.labels["source"] for s in families["vllm:prompt_tokens_by_source"].samples}
+    assert sources == {"local_compute", "local_cache_hit", "external_kv_transfer"}
     reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
     assert {"stop", "length", "abort", "error", "repetition"} <= reasons
     assert {s.labels["model_name"] for s in families["vllm:num_requests_running"].samples} == {
