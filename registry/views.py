@@ -14,7 +14,7 @@ from django.views.decorators.http import require_POST
 from config.views import staff_required
 from registry import actions
 from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, SloTier, pools
-from registry.placement import check_deployment_placement
+from registry.placement import check_deployment_placement, check_kv_connector
 
 ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
     "pause": actions.do_pause_rollout,
@@ -49,7 +49,23 @@ def _deployment_from(data: QueryDict) -> Deployment:
     engine_args: dict[str, Any] = {"max_model_len": _int(data, "max_model_len", 8192)}
     if gpu_memory_utilization := data.get("gpu_memory_utilization"):
         engine_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
+    # Disaggregated: a decode pool chosen (blank: colocated, the pool runs whole requests).
+    decode_pool = None
+    if data.get("decode_pool"):
+        decode_pool = pools().filter(pk=data.get("decode_pool")).first()
+        if decode_pool is None:
+            raise ValidationError("Choose a decode pool from the list, or none.")
+    phases: dict[str, Any] = {}
+    if decode_pool is not None:
+        phases = {
+            "decode_pool": decode_pool,
+            "decode_replicas_min": _int(data, "decode_replicas_min", 1),
+            "decode_replicas_max": _int(data, "decode_replicas_max", 1),
+            "decode_replicas_desired": _int(data, "decode_replicas_desired", 1),
+            "kv_connector": data.get("kv_connector", ""),
+        }
     return Deployment(
+        **phases,
         name=data.get("name", "").strip(),
         model_version=version.get(),
         pool=pool.get(),
@@ -67,12 +83,15 @@ def models_page(request: HttpRequest) -> HttpResponse:
     context = {
         "models": Model.objects.prefetch_related("versions", "granted_tenants"),
         "adapters": Adapter.objects.select_related("base_version__model", "owner_tenant"),
-        "deployments": Deployment.objects.select_related("model_version__model", "pool"),
+        "deployments": Deployment.objects.select_related(
+            "model_version__model", "pool", "decode_pool"
+        ),
         "approved_versions": ModelVersion.objects.filter(
             status=ModelVersion.Status.APPROVED
         ).select_related("model"),
         "pools": pools(),
         "slo_tiers": SloTier.choices,
+        "kv_connectors": Deployment.KvConnector.choices,
     }
     return render(request, "console/models.html", context)
 
@@ -96,6 +115,7 @@ def placement_check(request: HttpRequest) -> HttpResponse:
     try:
         deployment = _deployment_from(request.POST)
         problems = actions.check_engine_args(deployment.engine_args)
+        problems += check_kv_connector(deployment)
         result = None if problems else check_deployment_placement(deployment)
     except (ValidationError, ValueError) as error:
         problems, result = [str(getattr(error, "message", error))], None

@@ -189,6 +189,48 @@ def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: Gp
     assert b"Fits" in fits.content
 
 
+def test_staff_create_a_disaggregated_deployment_from_the_form(pool: GpuPool) -> None:
+    version = approved_version(make_model("llama-3.1-8b"), "v1", "bf16")
+    decode_pool = GpuPool.objects.create(
+        name="h200-us-east", gpu_class=GpuClass.objects.get(name="H200-SXM-141GB")
+    )
+    cpu_pool = GpuPool.objects.create(
+        name="cpu-local", gpu_class=GpuClass.objects.get(name="CPU-X86-2C")
+    )
+    staff = client_for(user("ops", is_staff=True))
+    form = {
+        "model_version": version.pk,
+        "pool": pool.pk,
+        "tensor_parallel": 1,
+        "max_model_len": 8192,
+        "replicas_min": 1,
+        "replicas_desired": 1,
+        "replicas_max": 2,
+        "decode_pool": decode_pool.pk,
+        "kv_connector": "nixl",
+        "decode_replicas_min": 1,
+        "decode_replicas_desired": 2,
+        "decode_replicas_max": 4,
+        "slo_tier": "standard",
+    }
+    # NIXL on a CPU decode pool: the live check says why before anything is saved.
+    refused = staff.post("/console/deployments/check/", {**form, "decode_pool": cpu_pool.pk})
+    assert b"NIXL needs GPU nodes" in refused.content
+    assert b"Fits" in staff.post("/console/deployments/check/", form).content
+
+    reply = staff.post("/console/deployments/create/", form, follow=True)
+
+    (created,) = Deployment.objects.all()
+    assert (created.pool, created.decode_pool, created.kv_connector) == (pool, decode_pool, "nixl")
+    assert (created.decode_replicas_min, created.decode_replicas_desired) == (1, 2)
+    assert created.decode_replicas_max == 4
+    page = reply.content.decode()
+    assert "h200-us-east (decode, NIXL (GPU nodes))" in page
+    # Without a decode pool the connector is not asked for: an ordinary deployment.
+    staff.post("/console/deployments/create/", {**form, "decode_pool": "", "name": "whole"})
+    assert Deployment.objects.get(name="whole").decode_pool is None
+
+
 def test_the_fleet_snapshot_counts_gpus_by_state_and_prices_every_ready_gpu(
     pool: GpuPool, redis_client: redis.Redis
 ) -> None:
