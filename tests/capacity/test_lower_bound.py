@@ -1,0 +1,104 @@
+"""The lower bound on a fleet: what it counts, where it says no fleet can, and that the
+simulator's smallest fleet under a real router is never below it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from serving.capacity.lower_bound import lower_bound_replicas
+from serving.clustersim import (
+    LengthClass,
+    LengthMix,
+    SimConfig,
+    SimRequest,
+    homogeneous,
+    poisson,
+    simulate,
+    summarize,
+)
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs, load_model_specs
+
+H100, L40S = "H100-SXM-80GB", "L40S-48GB"
+
+
+def perf(gpu: str = H100) -> PerfModel:
+    return PerfModel(load_gpu_specs()[gpu], load_model_specs()["llama-3.1-8b"])
+
+
+def stream(rate: float, prompt: int, output: int, *, seconds: float = 120.0) -> list[SimRequest]:
+    """Evenly spaced interactive requests of one shape."""
+    count = int(rate * seconds)
+    return [
+        SimRequest(f"r{i}", i / rate, prompt, output, "acme", "interactive") for i in range(count)
+    ]
+
+
+def test_no_requests_need_no_replica_and_a_trickle_needs_one() -> None:
+    assert lower_bound_replicas([], perf()) == 0
+    assert lower_bound_replicas(stream(0.1, 200, 20), perf()) == 1
+
+
+def test_the_bound_grows_with_the_load_it_must_carry() -> None:
+    bounds = [lower_bound_replicas(stream(rate, 1000, 400), perf()) for rate in (20, 40, 80, 160)]
+    assert all(bound is not None for bound in bounds)
+    assert bounds == sorted(bounds)  # type: ignore[type-var]  # none is None
+    low, high = bounds[0], bounds[-1]
+    assert low is not None and high is not None and high >= 4 * low  # 8x the load
+
+
+def test_only_the_counted_tiers_constrain_it() -> None:
+    requests = stream(20, 1000, 400)
+    batch = [replace(r, tier="batch") for r in requests]
+    assert lower_bound_replicas(batch, perf()) == 0
+    counted = lower_bound_replicas(batch, perf(), counted_tiers=("batch",))
+    assert counted is not None and counted >= 1
+    standard = [replace(r, tier="standard") for r in requests]
+    both = lower_bound_replicas([*requests, *standard], perf())
+    alone = lower_bound_replicas([*requests, *standard], perf(), counted_tiers=("interactive",))
+    assert both is not None and alone is not None and both > alone
+
+
+def test_a_prompt_no_replica_of_the_class_can_prefill_in_time_means_no_fleet() -> None:
+    # 30k-token prompts cannot prefill within the interactive TTFT of 1 s on an L40S at all.
+    long = stream(0.5, 30_000, 10)
+    assert lower_bound_replicas(long, perf(L40S)) is None
+    # One such request in a thousand is within the 1 % that may miss.
+    short = stream(10, 500, 50, seconds=100)
+    mixed = [*short[:-1], replace(long[0], arrival_s=short[-1].arrival_s)]
+    assert lower_bound_replicas(mixed, perf(L40S)) is not None
+
+
+def test_a_class_whose_lone_decode_step_exceeds_the_tpot_objective_has_no_fleet() -> None:
+    # An L4 reads llama-3.1-8b's 16 GB of weights in about 76 ms: over the 50 ms objective.
+    assert lower_bound_replicas(stream(1, 200, 20), perf("L4-24GB")) is None
+
+
+def test_a_shared_prefix_is_counted_once() -> None:
+    # Prefill-bound: long prompts, one output token each.
+    shared = tuple(range(200))  # 200 blocks of 16 tokens: the whole 3,200-token prompt
+    requests = stream(30, 3200, 1)
+    alike = [replace(r, block_hashes=shared) for r in requests]
+    distinct = [
+        replace(r, block_hashes=tuple(range(i * 200, (i + 1) * 200)))
+        for i, r in enumerate(requests)
+    ]
+    cached = lower_bound_replicas(alike, perf())
+    uncached = lower_bound_replicas(distinct, perf())
+    assert cached is not None and uncached is not None and cached < uncached
+
+
+@pytest.mark.slow
+def test_no_router_in_the_simulator_meets_the_slo_below_the_bound() -> None:
+    """Least load and cost-aware in the cluster simulator (the real router, the engine model)
+    on one replica fewer than the bound: neither meets 99 % of interactive requests on both
+    clocks, where the bound's own fleet size is not yet enough either (it is a floor)."""
+    lengths = LengthMix(classes=(LengthClass(1.0, 800, 200),))
+    requests = poisson(60.0, 60.0, lengths=lengths, seed=3)
+    bound = lower_bound_replicas(requests, perf(L40S))
+    assert bound is not None and bound >= 2
+    for policy in ("least_load", "cost_aware"):
+        below = summarize(simulate(homogeneous(L40S, bound - 1), requests, SimConfig(policy)))
+        assert below.tiers["interactive"].slo_attainment < 0.99, policy
