@@ -41,7 +41,16 @@ from registry.models import (
 )
 from registry.placement import check_deployment_placement, check_kv_connector
 from registry.rollout_metrics import RedisRolloutMetrics, RolloutMetricsSource
-from registry.rollout_policy import DEFAULT_STEPS, GateThresholds, validate_steps
+from registry.rollout_policy import (
+    DEFAULT_STEPS,
+    CanaryReplicas,
+    CanaryState,
+    GateThresholds,
+    canary_condition,
+    evaluate_gates,
+    promotion_refusal,
+    validate_steps,
+)
 from serving.engine.specs import KV_BYTES_PER_ELEMENT
 from serving.redis_contracts import VISIBILITY_HASH, VISIBILITY_VERSION_KEY
 from tenants.actions import require_staff, tenants_for_user
@@ -645,6 +654,7 @@ def do_start_rollout(
     check_deployment(canary)
     canary.save()
     metrics = metrics or default_metrics_source()
+    state, canary_reason = canary_condition(CanaryReplicas())
     rollout = Rollout.objects.create(
         model=model,
         baseline=baseline,
@@ -658,15 +668,23 @@ def do_start_rollout(
         cohort_by_tenant=cohort_by_tenant,
         baseline_mark=metrics.mark(baseline.pk),
         canary_mark=metrics.mark(canary.pk),
+        canary_state=state,
+        canary_reason=canary_reason,
+        canary_since=timezone.now(),
         created_by=actor,
     )
-    _set_weights(rollout, steps[0])
+    # The canary has no replica yet: it takes nothing until one is ready (the controller then
+    # gives it the first step), so the baseline keeps all of the traffic meanwhile.
+    _set_weights(rollout, 0)
     _record(
         rollout,
         from_state="",
         from_weight=0,
         actor=actor,
-        reason=f"started: {baseline.model_version} -> {target_version} in steps {steps}",
+        reason=(
+            f"started: {baseline.model_version} -> {target_version} in steps {steps}; "
+            "held at 0 % until the canary has a ready replica"
+        ),
         gate=None,
     )
     return rollout
@@ -698,16 +716,19 @@ def do_advance_rollout_step(
     rollout: Rollout,
     *,
     actor: Any,
-    reason: str,
+    reason: str = "",
     gate: Mapping[str, Any] | None = None,
     metrics: RolloutMetricsSource | None = None,
 ) -> Rollout:
-    """Move the canary to the next step's weight; from the last step, promote."""
+    """Move the canary to the next step's weight; from the last step, promote. Refused while
+    the canary has no ready replica or the gates have no passing verdict on this step."""
     _require_staff_or_controller(actor)
     rollout = _locked(rollout)
     _require_state(rollout, Rollout.State.RUNNING)
     if rollout.step_index >= len(rollout.steps) - 1:
-        return do_promote_rollout(rollout, actor=actor, reason=reason, gate=gate)
+        return do_promote_rollout(rollout, actor=actor, reason=reason, gate=gate, metrics=metrics)
+    _require_serving_and_judged(rollout, metrics)
+    reason = reason or "advanced by staff"
     from_weight = rollout.canary.traffic_weight
     rollout.step_index += 1
     _open_step_window(rollout, metrics)
@@ -760,11 +781,20 @@ def _finish(
 
 @transaction.atomic
 def do_promote_rollout(
-    rollout: Rollout, *, actor: Any, reason: str = "", gate: Mapping[str, Any] | None = None
+    rollout: Rollout,
+    *,
+    actor: Any,
+    reason: str = "",
+    gate: Mapping[str, Any] | None = None,
+    metrics: RolloutMetricsSource | None = None,
 ) -> Rollout:
+    """All traffic to the canary, and the baseline drains. Only onto a canary that serves
+    (a ready replica) with a passing gate verdict on its current step, so the baseline never
+    drains before the replicas that take over its traffic are in the routing table."""
     _require_staff_or_controller(actor)
     rollout = _locked(rollout)
     _require_state(rollout, Rollout.State.RUNNING, Rollout.State.PAUSED)
+    _require_serving_and_judged(rollout, metrics)
     return _finish(
         rollout,
         Rollout.State.PROMOTED,
@@ -847,6 +877,112 @@ def do_resume_rollout(
         gate=None,
     )
     return rollout
+
+
+def observe_canary(rollout: Rollout) -> CanaryReplicas:
+    """The canary's replicas now, read through the fleet's reverse relation (the registry
+    never imports serving; the states are serving's Replica.State values). Ready means what
+    the routing table admits: state ready, on a ready node, with a port."""
+    replicas = rollout.canary.replicas
+    ready = replicas.filter(state="ready", node__health="ready", port__isnull=False).count()
+    starting = replicas.filter(state__in=("pending", "starting")).count()
+    failed = replicas.filter(state="failed").order_by("-updated_at")
+    last_error = failed.values_list("last_error", flat=True).first() or ""
+    return CanaryReplicas(
+        ready=ready,
+        starting=starting,
+        failed=failed.count(),
+        last_error=last_error,
+        placement_failure=rollout.canary_placement_failure,
+    )
+
+
+def _require_serving_and_judged(rollout: Rollout, metrics: RolloutMetricsSource | None) -> None:
+    """A step or a promotion takes a canary that serves and a passing verdict on this step,
+    both read now (not the controller's last note)."""
+    state, reason = canary_condition(observe_canary(rollout))
+    thresholds = GateThresholds.from_dict(rollout.gate_thresholds)
+    source = metrics or default_metrics_source()
+    verdict = evaluate_gates(
+        source.window_stats(rollout.canary_id, rollout.canary_mark),
+        source.window_stats(rollout.baseline_id, rollout.baseline_mark),
+        thresholds,
+    )
+    refusal = promotion_refusal(state, reason, verdict, thresholds)
+    if refusal is not None:
+        raise ValidationError(refusal)
+
+
+def do_note_canary_state(rollout: Rollout, state: CanaryState, reason: str) -> None:
+    """The controller's reading of the canary's replicas; `canary_since` moves only when the
+    state does."""
+    changes: dict[str, Any] = {"canary_reason": reason}
+    if state != rollout.canary_state or rollout.canary_since is None:
+        changes |= {"canary_state": state.value, "canary_since": timezone.now()}
+    if all(getattr(rollout, name) == value for name, value in changes.items()):
+        return
+    Rollout.objects.filter(pk=rollout.pk).update(**changes)
+    for name, value in changes.items():
+        setattr(rollout, name, value)
+
+
+@transaction.atomic
+def do_hold_rollout(rollout: Rollout, *, reason: str) -> Rollout:
+    """The controller's hold of a canary that has no ready replica: its weight to 0 %, all
+    traffic to the baseline (which stays active), the step and the state kept."""
+    rollout = _locked(rollout)
+    _require_state(rollout, *Rollout.LIVE_STATES)
+    from_weight = rollout.canary.traffic_weight
+    if from_weight == 0:
+        return rollout
+    _set_weights(rollout, 0)
+    _record(
+        rollout,
+        from_state=rollout.state,
+        from_weight=from_weight,
+        actor=None,
+        reason=f"held at 0 %: {reason}",
+        gate=None,
+    )
+    return rollout
+
+
+@transaction.atomic
+def do_release_rollout(
+    rollout: Rollout, *, reason: str, metrics: RolloutMetricsSource | None = None
+) -> Rollout:
+    """The controller's release of a held canary that now serves: the current step's weight,
+    with a fresh window for the step (the time held does not count towards it)."""
+    rollout = _locked(rollout)
+    _require_state(rollout, Rollout.State.RUNNING)
+    if rollout.canary.traffic_weight != 0:
+        return rollout
+    _open_step_window(rollout, metrics)
+    rollout.save(update_fields=["step_started_at", "canary_mark"])
+    _set_weights(rollout, rollout.canary_weight)
+    _record(
+        rollout,
+        from_state=rollout.state,
+        from_weight=0,
+        actor=None,
+        reason=f"canary serving ({reason}): step {rollout.canary_weight} %",
+        gate=None,
+    )
+    return rollout
+
+
+def do_note_canary_placement(failures: Mapping[int, str]) -> None:
+    """The fleet's reconcile: why it could not place a replica, by deployment id (absent:
+    placed what was asked). Kept on the live rollouts whose canary it is, for the controller
+    to hold and say why. The UPDATEs touch only the rows whose note changes."""
+    live = Rollout.objects.filter(state__in=Rollout.LIVE_STATES)
+    live.exclude(canary_placement_failure="").exclude(canary_id__in=list(failures)).update(
+        canary_placement_failure=""
+    )
+    for deployment_id, failure in failures.items():
+        live.filter(canary_id=deployment_id).exclude(canary_placement_failure=failure).update(
+            canary_placement_failure=failure
+        )
 
 
 def do_record_rollout_decision(

@@ -1,6 +1,11 @@
 """The rollout controller: read each live rollout's windows, decide, act through actions.py
 (every write, the note of its decision included, is a `do_*` call).
 
+First the canary's replicas: a canary with no ready replica (none placed, no room in its pool,
+starting, failed) is held at 0 % with its state, reason and since when noted on the rollout,
+and is given its step's weight again once one is ready. Then the gates, as before; a failed
+gate still rolls back a held canary (what it served before it lost its replicas counts).
+
 Level-triggered and idempotent: a tick reads the rollout's state and the metrics now, so
 running it twice, late, or after a crash does no harm. Each rollout is decided under a row
 lock taken with SKIP LOCKED, so overlapping ticks never double-step one rollout.
@@ -18,13 +23,25 @@ from django.utils import timezone
 from registry.actions import (
     default_metrics_source,
     do_advance_rollout_step,
+    do_hold_rollout,
+    do_note_canary_state,
     do_promote_rollout,
     do_record_rollout_decision,
+    do_release_rollout,
     do_rollback_rollout,
+    observe_canary,
 )
 from registry.models import Rollout
 from registry.rollout_metrics import RolloutMetricsSource
-from registry.rollout_policy import GateThresholds, Move, StepDecision, StepProgress, decide_step
+from registry.rollout_policy import (
+    CanaryState,
+    GateThresholds,
+    Move,
+    StepDecision,
+    StepProgress,
+    canary_condition,
+    decide_step,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +78,30 @@ def tick_rollout(rollout_id: int, metrics: RolloutMetricsSource) -> TickOutcome 
         )
         if rollout is None:
             return None  # finished meanwhile, or another tick holds it
-        decision = _decide(rollout, metrics)
+        held = _follow_canary(rollout, metrics)
+        decision = _decide(rollout, metrics, held)
         _act(rollout, decision, metrics)
         return TickOutcome(rollout.pk, decision.move, decision.reason)
 
 
-def _decide(rollout: Rollout, metrics: RolloutMetricsSource) -> StepDecision:
+def _follow_canary(rollout: Rollout, metrics: RolloutMetricsSource) -> str | None:
+    """Note the canary's state; hold it at 0 % when it does not serve, give a running one its
+    step's weight back when it does. Why it is held, or None when it serves."""
+    state, reason = canary_condition(observe_canary(rollout))
+    do_note_canary_state(rollout, state, reason)
+    if state is not CanaryState.SERVING:
+        do_hold_rollout(rollout, reason=reason)
+        return reason
+    if rollout.state == Rollout.State.RUNNING:
+        released = do_release_rollout(rollout, reason=reason, metrics=metrics)
+        rollout.step_started_at, rollout.canary_mark = (
+            released.step_started_at,
+            released.canary_mark,
+        )
+    return None
+
+
+def _decide(rollout: Rollout, metrics: RolloutMetricsSource, held: str | None) -> StepDecision:
     now = timezone.now()
     progress = StepProgress(
         steps=tuple(rollout.steps),
@@ -75,6 +110,7 @@ def _decide(rollout: Rollout, metrics: RolloutMetricsSource) -> StepDecision:
         step_min_duration_s=float(rollout.step_min_duration_s),
         step_min_requests=rollout.step_min_requests,
         paused=rollout.state == Rollout.State.PAUSED,
+        canary_held=held,
     )
     canary = metrics.window_stats(rollout.canary_id, rollout.canary_mark)
     baseline = metrics.window_stats(rollout.baseline_id, rollout.baseline_mark)
@@ -92,5 +128,5 @@ def _act(rollout: Rollout, decision: StepDecision, metrics: RolloutMetricsSource
             rollout, actor=None, reason=decision.reason, gate=gate, metrics=metrics
         )
     elif decision.move is Move.PROMOTE:
-        do_promote_rollout(rollout, actor=None, reason=decision.reason, gate=gate)
+        do_promote_rollout(rollout, actor=None, reason=decision.reason, gate=gate, metrics=metrics)
     do_record_rollout_decision(rollout, move=decision.move.value, reason=decision.reason, gate=gate)

@@ -19,6 +19,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from registry.rollout_policy import CanaryState, GateThresholds
 from serving.engine.specs import BYTES_PER_PARAM, ModelSpec
 
 SERVED_NAME = RegexValidator(
@@ -361,6 +362,18 @@ class Rollout(models.Model):
     # Counter snapshots (registry.rollout_metrics marks) that open the comparison windows.
     baseline_mark = models.JSONField(default=dict, blank=True)
     canary_mark = models.JSONField(default=dict, blank=True)
+    # The canary's replicas as the controller last saw them (registry.rollout_policy's
+    # CanaryState): any state but "serving" holds its weight at 0 %. `canary_since` is when
+    # it entered that state; `canary_reason` says why, in words.
+    canary_state = models.CharField(
+        max_length=16,
+        choices=[(state.value, state.value.replace("_", " ")) for state in CanaryState],
+        default=CanaryState.PLACING.value,
+    )
+    canary_reason = models.TextField(blank=True)
+    canary_since = models.DateTimeField(null=True, blank=True)
+    # The fleet's reconcile writes why it could not place a canary replica ("" once it did).
+    canary_placement_failure = models.TextField(blank=True)
     # The controller's latest reading, for the console: move, reason and gate figures.
     last_decision = models.JSONField(default=dict, blank=True)
     last_tick_at = models.DateTimeField(null=True, blank=True)
@@ -389,7 +402,16 @@ class Rollout(models.Model):
 
     @property
     def canary_weight(self) -> int:
+        """The weight of the current step; the canary holds 0 % until it serves."""
         return int(self.steps[self.step_index])
+
+    @property
+    def canary_held(self) -> bool:
+        return self.canary_state != CanaryState.SERVING
+
+    @property
+    def gate_min_requests(self) -> int:
+        return GateThresholds.from_dict(self.gate_thresholds).min_requests
 
 
 class RolloutTransition(models.Model):

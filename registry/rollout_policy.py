@@ -1,4 +1,5 @@
-"""Canary gates and step decisions: plain data in, plain data out, no Django.
+"""Canary gates, the canary's condition and step decisions: plain data in, plain data out,
+no Django.
 
 The canary's window (since its current step began) is compared with the baseline's window
 (since the rollout began, so the comparison still has a reference once the canary holds 100%).
@@ -241,6 +242,52 @@ def evaluate_gates(
     )
 
 
+# --- the canary's condition -------------------------------------------------------------------
+
+
+class CanaryState(StrEnum):
+    """Where the canary's replicas stand. Only SERVING takes traffic: in every other state the
+    rollout holds the canary's weight at 0 % (a weight on nothing would be a lie, and the
+    gates would wait on requests that can never come)."""
+
+    PLACING = "placing"  # no replica placed yet
+    NO_ROOM = "no_room"  # the fleet found no room for one in the canary's pool
+    STARTING = "starting"  # placed, none ready yet
+    FAILED = "failed"  # its replicas failed and none is coming
+    SERVING = "serving"  # at least one ready replica in the routing table
+
+
+@dataclass(frozen=True, slots=True)
+class CanaryReplicas:
+    """The canary's replicas as the fleet reports them."""
+
+    ready: int = 0
+    starting: int = 0  # pending or starting
+    failed: int = 0
+    last_error: str = ""
+    # The reconcile's latest reason for not placing one ("" when it placed what was asked).
+    placement_failure: str = ""
+
+
+def canary_condition(replicas: CanaryReplicas) -> tuple[CanaryState, str]:
+    """The canary's state and the reason shown with it."""
+    if replicas.ready:
+        plural = "s" if replicas.ready > 1 else ""
+        return CanaryState.SERVING, f"{replicas.ready} ready canary replica{plural}"
+    if replicas.starting:
+        plural = "s" if replicas.starting > 1 else ""
+        return (
+            CanaryState.STARTING,
+            f"{replicas.starting} canary replica{plural} placed, none ready yet",
+        )
+    if replicas.placement_failure:
+        return CanaryState.NO_ROOM, f"no room for a canary replica: {replicas.placement_failure}"
+    if replicas.failed:
+        error = replicas.last_error or "no error reported"
+        return CanaryState.FAILED, f"the canary's replicas failed: {error}"
+    return CanaryState.PLACING, "no canary replica placed yet"
+
+
 # --- step decisions ---------------------------------------------------------------------------
 
 
@@ -259,6 +306,8 @@ class StepProgress:
     step_min_duration_s: float
     step_min_requests: int
     paused: bool = False
+    # Why the canary takes no traffic (its replicas are not serving); None when it serves.
+    canary_held: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +328,8 @@ def decide_step(
     verdict = evaluate_gates(canary, baseline, thresholds)
     if verdict.judged and not verdict.passed:
         return StepDecision(Move.ROLL_BACK, f"gate failed: {verdict.summary()}", verdict)
+    if progress.canary_held is not None:
+        return StepDecision(Move.HOLD, f"held at 0 %: {progress.canary_held}", verdict)
     if progress.paused:
         return StepDecision(Move.HOLD, "paused", verdict)
     waiting: list[str] = []
@@ -289,7 +340,9 @@ def decide_step(
     if canary.requests < progress.step_min_requests:
         waiting.append(f"{canary.requests} of {progress.step_min_requests} canary requests")
     if not verdict.judged:
-        waiting.append(verdict.summary())
+        waiting.append(
+            f"{canary.requests} of {thresholds.min_requests} canary requests before any gate verdict"
+        )
     if waiting:
         return StepDecision(Move.HOLD, "waiting: " + ", ".join(waiting), verdict)
     weight = progress.steps[progress.step_index]
@@ -313,3 +366,20 @@ def validate_steps(steps: Sequence[int]) -> list[str]:
     if steps[-1] != 100:
         problems.append("the last step must be 100")
     return problems
+
+
+def promotion_refusal(
+    state: CanaryState, reason: str, verdict: GateVerdict, thresholds: GateThresholds
+) -> str | None:
+    """Why the canary may not take more traffic by hand now (a step or a promotion); None when
+    it may: it must serve, and the gates must have judged it and passed."""
+    if state is not CanaryState.SERVING:
+        return f"The canary has no ready replica ({reason}); its weight stays at 0 %."
+    if not verdict.judged:
+        return (
+            f"No gate verdict yet: {verdict.canary_requests} of {thresholds.min_requests} "
+            "canary requests in this step; the gates judge nothing on fewer."
+        )
+    if not verdict.passed:
+        return f"The gates failed: {verdict.summary()}."
+    return None

@@ -15,12 +15,14 @@ from config.views import staff_required
 from registry import actions
 from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, SloTier, pools
 from registry.placement import check_deployment_placement, check_kv_connector
+from registry.rollout_policy import GateThresholds
 
 ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
     "pause": actions.do_pause_rollout,
     "resume": actions.do_resume_rollout,
     "abort": actions.do_abort_rollout,
     "promote": actions.do_promote_rollout,
+    "advance": actions.do_advance_rollout_step,
 }
 
 
@@ -157,7 +159,12 @@ def rollouts_page(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "console/rollouts.html",
-        {"rollouts": rollouts, "baselines": baselines, "versions": versions},
+        {
+            "rollouts": rollouts,
+            "baselines": baselines,
+            "versions": versions,
+            "gate_min_requests": GateThresholds().min_requests,
+        },
     )
 
 
@@ -179,7 +186,11 @@ def start_rollout(request: HttpRequest) -> HttpResponse:
     except ValidationError as error:
         messages.error(request, "Not started: " + "; ".join(_errors_text(error)))
         return redirect("console-rollouts")
-    messages.info(request, f"Rollout {rollout.pk} started: 5% of traffic to the canary.")
+    messages.info(
+        request,
+        f"Rollout {rollout.pk} started: the canary is held at 0 % until it has a ready replica, "
+        f"then takes {rollout.canary_weight} %.",
+    )
     return redirect("console-rollout", rollout_id=rollout.pk)
 
 
@@ -196,6 +207,7 @@ def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
             "transitions": transitions,
             "decision": rollout.last_decision,
             "gate": gate,
+            "live": rollout.state in Rollout.LIVE_STATES,
         },
     )
 

@@ -47,7 +47,9 @@ class DemoPool:
 
 DEMO_POOLS: tuple[DemoPool, ...] = (
     DemoPool("h100-us-east", "H100-SXM-80GB", "us-east", None, 1, 2),
-    DemoPool("a100-us-east", "A100-SXM-80GB", "us-east", None, 1, 1),
+    # Two GPUs: room for the canary of the rollout the banner suggests (qwen2.5-7b v1 -> v2)
+    # beside its baseline, so that rollout can run to promotion.
+    DemoPool("a100-us-east", "A100-SXM-80GB", "us-east", None, 1, 2),
     DemoPool("l40s-eu-west", "L40S-48GB", "eu-west", None, 1, 1),
     DemoPool("l4-eu-west", "L4-24GB", "eu-west", Decimal("0.7000"), 2, 1),
 )

@@ -171,7 +171,11 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
         child=serializers.IntegerField(min_value=1, max_value=100),
         default=lambda: list(DEFAULT_STEPS),
     )
+    # What the canary takes now: 0 while it is held (no ready replica), whatever the step.
     canary_weight = serializers.IntegerField(source="canary.traffic_weight", read_only=True)
+    step_weight = serializers.IntegerField(source="canary_weight", read_only=True)
+    canary_held = serializers.BooleanField(read_only=True)
+    gate_min_requests = serializers.IntegerField(read_only=True)
     transitions = RolloutTransitionSerializer(many=True, read_only=True)
 
     class Meta:
@@ -185,10 +189,16 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
             "steps",
             "step_index",
             "canary_weight",
+            "step_weight",
+            "canary_held",
+            "canary_state",
+            "canary_reason",
+            "canary_since",
             "step_started_at",
             "step_min_duration_s",
             "step_min_requests",
             "gate_thresholds",
+            "gate_min_requests",
             "cohort_by_tenant",
             "state",
             "last_decision",
@@ -202,6 +212,9 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
             "canary",
             "step_index",
             "step_started_at",
+            "canary_state",
+            "canary_reason",
+            "canary_since",
             "state",
             "last_decision",
             "last_tick_at",

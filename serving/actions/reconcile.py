@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from config.jobs import enqueue_on_commit
 from config.redis import redis_client
+from registry.actions import do_note_canary_placement
 from registry.models import Deployment
 from serving import telemetry
 from serving.actions.credentials import engine_api_key
@@ -255,6 +256,20 @@ def choose_node(rooms: list[NodeRoom], launch: Launch) -> tuple[NodeRoom, tuple[
     return room, gpus
 
 
+def placement_failure(rooms: list[NodeRoom], launch: Launch) -> str:
+    """Why `choose_node` found nowhere for a replica of `launch`, in words."""
+    mine = [room for room in rooms if room.pool_id == launch.pool_id]
+    phase = "" if launch.phase == Replica.Phase.COLOCATED else f" ({launch.phase} phase)"
+    needs = f"needs {launch.tensor_parallel} free GPU{'s' if launch.tensor_parallel > 1 else ''}"
+    if not mine:
+        return f"its pool has no ready, schedulable node{phase}"
+    free = sum(len(room.free) for room in mine)
+    nodes = f"{len(mine)} node{'s' if len(mine) > 1 else ''}"
+    if all(len(room.free) < launch.tensor_parallel for room in mine):
+        return f"{needs} on one node{phase}; its pool has {free} free on {nodes}"
+    return f"the free GPUs of its pool are too small for the model{phase}"
+
+
 def _memory_fits(launch: Launch, gpu_class: str, memory_mb: int) -> bool:
     base = load_gpu_specs().get(gpu_class)
     if base is None:
@@ -277,6 +292,8 @@ class ReconcileReport:
     drained: int = 0
     stopped: int = 0
     unplaceable: int = 0
+    # Why a replica could not be placed, by deployment id: what a rollout shows of its canary.
+    placement_failures: dict[int, str] = field(default_factory=dict)
 
 
 def do_reconcile() -> ReconcileReport:
@@ -296,6 +313,7 @@ def do_reconcile() -> ReconcileReport:
         report.drained += _drain_orphans(
             {(launch.deployment_id, launch.phase) for launch in launches}
         )
+        do_note_canary_placement(report.placement_failures)
         if report.placed or report.drained or report.stopped:
             request_publish()
     return report
@@ -348,6 +366,9 @@ def _reconcile_deployment(
         choice = choose_node(views, launch)
         if choice is None:
             report.unplaceable += 1
+            report.placement_failures[launch.deployment_id] = placement_failure(
+                list(rooms.values()), launch
+            )
             logger.warning("no room for a replica of deployment %s", launch.deployment_id)
             break
         room, gpus = choice

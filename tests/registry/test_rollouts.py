@@ -13,15 +13,35 @@ from registry.actions import do_create_deployment, do_start_rollout
 from registry.models import Deployment, Model, Rollout, RolloutTransition
 from registry.rollout_metrics import record_request
 from registry.tasks import rollout_tick
-from serving.models import GpuPool
+from serving.models import GpuPool, Node, Replica
 from tests.registry.conftest import approved_version, client_for
 
 
+def ready_replica(deployment: Deployment, state: str = Replica.State.READY) -> Replica:
+    """A replica of `deployment` as the fleet reports it once its engine answers."""
+    node, _ = Node.objects.get_or_create(
+        pool=deployment.pool,
+        hostname=f"{deployment.pool.name}-node",
+        defaults={"agent_url": "http://gpu-node:9100"},
+    )
+    return Replica.objects.create(
+        deployment=deployment,
+        node=node,
+        gpu_indices=[Replica.objects.filter(node=node).count()],
+        port=18000 + Replica.objects.count(),
+        state=state,
+    )
+
+
 @pytest.fixture
-def rollout(staff: Any, pools: dict[str, GpuPool], llama_8b: Model, redis_client: Any) -> Rollout:
+def held_rollout(
+    staff: Any, pools: dict[str, GpuPool], llama_8b: Model, redis_client: Any
+) -> Rollout:
+    """Just started: its canary has no replica yet."""
     v1 = approved_version(llama_8b, "v1", "bf16")
     v2 = approved_version(llama_8b, "v2", "bf16")
     baseline = do_create_deployment(name="llama-8b-l4", model_version=v1, pool=pools["l4"])
+    ready_replica(baseline)
     return do_start_rollout(
         baseline,
         v2,
@@ -30,6 +50,15 @@ def rollout(staff: Any, pools: dict[str, GpuPool], llama_8b: Model, redis_client
         step_min_requests=60,
         gate_thresholds={"min_requests": 40},
     )
+
+
+@pytest.fixture
+def rollout(held_rollout: Rollout) -> Rollout:
+    """Its canary serves from one ready replica, and the controller gave it the first step."""
+    ready_replica(held_rollout.canary)
+    rollout_tick.apply()
+    held_rollout.refresh_from_db()
+    return held_rollout
 
 
 def _serve(
@@ -60,7 +89,7 @@ def _weights(rollout: Rollout) -> tuple[int, int]:
     return baseline.traffic_weight, canary.traffic_weight
 
 
-def test_starting_a_rollout_sends_the_first_step_to_a_new_canary_deployment(
+def test_once_its_canary_serves_a_rollout_sends_the_first_step_to_it(
     rollout: Rollout,
 ) -> None:
     assert _weights(rollout) == (95, 5)
@@ -123,7 +152,8 @@ def test_a_healthy_canary_walks_every_step_to_100_percent(
     assert Deployment.objects.get(pk=rollout.baseline_id).status == Deployment.Status.DRAINING
     moves = list(rollout.transitions.values_list("to_state", "to_weight", "actor_label"))
     assert moves == [
-        ("running", 5, "ops"),
+        ("running", 0, "ops"),
+        ("running", 5, "controller"),
         ("running", 25, "controller"),
         ("running", 50, "controller"),
         ("running", 100, "controller"),
@@ -138,7 +168,7 @@ def test_a_tick_is_idempotent_once_the_rollout_has_finished(
     _serve(redis_client, rollout.canary_id, 50, seed=2, error_every=3)
     rollout_tick.apply()
     rollout_tick.apply()
-    assert RolloutTransition.objects.filter(rollout=rollout).count() == 2
+    assert RolloutTransition.objects.filter(rollout=rollout).count() == 3
     assert _weights(rollout) == (100, 0)
 
 
@@ -172,7 +202,11 @@ def test_staff_pause_holds_the_weights_and_resume_continues(
     assert _weights(rollout) == (75, 25)
 
 
-def test_staff_can_promote_now_and_the_actor_is_recorded(rollout: Rollout, staff: Any) -> None:
+def test_staff_can_promote_now_and_the_actor_is_recorded(
+    rollout: Rollout, staff: Any, redis_client: redis.Redis
+) -> None:
+    _serve(redis_client, rollout.baseline_id, 100, seed=1)
+    _serve(redis_client, rollout.canary_id, 40, seed=2)
     response = client_for(staff).post(
         f"/api/v1/rollouts/{rollout.pk}/promote/", {"reason": "urgent fix"}
     )
@@ -217,7 +251,12 @@ def test_staff_start_a_rollout_over_rest_with_cohort_mode(
     )
     assert response.status_code == 201, response.json()
     body = response.json()
-    assert (body["canary_weight"], body["cohort_by_tenant"], body["state"]) == (10, True, "running")
+    assert (body["canary_weight"], body["step_weight"], body["cohort_by_tenant"]) == (0, 10, True)
+    assert (body["state"], body["canary_state"], body["canary_held"]) == (
+        "running",
+        "placing",
+        True,
+    )
 
 
 def test_a_second_live_rollout_of_the_same_model_is_refused(rollout: Rollout, staff: Any) -> None:
@@ -231,15 +270,18 @@ def test_a_second_live_rollout_of_the_same_model_is_refused(rollout: Rollout, st
 
 
 def test_every_tick_notes_its_decision_on_the_rollout_a_hold_included(
-    rollout: Rollout, staff: Any, redis_client: redis.Redis
+    held_rollout: Rollout, staff: Any, redis_client: redis.Redis
 ) -> None:
+    rollout = held_rollout
+    ready_replica(rollout.canary)
     assert (rollout.last_tick_at, rollout.last_decision) == (None, {})
-    rollout_tick.apply()  # no canary requests yet: holds
+    rollout_tick.apply()  # the canary serves now, but has no requests yet: holds
     rollout.refresh_from_db()
     assert rollout.last_tick_at is not None
     assert rollout.last_decision["move"] == "hold"
     assert rollout.last_decision["gate"]["judged"] is False
     assert (rollout.state, _weights(rollout)) == (Rollout.State.RUNNING, (95, 5))
-    assert rollout.transitions.count() == 1  # a hold is a note, not a transition
+    # Start and release are transitions; the hold on the gates is a note.
+    assert rollout.transitions.count() == 2
     shown = client_for(staff).get(f"/api/v1/rollouts/{rollout.pk}/").json()
     assert shown["last_decision"] == rollout.last_decision
