@@ -6,9 +6,10 @@ A resource's viewset inherits `PlatformViewSet` (or `PlatformModelViewSet` /
 rows belong to a tenant), `permission_classes` when "any signed-in caller" is not the rule,
 and `perform_create` / `perform_update` / `perform_destroy` calling its app's `do_*` actions.
 
-- Authentication: a session (console, portal) or a platform API key
+- Authentication: a session (console, portal), a platform API key or a staff token
   (`tenants.api.authentication`). A key acts for its tenant and is never staff, so a route
-  for staff (`IsAdminUser`, or the writes of `ReadAnyWriteStaff`) refuses every key.
+  for staff (`IsAdminUser`, or the writes of `ReadAnyWriteStaff`) refuses every key; a staff
+  token acts as its staff user (its `read` scope: safe methods only).
 - Errors: `exception_handler`, REST_FRAMEWORK's EXCEPTION_HANDLER, answers what the actions
   raise in DRF's format: Django's ValidationError 400 (a field's errors under its name),
   PermissionDenied 403, Http404 404, a delete of a row others still refer to (ProtectedError,
@@ -44,12 +45,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from tenants.api.authentication import ApiKeyAuthentication
+from tenants.api.authentication import ApiKeyAuthentication, StaffTokenAuthentication
 
 logger = logging.getLogger("django.request")
 
 # Session first: an anonymous caller is answered 403, as before keys were accepted.
-AUTHENTICATION = [SessionAuthentication, ApiKeyAuthentication]
+# REST_FRAMEWORK's DEFAULT_AUTHENTICATION_CLASSES names the same, for the views outside it.
+AUTHENTICATION = [SessionAuthentication, ApiKeyAuthentication, StaffTokenAuthentication]
 
 
 class ReadAnyWriteStaff(permissions.BasePermission):

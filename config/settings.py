@@ -241,8 +241,11 @@ REQUEST_BODY_DEADLINE_S = env_float("REQUEST_BODY_DEADLINE_S", 30.0)
 MAX_OPEN_REQUESTS_PER_CLIENT = env_int("MAX_OPEN_REQUESTS_PER_CLIENT", 64, minimum=0)
 
 REST_FRAMEWORK = {
+    # As config.api.AUTHENTICATION, the viewsets' own list: for the views outside them.
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "rest_framework.authentication.SessionAuthentication",
+        "tenants.api.authentication.ApiKeyAuthentication",
+        "tenants.api.authentication.StaffTokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",

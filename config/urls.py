@@ -11,6 +11,7 @@ admin.site.__class__ = auth.PlatformAdminSite
 
 api_v1 = [
     path("", include("tenants.api.urls")),
+    path("", include("tenants.api.staff_token_urls")),
     path("", include("registry.api.urls")),
     path("", include("serving.api.urls")),
     path("", include("metering.api.urls")),
@@ -33,6 +34,7 @@ urlpatterns = [
     path("console/", include("serving.console.urls")),
     path("console/", include("registry.urls")),
     path("console/", include("metering.urls")),
+    path("console/", include("tenants.console_urls")),
     # The tenant portal: each app renders its own pages in the portal's frame (tenants/views.py).
     path("portal/", include("tenants.portal_urls")),
     path("portal/", include("metering.portal_urls")),

@@ -80,10 +80,18 @@ return 0
 """
 PREFIX_BYTES = 4
 SECRET_BYTES = 24
-# `sk-<prefix>-<secret>`, both lowercase hex, as `generate_raw_key` makes them.
-_KEY_SHAPE = re.compile(
-    rf"{KEY_SCHEME}-([0-9a-f]{{{2 * PREFIX_BYTES}}})-[0-9a-f]{{{2 * SECRET_BYTES}}}"
-)
+
+
+def key_shape(scheme: str, separator: str) -> re.Pattern[str]:
+    """`<scheme><sep><prefix><sep><secret>`, both lowercase hex, as `generate_raw_key` makes
+    them; the prefix is the first group. API keys are `sk-…-…`, staff tokens `pst_…_…`."""
+    sep = re.escape(separator)
+    return re.compile(
+        rf"{re.escape(scheme)}{sep}([0-9a-f]{{{2 * PREFIX_BYTES}}}){sep}[0-9a-f]{{{2 * SECRET_BYTES}}}"
+    )
+
+
+_KEY_SHAPE = key_shape(KEY_SCHEME, "-")
 
 
 @dataclass(frozen=True)
@@ -217,15 +225,16 @@ class KeyPrincipal:
         )
 
 
-def generate_raw_key() -> tuple[str, str]:
-    """A new key `sk-<prefix>-<secret>` and its visible prefix."""
+def generate_raw_key(scheme: str = KEY_SCHEME, separator: str = "-") -> tuple[str, str]:
+    """A new key `sk-<prefix>-<secret>` (or another scheme's) and its visible prefix."""
     prefix = secrets.token_hex(PREFIX_BYTES)
-    return f"{KEY_SCHEME}-{prefix}-{secrets.token_hex(SECRET_BYTES)}", prefix
+    return f"{scheme}{separator}{prefix}{separator}{secrets.token_hex(SECRET_BYTES)}", prefix
 
 
-def key_prefix_of(raw_key: str) -> str | None:
-    """The visible prefix of a string shaped like a key; None for anything else."""
-    shaped = _KEY_SHAPE.fullmatch(raw_key)
+def key_prefix_of(raw_key: str, shape: re.Pattern[str] = _KEY_SHAPE) -> str | None:
+    """The visible prefix of a string shaped like a key (`shape`: an API key's unless
+    told); None for anything else."""
+    shaped = shape.fullmatch(raw_key)
     return shaped.group(1) if shaped else None
 
 

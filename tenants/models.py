@@ -11,6 +11,9 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+# Staff API tokens have their own module; imported here so that Django finds the model.
+from tenants.staff_tokens import StaffToken as StaffToken
+
 
 class Tenant(models.Model):
     class Status(models.TextChoices):
