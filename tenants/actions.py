@@ -14,13 +14,13 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Collection, Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Model, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
@@ -41,6 +41,7 @@ from tenants.models import (
     ApiKey,
     KeyQuotaOverride,
     Membership,
+    PriorityTier,
     Quota,
     Role,
     Scope,
@@ -157,6 +158,58 @@ def _as_id(value: int | str) -> int:
         raise Http404("No such object.") from None
 
 
+# ---------------------------------------------------------------- check_* (bad input)
+
+# A model's served name is at most this long (registry.models.Model.name); tenants sit below
+# the registry and cannot import it, so an allowlist is checked for shape, not existence.
+MODEL_NAME_MAX_LENGTH = 128
+
+
+def check_text(model: type[Model], field: str, value: str) -> str:
+    """`value` stripped, non-empty and within the model field's max_length; else a
+    ValidationError naming the field (a longer value would be a DataError, a 500)."""
+    text = value.strip()
+    largest = getattr(model._meta.get_field(field), "max_length", None)
+    if not text:
+        raise ValidationError({field: "Enter a name."})
+    if largest is not None and len(text) > largest:
+        raise ValidationError({field: f"At most {largest} characters (this one has {len(text)})."})
+    return text
+
+
+def check_tiers(tiers: Iterable[str]) -> list[str]:
+    """Priority tiers the gateway accepts (its `x-priority` names; the router ranks the same
+    three). An unknown one would lock the tenant out of inference: every request names a tier
+    and none would be allowed."""
+    chosen = list(dict.fromkeys(tiers))
+    unknown = [tier for tier in chosen if tier not in PriorityTier.values]
+    if unknown:
+        raise ValidationError(
+            {
+                "allowed_tiers": f"Unknown priority tier {', '.join(map(repr, unknown))}: "
+                f"choose from {', '.join(PriorityTier.values)}."
+            }
+        )
+    return chosen
+
+
+def check_expiry(expires_at: datetime | None) -> datetime | None:
+    """An expiry in the future: a key that has already expired would only be listed."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": "Choose a time in the future."})
+    return expires_at
+
+
+def check_model_allowlist(names: Iterable[str]) -> list[str]:
+    chosen = sorted(set(names))
+    too_long = [name for name in chosen if len(name) > MODEL_NAME_MAX_LENGTH]
+    if too_long:
+        raise ValidationError(
+            {"model_allowlist": f"A model name has at most {MODEL_NAME_MAX_LENGTH} characters."}
+        )
+    return chosen
+
+
 # ---------------------------------------------------------------- tenants
 
 
@@ -170,7 +223,10 @@ def do_create_tenant(
     owner: Any = None,
 ) -> Tenant:
     tenant = Tenant.objects.create(
-        slug=slug, name=name, allowed_regions=list(allowed_regions), fail_open=fail_open
+        slug=slug,
+        name=check_text(Tenant, "name", name),
+        allowed_regions=list(allowed_regions),
+        fail_open=fail_open,
     )
     Quota.objects.create(tenant=tenant)
     if owner is not None:
@@ -184,6 +240,8 @@ TENANT_FIELDS = {"name", "status", "allowed_regions", "fail_open", "blocked_patt
 @transaction.atomic
 def do_update_tenant(tenant: Tenant, **changes: Any) -> Tenant:
     _check_fields(changes, TENANT_FIELDS)
+    if "name" in changes:
+        changes["name"] = check_text(Tenant, "name", changes["name"])
     for name, value in changes.items():
         setattr(tenant, name, value)
     tenant.save(update_fields=list(changes))
@@ -268,7 +326,10 @@ def do_create_api_key(
 
     `raw_key` recreates a known key (the demo's); normally a fresh one is generated.
     """
+    name = check_text(ApiKey, "name", name)
     chosen_scopes = check_scopes_for(created_by, tenant, scopes)
+    allowlist = check_model_allowlist(model_allowlist)
+    check_expiry(expires_at)
     if raw_key is None:
         raw_key, prefix = generate_raw_key()
     else:
@@ -282,7 +343,7 @@ def do_create_api_key(
         prefix=prefix,
         secret_hash=hash_key(raw_key),
         scopes=chosen_scopes,
-        model_allowlist=sorted(set(model_allowlist)),
+        model_allowlist=allowlist,
         expires_at=expires_at,
         created_by=created_by if getattr(created_by, "pk", None) else None,
     )
@@ -299,15 +360,63 @@ def do_update_api_key(key: ApiKey, *, acting_user: Any, **changes: Any) -> ApiKe
     _check_fields(changes, KEY_FIELDS)
     if key.is_revoked:
         raise ValidationError("A revoked key cannot be changed.")
+    if "name" in changes:
+        changes["name"] = check_text(ApiKey, "name", changes["name"])
     if "scopes" in changes:
         changes["scopes"] = check_scopes_for(acting_user, key.tenant, changes["scopes"])
     if "model_allowlist" in changes:
-        changes["model_allowlist"] = sorted(set(changes["model_allowlist"]))
+        changes["model_allowlist"] = check_model_allowlist(changes["model_allowlist"])
+    if "expires_at" in changes and changes["expires_at"] != key.expires_at:
+        check_expiry(changes["expires_at"])
     for name, value in changes.items():
         setattr(key, name, value)
     key.save(update_fields=list(changes))
     republish_keys([key.pk])
     return key
+
+
+PLAYGROUND_KEY_LIFETIME = timedelta(hours=1)
+# A held playground key is handed out again only while it has this long left to live.
+PLAYGROUND_KEY_MIN_LEFT = timedelta(minutes=10)
+
+
+def playground_key_name(user: Any) -> str:
+    return f"playground ({user.get_username()})"
+
+
+@transaction.atomic
+def do_issue_playground_key(
+    tenant: Tenant, user: Any, held_secret: str | None = None
+) -> tuple[ApiKey, str]:
+    """The member's playground key: one per member, tenant and hour.
+
+    The secret is not stored, so only a caller that still holds it (the member's session)
+    gets the same key back, while it has `PLAYGROUND_KEY_MIN_LEFT` to live. Otherwise a new
+    key is minted and the member's older playground keys in this tenant are revoked, so the
+    key list never fills up with them.
+    """
+    require_role(user, tenant, Role.DEVELOPER)
+    now = timezone.now()
+    name = playground_key_name(user)
+    held = api_key_for_raw_key(held_secret) if held_secret else None
+    if (
+        held is not None
+        and held.tenant_id == tenant.pk
+        and held.created_by_id == user.pk
+        and held.name == name
+        and not held.is_revoked
+        and held.expires_at is not None
+        and held.expires_at - now >= PLAYGROUND_KEY_MIN_LEFT
+    ):
+        return held, str(held_secret)
+    older = ApiKey.objects.filter(
+        tenant=tenant, created_by=user, name=name, revoked_at__isnull=True
+    )
+    for stale in older:
+        do_revoke_api_key(stale, user)
+    return do_create_api_key(
+        tenant, name, user, [Scope.INFERENCE], expires_at=now + PLAYGROUND_KEY_LIFETIME
+    )
 
 
 @transaction.atomic
@@ -349,6 +458,8 @@ OVERRIDE_FIELDS = {
 @transaction.atomic
 def do_update_quota(quota: Quota, **changes: Any) -> Quota:
     _check_fields(changes, QUOTA_FIELDS)
+    if "allowed_tiers" in changes:
+        changes["allowed_tiers"] = check_tiers(changes["allowed_tiers"])
     for name, value in changes.items():
         setattr(quota, name, value)
     quota.full_clean()

@@ -6,6 +6,11 @@ with `portal_context`; config/urls.py mounts them all under /portal/<slug>/.
 
 Portal lookups go through `access_tenant_for_user`: a tenant the user is not a member of is a
 404. Reading needs the viewer role, creating or revoking keys the developer role (403 else).
+
+Every form POSTs, then redirects back to its page, so a refresh creates nothing. A refused
+form comes back with its message and what was typed; a new key's secret crosses the redirect
+in the session (database-backed; never in a message, whose storage may be a cookie) and is
+popped by the page that shows it, once.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tenants import actions
 from tenants.models import ApiKey, Role, Scope, Tenant
 
 KEY_SCOPES = [Scope.INFERENCE, Scope.READ_USAGE]
+KEY_NAME_MAX_LENGTH = ApiKey._meta.get_field("name").max_length or 200
 
 
 def portal_tenant(request: HttpRequest, slug: str, minimum: str = Role.VIEWER) -> Tenant:
@@ -44,42 +50,66 @@ def portal_context(request: HttpRequest, tenant: Tenant, **extra: Any) -> dict[s
 # ---------------------------------------------------------------- portal (members)
 
 
+NEW_KEY_SESSION_KEY = "new_api_key"
+KEY_FORM_SESSION_KEY = "refused_api_key_form"
+
+
+def refusal_text(error: ValidationError) -> str:
+    if hasattr(error, "error_dict"):
+        return "; ".join(
+            f"{field.replace('_', ' ')}: {message}"
+            for field, field_messages in error.message_dict.items()
+            for message in field_messages
+        )
+    return "; ".join(error.messages)
+
+
 @login_required
 def keys_page(request: HttpRequest, slug: str) -> HttpResponse:
     tenant = portal_tenant(request, slug)
-    keys = ApiKey.objects.filter(tenant=tenant).select_related("created_by")
-    return render(
-        request,
-        "portal/keys.html",
-        portal_context(request, tenant, keys=keys, scopes=KEY_SCOPES, now=timezone.now()),
-    )
-
-
-@login_required
-@require_POST
-def create_key(request: HttpRequest, slug: str) -> HttpResponse:
-    tenant = portal_tenant(request, slug, Role.DEVELOPER)
-    name = request.POST.get("name", "").strip() or "unnamed key"
-    scopes = request.POST.getlist("scopes") or [Scope.INFERENCE]
-    try:
-        key, secret = actions.do_create_api_key(tenant, name, request.user, scopes)
-    except ValidationError as error:
-        messages.error(request, "; ".join(error.messages))
-        return redirect("portal-keys", slug=tenant.slug)
+    new_key = request.session.pop(NEW_KEY_SESSION_KEY, None)
+    if new_key is not None and new_key.get("tenant") != tenant.slug:
+        new_key = None  # created in another tenant's portal: not this page's to show
     keys = ApiKey.objects.filter(tenant=tenant).select_related("created_by")
     context = portal_context(
         request,
         tenant,
         keys=keys,
         scopes=KEY_SCOPES,
-        new_key=key,
-        secret=secret,
+        new_key=new_key,
+        form=request.session.pop(KEY_FORM_SESSION_KEY, None),
+        name_max_length=KEY_NAME_MAX_LENGTH,
         now=timezone.now(),
     )
-    # Shown once: the page carrying the secret must not be cached anywhere.
     response = render(request, "portal/keys.html", context)
-    response["Cache-Control"] = "no-store"
+    if new_key is not None:
+        # Shown once: the page carrying the secret must not be cached anywhere.
+        response["Cache-Control"] = "no-store"
     return response
+
+
+@login_required
+@require_POST
+def create_key(request: HttpRequest, slug: str) -> HttpResponse:
+    tenant = portal_tenant(request, slug, Role.DEVELOPER)
+    name = request.POST.get("name", "")
+    scopes = request.POST.getlist("scopes") or [Scope.INFERENCE]
+    try:
+        key, secret = actions.do_create_api_key(tenant, name, request.user, scopes)
+    except ValidationError as error:
+        messages.error(request, "Key not created: " + refusal_text(error))
+        # What was typed comes back in the form, cut to what the field can hold.
+        request.session[KEY_FORM_SESSION_KEY] = {
+            "name": name[:KEY_NAME_MAX_LENGTH],
+            "scopes": [scope for scope in scopes if scope in KEY_SCOPES],
+        }
+        return redirect("portal-keys", slug=tenant.slug)
+    request.session[NEW_KEY_SESSION_KEY] = {
+        "tenant": tenant.slug,
+        "name": key.name,
+        "secret": secret,
+    }
+    return redirect("portal-keys", slug=tenant.slug)
 
 
 @login_required

@@ -9,7 +9,7 @@ from rest_framework import serializers
 
 from config.api import BoundedDateTimeField
 from serving.gateway.guardrails import PatternError, check_blocked_patterns
-from tenants.actions import QUOTA_FIELDS
+from tenants.actions import MODEL_NAME_MAX_LENGTH, QUOTA_FIELDS
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Scope, Tenant
 
 
@@ -74,7 +74,11 @@ class MembershipRoleSerializer(serializers.Serializer[Membership]):
 class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices))
-    model_allowlist = serializers.ListField(child=serializers.CharField(), required=False)
+    model_allowlist = serializers.ListField(
+        child=serializers.CharField(max_length=MODEL_NAME_MAX_LENGTH),
+        required=False,
+        max_length=100,
+    )
     expires_at = BoundedDateTimeField(required=False, allow_null=True)
     display = serializers.SerializerMethodField()
 
@@ -110,7 +114,10 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
 
 
 class QuotaSerializer(serializers.ModelSerializer[Quota]):
-    allowed_tiers = serializers.ListField(child=serializers.CharField(), required=False)
+    # Checked against the gateway's tiers by `do_update_quota` (`check_tiers`).
+    allowed_tiers = serializers.ListField(
+        child=serializers.CharField(max_length=32), required=False, max_length=10
+    )
 
     class Meta:
         model = Quota
