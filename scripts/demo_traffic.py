@@ -3,6 +3,9 @@
 `make run` starts it once the platform is ready (PLATFORM_DEMO_TRAFFIC=0 turns it off). It
 uses the demo API key through the official `openai` client: Poisson arrivals, a mix of short
 and long prompts, of models and priority tiers, most requests streamed.
+
+It can start before any node has registered a model: it waits for /v1/models to list one
+(polling with backoff, one line said while waiting), and it never sends a request without.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ WORDS = [
     "objectives",
 ]
 TIERS = ("interactive", "interactive", "standard", "standard", "batch")
+FIRST_POLL_S = 1.0
+LONGEST_POLL_S = 30.0
 
 
 def prompt(rng: random.Random) -> str:
@@ -76,10 +81,33 @@ async def one_request(client: openai.AsyncOpenAI, models: list[str], rng: random
         print(f"demo request to {model} ({tier}) failed: {error}", flush=True)
 
 
+async def wait_for_models(
+    client: openai.AsyncOpenAI,
+    first_poll_s: float = FIRST_POLL_S,
+    longest_poll_s: float = LONGEST_POLL_S,
+) -> list[str]:
+    """The models of /v1/models once it lists any, polled with a doubling pause (a gateway
+    not answering yet counts as none)."""
+    pause_s = first_poll_s
+    said = False
+    while True:
+        try:
+            models = [model.id async for model in client.models.list()]
+        except openai.APIError:
+            models = []
+        if models:
+            return models
+        if not said:
+            print("demo traffic: waiting for a model to be deployed (GET /v1/models)", flush=True)
+            said = True
+        await asyncio.sleep(pause_s)
+        pause_s = min(pause_s * 2, longest_poll_s)
+
+
 async def run(base_url: str, api_key: str, rate: float, seed: int) -> None:
     rng = random.Random(seed)
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
-    models = [model.id async for model in client.models.list()]
+    models = await wait_for_models(client)
     print(f"demo traffic: {rate:g} requests/s over {', '.join(models)}", flush=True)
     pending: set[asyncio.Task[None]] = set()
     while True:
