@@ -518,13 +518,33 @@ def do_update_deployment(deployment: Deployment, **changes: Any) -> Deployment:
     return deployment
 
 
-def do_scale_deployment(deployment: Deployment, replicas_desired: int) -> Deployment:
-    """The autoscaler's write: desired replicas within the deployment's bounds."""
-    bounded = max(deployment.replicas_min, min(deployment.replicas_max, replicas_desired))
-    Deployment.objects.filter(pk=deployment.pk).update(
-        replicas_desired=bounded, updated_at=timezone.now()
-    )
-    deployment.replicas_desired = bounded
+def do_scale_deployment(
+    deployment: Deployment, replicas_desired: int, *, phase: str = "colocated"
+) -> Deployment:
+    """The autoscaler's write: one phase's desired replicas (`decode_replicas_desired` for
+    "decode", `replicas_desired` otherwise) within that phase's min and max, then a reconcile
+    once the transaction commits (the task enqueued by name, as for the routing table).
+
+    A phase the deployment does not have (decode or prefill of a colocated one, colocated of a
+    disaggregated one) is a ValidationError. The bounds are checked again in the UPDATE: when
+    staff moved them since the row was read, nothing is written (the next beat reads them)."""
+    # The phases of serving's Replica.Phase: the registry never imports the fleet.
+    phases = ("prefill", "decode") if deployment.disaggregated else ("colocated",)
+    if phase not in phases:
+        raise ValidationError(f"Deployment {deployment.name} has no {phase} phase to scale.")
+    prefix = "decode_" if phase == "decode" else ""
+    low, high = (getattr(deployment, f"{prefix}replicas_{end}") for end in ("min", "max"))
+    bounded = max(low, min(high, replicas_desired))
+    field = f"{prefix}replicas_desired"
+    changed = bounded != getattr(deployment, field)
+    written = Deployment.objects.filter(
+        pk=deployment.pk,
+        **{f"{prefix}replicas_min__lte": bounded, f"{prefix}replicas_max__gte": bounded},
+    ).update(**{field: bounded, "updated_at": timezone.now()})
+    if written:
+        setattr(deployment, field, bounded)
+        if changed:
+            enqueue_on_commit("serving.reconcile")
     return deployment
 
 

@@ -1,15 +1,27 @@
 """The autoscaler loop's glue: signals from Redis, bounds from the pool, the write through the
 registry's `do_scale_deployment`.
 
-Per deployment with room to scale (active, replicas_max > replicas_min), every beat:
+It scales fleets of interchangeable replicas: a colocated deployment's, or each phase of a
+disaggregated one on its own (prefill replicas on `pool`, counted by `replicas_*`; decode
+replicas on `decode_pool`, counted by `decode_replicas_*`), each on its own signals, within its
+own bounds and its own pool's free GPUs:
+- colocated: load (running + waiting) against the decode batch a replica carries within the
+  tier's TPOT objective while prefilling within its TTFT one, KV cache use, and the TTFT p95;
+- decode: load against the decode batch within TPOT alone, on the decode pool's GPU class, and
+  KV cache use (the decode replicas hold every stream's KV). Not TTFT: they never prefill;
+- prefill: load, mostly its waiting queue, against the typical prompts whose prefills, one after
+  another, fit the TTFT objective, and the deployment's TTFT p95 (TTFT is the prefill side's
+  clock). Not KV use: what a prefill replica holds is waiting for the decode side to pull it.
+
+Per fleet with room to scale (an active deployment's phase whose max exceeds its min), every beat:
 1. one sample of its ready replicas, appended to a short Redis list, so the window survives
    worker restarts and any worker can run the next beat. The sample holds
    - running and waiting requests (summed) and KV cache use (averaged), from
      `routing:telemetry`;
-   - the p95 time to first token of the requests the gateways settled since the last reading,
-     from the per-deployment TTFT histogram the gateway's settle already writes
-     (`registry.rollout_metrics`, counters in its one settle round trip). The loop keeps a
-     snapshot of that histogram (a mark) and reads the difference; until at least
+   - (colocated and prefill) the p95 time to first token of the requests the gateways settled
+     since the last reading, from the per-deployment TTFT histogram the gateway's settle already
+     writes (`registry.rollout_metrics`, counters in its one settle round trip). The loop keeps
+     a snapshot of that histogram (a mark) and reads the difference; until at least
      `MIN_TTFT_REQUESTS` requests have settled since the mark there is no p95 and the mark
      stays, so a quiet deployment's one long prompt is not read as a missed SLO;
 2. a forecast: the most replicas the traffic needed within `FORECAST_SPREAD_S` of this time of
@@ -17,15 +29,24 @@ Per deployment with room to scale (active, replicas_max > replicas_min), every b
    ago, from a history of the loop's own reactive recommendations kept in Redis one point per
    minute (`serving.capacity.autoscaler.daily_forecast`), so capacity is warm before a known peak;
 3. `serving.capacity.autoscaler.recommend` over the sample window, with the forecast as a floor, the
-   deployment's bounds, the pool's free GPUs, and the raw recommendations of the scale-down
+   phase's bounds, its pool's free GPUs, and the raw recommendations of the scale-down
    stabilization window (also in Redis);
-4. when the count changes, `registry.actions.do_scale_deployment`, then a reconcile.
+4. when the count changes, `registry.actions.do_scale_deployment` for that phase, which requests
+   a reconcile.
+
+Redis keys are per fleet: the colocated and prefill phases use `autoscale:*:{deployment_id}`
+(the keys from before phases were scaled, so nothing stored is orphaned; a deployment made
+disaggregated continues its colocated memory as its prefill memory), the decode phase the same
+keys with `:decode` appended. The TTFT mark is the deployment's, read by one phase only.
 
 The history keeps what the signals asked for without the forecast: a forecast fed back into
 its own history would hold a past peak up forever.
 
 Level-triggered and idempotent: a second run in the same beat adds one more sample (with no
 TTFT: nothing settled since the first) and recommends the same count.
+
+Two phases sharing one pool each count all its free GPUs: in the beat both grow, the reconcile
+places what fits and reports the rest unplaceable.
 """
 
 from __future__ import annotations
@@ -42,7 +63,6 @@ from django.conf import settings
 from registry.actions import do_scale_deployment
 from registry.models import Deployment
 from registry.rollout_metrics import quantile_from_buckets, stats_key
-from serving.actions.reconcile import request_reconcile
 from serving.capacity.autoscaler import (
     AutoscalerConfig,
     FleetSample,
@@ -54,7 +74,7 @@ from serving.capacity.planner import Workload, slo_throughput
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
 from serving.models import Gpu, Replica
-from serving.router import DEFAULT_SLO_TIERS
+from serving.router import DEFAULT_SLO_TIERS, SloTier
 from serving.telemetry import read_routing_telemetry
 
 logger = logging.getLogger(__name__)
@@ -84,6 +104,9 @@ FORECAST_SPREAD_S = 900.0
 TYPICAL_PROMPT_TOKENS = 1000
 TYPICAL_OUTPUT_TOKENS = 250
 FALLBACK_TARGET_RUNNING = 32.0
+COLOCATED: str = Replica.Phase.COLOCATED.value
+PREFILL: str = Replica.Phase.PREFILL.value
+DECODE: str = Replica.Phase.DECODE.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,61 +115,150 @@ class ScalingOutcome:
     current: int
     desired: int
     reason: str
+    phase: str = COLOCATED
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseCounts:
+    """A fleet the loop scales: a colocated deployment's replicas, or one phase's of a
+    disaggregated one (prefill: `pool`, `replicas_*`; decode: `decode_pool`,
+    `decode_replicas_*`)."""
+
+    phase: str
+    pool_id: int
+    gpu_class: str
+    minimum: int
+    desired: int
+    maximum: int
+
+    @property
+    def scalable(self) -> bool:
+        return self.maximum > self.minimum
+
+
+def deployment_phases(deployment: Deployment) -> list[str]:
+    return [PREFILL, DECODE] if deployment.disaggregated else [COLOCATED]
+
+
+def phase_counts(deployment: Deployment, phase: str) -> PhaseCounts:
+    if phase == DECODE:
+        assert deployment.decode_pool is not None
+        return PhaseCounts(
+            phase,
+            deployment.decode_pool.pk,
+            deployment.decode_pool.gpu_class.name,
+            deployment.decode_replicas_min,
+            deployment.decode_replicas_desired,
+            deployment.decode_replicas_max,
+        )
+    return PhaseCounts(
+        phase,
+        deployment.pool_id,
+        deployment.pool.gpu_class.name,
+        deployment.replicas_min,
+        deployment.replicas_desired,
+        deployment.replicas_max,
+    )
+
+
+def phase_key(template: str, deployment_id: int, phase: str) -> str:
+    """A fleet's Redis key: the colocated and prefill phases keep the keys of before phases
+    were scaled, the decode phase's get a suffix (see the module docstring)."""
+    key = template.format(deployment_id=deployment_id)
+    return f"{key}:decode" if phase == DECODE else key
 
 
 def autoscaled_deployments() -> list[Deployment]:
-    """Active colocated deployments. A disaggregated one keeps the counts staff set for each
-    phase: its load signals (queue per phase, KV headroom on the decode side) are not the
-    colocated ones this loop reads, so it is not scaled on them."""
+    """Active deployments, colocated or disaggregated (each phase is scaled on its own)."""
     return list(
-        Deployment.objects.filter(status=Deployment.Status.ACTIVE, decode_pool__isnull=True)
-        .select_related("pool__gpu_class", "model_version__model")
+        Deployment.objects.filter(status=Deployment.Status.ACTIVE)
+        .select_related("pool__gpu_class", "decode_pool__gpu_class", "model_version__model")
         .order_by("pk")
     )
 
 
-def target_running(deployment: Deployment) -> float:
-    """Concurrency one replica carries within its tier's TPOT objective (engine model)."""
+def target_running(deployment: Deployment, phase: str = COLOCATED) -> float:
+    """Running plus waiting requests one replica of the phase carries within its tier's
+    objectives (engine model, on the GPU class of the phase's pool): colocated, the decode
+    batch within TPOT whose step plus a prefill fits TTFT; decode, the batch within TPOT alone
+    (its replicas never prefill); prefill, see `prefill_target`."""
     tier = DEFAULT_SLO_TIERS.get(deployment.slo_tier)
-    gpu = load_gpu_specs().get(deployment.pool.gpu_class.name)
-    if gpu is None:
+    perf = _perf_model(deployment, phase_counts(deployment, phase).gpu_class)
+    if perf is None:
         return FALLBACK_TARGET_RUNNING
+    max_num_seqs = int(deployment.effective_engine_args()["max_num_seqs"])  # type: ignore[call-overload]
+    if phase == PREFILL:
+        return prefill_target(perf, tier, max_num_seqs)
+    workload = Workload(
+        1,
+        1.0,
+        TYPICAL_PROMPT_TOKENS,
+        TYPICAL_OUTPUT_TOKENS,
+        ttft_slo_s=tier.ttft_s if tier and phase == COLOCATED else None,
+        tpot_slo_s=tier.tpot_s if tier else None,
+    )
+    result = slo_throughput(perf, workload, max_num_seqs)
+    return float(result.batch) if not isinstance(result, str) else FALLBACK_TARGET_RUNNING
+
+
+def prefill_target(perf: PerfModel, tier: SloTier | None, max_num_seqs: int) -> float:
+    """Typical prompts a prefill replica holds (running and waiting) whose prefills, one after
+    another, all fit the TTFT objective: prefill is compute-bound, so batching prompts saves
+    little beyond a step's overhead. The KV hand-over and the first decode step are left out;
+    the TTFT signal sees what they add. A tier without a TTFT objective fills the batch."""
+    if tier is None or tier.ttft_s is None:
+        return float(max_num_seqs)
+    prompts = int(tier.ttft_s // perf.ttft_s(TYPICAL_PROMPT_TOKENS))
+    return float(max(1, min(max_num_seqs, prompts)))
+
+
+def _perf_model(deployment: Deployment, gpu_class: str) -> PerfModel | None:
+    gpu = load_gpu_specs().get(gpu_class)
+    if gpu is None:
+        return None
     try:
-        perf = PerfModel(
+        return PerfModel(
             gpu,
             deployment.model_version.model.spec(),
             deployment.model_version.quantization,
             deployment.tensor_parallel,
         )
     except ValueError:
-        return FALLBACK_TARGET_RUNNING
-    workload = Workload(
-        1,
-        1.0,
-        TYPICAL_PROMPT_TOKENS,
-        TYPICAL_OUTPUT_TOKENS,
-        ttft_slo_s=tier.ttft_s if tier else None,
-        tpot_slo_s=tier.tpot_s if tier else None,
-    )
-    result = slo_throughput(perf, workload, int(deployment.effective_engine_args()["max_num_seqs"]))  # type: ignore[call-overload]
-    return float(result.batch) if not isinstance(result, str) else FALLBACK_TARGET_RUNNING
+        return None
 
 
-def pool_capacity(deployment: Deployment) -> int:
-    """Replicas the deployment could have: its desired count plus what the pool's free GPUs
-    hold (GPUs on schedulable nodes not held by any replica)."""
+def phase_config(deployment: Deployment, phase: str) -> AutoscalerConfig:
+    """The signals each fleet scales on (module docstring)."""
+    tier = DEFAULT_SLO_TIERS.get(deployment.slo_tier)
+    ttft_slo_s = tier.ttft_s if tier else None
+    target = target_running(deployment, phase)
+    if phase == DECODE:
+        return AutoscalerConfig(target_running_per_replica=target, ttft_slo_s=None)
+    if phase == PREFILL:
+        return AutoscalerConfig(
+            target_running_per_replica=target, ttft_slo_s=ttft_slo_s, kv_target=None
+        )
+    return AutoscalerConfig(target_running_per_replica=target, ttft_slo_s=ttft_slo_s)
+
+
+def pool_capacity(deployment: Deployment, phase: str = COLOCATED) -> int:
+    """Replicas the phase could have: its desired count plus what its pool's free GPUs hold
+    (GPUs on schedulable nodes not held by any replica)."""
+    counts = phase_counts(deployment, phase)
     gpus = Gpu.objects.filter(
-        node__pool=deployment.pool, node__health="ready", node__scheduling="active"
+        node__pool_id=counts.pool_id, node__health="ready", node__scheduling="active"
     ).count()
     held = sum(
         len(indices)
         for indices in Replica.objects.filter(
-            node__pool=deployment.pool, state__in=Replica.HOLDING_STATES
+            node__pool_id=counts.pool_id, state__in=Replica.HOLDING_STATES
         ).values_list("gpu_indices", flat=True)
     )
-    mine = Replica.objects.filter(deployment=deployment, state__in=Replica.DESIRED_STATES).count()
+    mine = Replica.objects.filter(
+        deployment=deployment, phase=phase, state__in=Replica.DESIRED_STATES
+    ).count()
     free = max(0, gpus - held)
-    return max(mine, deployment.replicas_desired) + free // max(1, deployment.tensor_parallel)
+    return max(mine, counts.desired) + free // max(1, deployment.tensor_parallel)
 
 
 def sample(
@@ -154,8 +266,9 @@ def sample(
     telemetry: dict[str, dict[str, Any]],
     now_s: float,
     ttft_p95_s: float | None = None,
+    phase: str = COLOCATED,
 ) -> FleetSample:
-    ready = Replica.objects.filter(deployment=deployment, state=Replica.State.READY)
+    ready = Replica.objects.filter(deployment=deployment, phase=phase, state=Replica.State.READY)
     rows = [telemetry[str(pk)] for pk in ready.values_list("pk", flat=True) if str(pk) in telemetry]
     return FleetSample(
         at_s=now_s,
@@ -238,15 +351,15 @@ def forecast_from(history: dict[str, list[float]], now_s: float, period_s: float
 
 
 def _read_memory(
-    client: redis.Redis, deployment_id: int, now_s: float, period_s: float | None
+    client: redis.Redis, deployment_id: int, phase: str, now_s: float, period_s: float | None
 ) -> tuple[list[tuple[float, int]], dict[str, list[float]]]:
     """The stabilization window's raw recommendations, and the history's points near now
     (field -> [minute start, raw]). One round trip."""
     fields = history_fields(now_s, period_s) if period_s else []
     pipe = client.pipeline(transaction=False)
-    pipe.lrange(RAW_KEY.format(deployment_id=deployment_id), 0, -1)
+    pipe.lrange(phase_key(RAW_KEY, deployment_id, phase), 0, -1)
     if fields:
-        pipe.hmget(HISTORY_KEY.format(deployment_id=deployment_id), fields)
+        pipe.hmget(phase_key(HISTORY_KEY, deployment_id, phase), fields)
     stored_raw, *stored_history = pipe.execute()
     recent = [(at, raw) for at, raw in (orjson.loads(row) for row in stored_raw)]
     points = stored_history[0] if stored_history else []
@@ -261,6 +374,7 @@ def _read_memory(
 def _write_memory(
     client: redis.Redis,
     deployment_id: int,
+    phase: str,
     now_s: float,
     raw: int,
     reactive_raw: int,
@@ -269,13 +383,13 @@ def _write_memory(
 ) -> None:
     """Append the raw recommendation to the stabilization window, and keep the minute's
     highest reactive one in the history. One round trip."""
-    raw_key = RAW_KEY.format(deployment_id=deployment_id)
+    raw_key = phase_key(RAW_KEY, deployment_id, phase)
     pipe = client.pipeline(transaction=False)
     pipe.rpush(raw_key, orjson.dumps([now_s, raw]))
     pipe.ltrim(raw_key, -KEEP_RAW, -1)
     pipe.expire(raw_key, KEY_TTL_S)
     if period_s:
-        history_key = HISTORY_KEY.format(deployment_id=deployment_id)
+        history_key = phase_key(HISTORY_KEY, deployment_id, phase)
         field = history_slot(now_s, period_s)
         minute = now_s - now_s % HISTORY_STEP_S
         known = history.get(field)
@@ -301,33 +415,37 @@ def do_autoscale_deployment(
     now_s: float,
     config: AutoscalerConfig | None = None,
     forecast_period_s: float | None = None,
+    phase: str = COLOCATED,
 ) -> ScalingOutcome:
-    """One beat for one deployment. `forecast_period_s`: the traffic pattern's period; None
-    or 0: no forecast."""
-    tier = DEFAULT_SLO_TIERS.get(deployment.slo_tier)
-    config = config or AutoscalerConfig(
-        target_running_per_replica=target_running(deployment),
-        ttft_slo_s=tier.ttft_s if tier else None,
+    """One beat for one fleet: the deployment's `phase` (colocated, or prefill or decode of a
+    disaggregated one). `forecast_period_s`: the traffic pattern's period; None or 0: no
+    forecast."""
+    config = config or phase_config(deployment, phase)
+    counts = phase_counts(deployment, phase)
+    current = counts.desired
+    # The TTFT mark is the deployment's: only the phase that TTFT measures reads it.
+    ttft_p95_s = (
+        observed_ttft_p95(client, deployment.pk, now_s, config.window_s)
+        if phase != DECODE
+        else None
     )
-    current = deployment.replicas_desired
-    ttft_p95_s = observed_ttft_p95(client, deployment.pk, now_s, config.window_s)
-    point = sample(deployment, telemetry, now_s, ttft_p95_s)
+    point = sample(deployment, telemetry, now_s, ttft_p95_s, phase)
     samples = [
         FleetSample(**row)
         for row in _remember(
-            client, SAMPLES_KEY.format(deployment_id=deployment.pk), asdict(point), KEEP_SAMPLES
+            client, phase_key(SAMPLES_KEY, deployment.pk, phase), asdict(point), KEEP_SAMPLES
         )
     ]
     if point.replicas == 0:
         # Nothing ready reports yet (a cold start, or telemetry lost): no evidence to act on.
-        return ScalingOutcome(deployment.pk, current, current, "no telemetry")
-    recent, history = _read_memory(client, deployment.pk, now_s, forecast_period_s)
-    bounds = ReplicaBounds(
-        deployment.replicas_min, deployment.replicas_max, pool_capacity(deployment)
-    )
+        return ScalingOutcome(deployment.pk, current, current, "no telemetry", phase)
+    recent, history = _read_memory(client, deployment.pk, phase, now_s, forecast_period_s)
+    bounds = ReplicaBounds(counts.minimum, counts.maximum, pool_capacity(deployment, phase))
     forecast = forecast_from(history, now_s, forecast_period_s) if forecast_period_s else None
     starting = Replica.objects.filter(
-        deployment=deployment, state__in=(Replica.State.PENDING, Replica.State.STARTING)
+        deployment=deployment,
+        phase=phase,
+        state__in=(Replica.State.PENDING, Replica.State.STARTING),
     ).count()
     decision = recommend(
         samples,
@@ -340,27 +458,40 @@ def do_autoscale_deployment(
         starting=starting,
     )
     _write_memory(
-        client, deployment.pk, now_s, decision.raw, decision.reactive, history, forecast_period_s
+        client,
+        deployment.pk,
+        phase,
+        now_s,
+        decision.raw,
+        decision.reactive,
+        history,
+        forecast_period_s,
     )
     if decision.desired != current:
-        do_scale_deployment(deployment, decision.desired)
+        do_scale_deployment(deployment, decision.desired, phase=phase)
         logger.info(
-            "autoscaler: deployment %s %d -> %d (%s)",
+            "autoscaler: deployment %s %s %d -> %d (%s)",
             deployment.name,
+            phase,
             current,
-            deployment.replicas_desired,
+            phase_counts(deployment, phase).desired,
             decision.reason,
         )
-        request_reconcile()
-    return ScalingOutcome(deployment.pk, current, deployment.replicas_desired, decision.reason)
+    return ScalingOutcome(
+        deployment.pk, current, phase_counts(deployment, phase).desired, decision.reason, phase
+    )
 
 
 def do_autoscale(client: redis.Redis, now_s: float | None = None) -> list[ScalingOutcome]:
+    """One beat for every fleet with room to scale (module docstring)."""
     now_s = time.time() if now_s is None else now_s
     telemetry = read_routing_telemetry(client)
     period_s = float(settings.AUTOSCALER_FORECAST_PERIOD_S)
     return [
-        do_autoscale_deployment(deployment, client, telemetry, now_s, forecast_period_s=period_s)
+        do_autoscale_deployment(
+            deployment, client, telemetry, now_s, forecast_period_s=period_s, phase=phase
+        )
         for deployment in autoscaled_deployments()
-        if deployment.replicas_max > deployment.replicas_min
+        for phase in deployment_phases(deployment)
+        if phase_counts(deployment, phase).scalable
     ]

@@ -21,6 +21,12 @@ taken at one fleet size), and never before recommendations cover the stabilizati
 An optional forecast (the replicas the same time of day needed before, see
 `daily_forecast`) is a floor, so capacity is warm before a known peak. The result is
 clamped to the deployment's min and max and to what the pool has room for.
+
+A signal that is not the fleet's is turned off with None. The caller runs this once per fleet
+of interchangeable replicas: a colocated deployment's, or one phase of a disaggregated one.
+Its decode replicas never prefill, so TTFT is not theirs (`ttft_slo_s=None`); its prefill
+replicas hand each prompt's KV to the decode side, so KV held there is the hand-over's backlog,
+not prefill capacity (`kv_target=None`).
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from dataclasses import dataclass
 class AutoscalerConfig:
     window_s: float = 45.0
     target_running_per_replica: float = 64.0
-    kv_target: float = 0.75
+    # None: KV use is not this fleet's signal (a disaggregated deployment's prefill replicas).
+    kv_target: float | None = 0.75
     ttft_slo_s: float | None = 1.0
     warm_buffer: float = 0.125
     scale_down_stabilization_s: float = 300.0
@@ -48,8 +55,10 @@ class AutoscalerConfig:
             raise ValueError("window_s must be between 30 and 60 seconds")
         if not 0.10 <= self.warm_buffer <= 0.15:
             raise ValueError("warm_buffer must be between 0.10 and 0.15")
-        if self.target_running_per_replica <= 0 or not 0 < self.kv_target <= 1:
-            raise ValueError("target_running_per_replica and kv_target must be positive")
+        if self.target_running_per_replica <= 0:
+            raise ValueError("target_running_per_replica must be positive")
+        if self.kv_target is not None and not 0 < self.kv_target <= 1:
+            raise ValueError("kv_target must be in (0, 1], or None")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +107,9 @@ def needed_replicas(
     replicas = sum(s.replicas for s in samples) / len(samples)
     load = sum(s.running + s.waiting for s in samples) / len(samples)
     kv = sum(s.kv_usage for s in samples) / len(samples)
-    candidates = {
-        "load": load / config.target_running_per_replica,
-        "kv": replicas * kv / config.kv_target,
-    }
+    candidates = {"load": load / config.target_running_per_replica}
+    if config.kv_target is not None:
+        candidates["kv"] = replicas * kv / config.kv_target
     ttfts = [s.ttft_p95_s for s in samples if s.ttft_p95_s is not None]
     if latency and config.ttft_slo_s and ttfts:
         # Latency over its objective means the others underestimate (a prefill-bound fleet

@@ -1,4 +1,5 @@
-"""The autoscaler's Celery loop: telemetry from Redis in, Deployment.replicas_desired out."""
+"""The autoscaler's Celery loop: telemetry from Redis in, Deployment.replicas_desired out (and,
+for a disaggregated deployment, each phase's count on its own signals)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,43 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from django.core.exceptions import ValidationError
 
+from config.jobs import Enqueue
+from registry.actions import do_scale_deployment
 from registry.models import Deployment
 from registry.rollout_metrics import add_request
 from serving.actions.autoscale import (
     COLD_START_S,
+    DECODE,
     MIN_TTFT_REQUESTS,
+    PREFILL,
+    TYPICAL_PROMPT_TOKENS,
     do_autoscale,
     history_slot,
     observed_ttft_p95,
     target_running,
 )
 from serving.actions.gpu_classes import sync_gpu_classes
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from serving.redis_contracts import ROUTING_TELEMETRY_KEY
 
 pytestmark = pytest.mark.django_db
+
+
+def gpu_node(pool: GpuPool, hostname: str, gpus: int, memory_mb: int) -> Node:
+    node = Node.objects.create(pool=pool, hostname=hostname, agent_url=f"http://{hostname}:9000")
+    for index in range(gpus):
+        Gpu.objects.create(
+            node=node,
+            index=index,
+            uuid=f"{hostname}-GPU-{index}",
+            name=pool.gpu_class.name,
+            memory_mb=memory_mb,
+        )
+    return node
 
 
 @pytest.fixture
@@ -36,11 +58,7 @@ def fleet() -> Callable[..., tuple[Deployment, list[Replica]]]:
         pool = GpuPool.objects.create(
             name="h100-eu", gpu_class=GpuClass.objects.get(name="H100-SXM-80GB"), region="eu"
         )
-        node = Node.objects.create(pool=pool, hostname="gpu-1", agent_url="http://gpu-1:9000")
-        for index in range(gpus):
-            Gpu.objects.create(
-                node=node, index=index, uuid=f"GPU-{index}", name="H100", memory_mb=81559
-            )
+        node = gpu_node(pool, "gpu-1", gpus, memory_mb=81559)
         spec = load_model_specs()["llama-3.1-8b"]
         model = Model.objects.create(
             name="llama-3.1-8b",
@@ -88,19 +106,6 @@ def test_it_scales_a_busy_deployment_up(
     [outcome] = do_autoscale(redis_client, now_s=1000.0)
     deployment.refresh_from_db()
     assert deployment.replicas_desired == outcome.desired == 4
-
-
-def test_a_disaggregated_deployment_keeps_the_counts_staff_set(
-    fleet: Callable[..., Any], redis_client: redis.Redis
-) -> None:
-    deployment, replicas = fleet()
-    Deployment.objects.filter(pk=deployment.pk).update(
-        decode_pool=deployment.pool, kv_connector="nixl"
-    )
-    report(redis_client, replicas, running=int(target_running(deployment) * 2), kv=0.9)
-    assert do_autoscale(redis_client, now_s=1000.0) == []
-    deployment.refresh_from_db()
-    assert deployment.replicas_desired == 2
 
 
 def test_it_stays_within_the_pools_free_gpus(
@@ -309,3 +314,215 @@ def test_the_history_keeps_what_the_traffic_needed_not_the_forecast(
     stored = orjson.loads(redis_client.hget(f"autoscale:history:{deployment.pk}", field) or b"")
     assert outcome.reason == "up on forecast"
     assert stored == [now, 1]  # a forecast fed back would hold yesterday's peak up for ever
+
+
+# --- a disaggregated deployment: each phase on its own signals, bounds and pool ---------------
+
+Disaggregated = tuple[Deployment, list[Replica], list[Replica]]
+
+
+@pytest.fixture
+def disaggregated(fleet: Callable[..., tuple[Deployment, list[Replica]]]) -> Callable[..., Any]:
+    """The fleet's deployment made disaggregated: its replicas prefill on the H100 pool, its
+    decode replicas (`decode_ready` of them, all ready) run on an H200 pool of `decode_gpus`."""
+
+    def make(
+        decode_ready: int = 2, decode_gpus: int = 8, decode_max: int = 6, **prefill: int
+    ) -> Disaggregated:
+        deployment, prefill_replicas = fleet(**prefill)
+        pool = GpuPool.objects.create(
+            name="h200-eu", gpu_class=GpuClass.objects.get(name="H200-SXM-141GB"), region="eu"
+        )
+        node = gpu_node(pool, "gpu-2", decode_gpus, memory_mb=143771)
+        Deployment.objects.filter(pk=deployment.pk).update(
+            decode_pool=pool,
+            kv_connector="nixl",
+            decode_replicas_min=1,
+            decode_replicas_desired=decode_ready,
+            decode_replicas_max=decode_max,
+        )
+        Replica.objects.filter(deployment=deployment).update(phase=PREFILL)
+        decode_replicas = [
+            Replica.objects.create(
+                deployment=deployment,
+                node=node,
+                phase=DECODE,
+                gpu_indices=[i],
+                state=Replica.State.READY,
+            )
+            for i in range(decode_ready)
+        ]
+        deployment = Deployment.objects.select_related(
+            "pool__gpu_class", "decode_pool__gpu_class", "model_version__model"
+        ).get(pk=deployment.pk)
+        return deployment, prefill_replicas, decode_replicas
+
+    return make
+
+
+def counts(deployment: Deployment) -> tuple[int, int]:
+    deployment.refresh_from_db()
+    return deployment.replicas_desired, deployment.decode_replicas_desired
+
+
+def reasons(outcomes: list[Any]) -> dict[str, str]:
+    return {outcome.phase: outcome.reason for outcome in outcomes}
+
+
+def test_busy_decode_replicas_scale_the_decode_phase_and_leave_prefill_alone(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated()
+    report(redis_client, prefill, running=2)
+    report(redis_client, decode, running=int(target_running(deployment, DECODE) * 2), kv=0.5)
+    outcomes = do_autoscale(redis_client, now_s=1000.0)
+    assert counts(deployment) == (2, 4)
+    assert reasons(outcomes) == {"prefill": "hold", "decode": "up on load"}
+
+
+def test_kv_pressure_scales_the_decode_phase_but_not_the_prefill_phase(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated()
+    report(redis_client, [*prefill, *decode], running=2, kv=0.95)
+    outcomes = do_autoscale(redis_client, now_s=1000.0)
+    assert counts(deployment) == (2, 3)
+    assert reasons(outcomes) == {"prefill": "hold", "decode": "up on kv"}
+
+
+def test_a_long_prefill_queue_scales_the_prefill_phase(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated()
+    report(redis_client, prefill, running=1, waiting=int(target_running(deployment, PREFILL) * 2))
+    report(redis_client, decode, running=2, kv=0.1)
+    outcomes = do_autoscale(redis_client, now_s=1000.0)
+    assert counts(deployment) == (4, 2)
+    assert reasons(outcomes) == {"prefill": "up on load", "decode": "hold"}
+
+
+def test_a_missed_ttft_objective_scales_the_prefill_phase_not_the_decode_phase(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated()
+    report(redis_client, [*prefill, *decode], running=2, kv=0.1)
+    do_autoscale(redis_client, now_s=1000.0)
+    settle(redis_client, deployment, 40, ttft_s=3.0)  # the interactive tier's objective: 1 s
+    outcomes = do_autoscale(redis_client, now_s=1010.0)
+    assert counts(deployment) == (4, 2)
+    assert reasons(outcomes) == {"prefill": "up on ttft", "decode": "hold"}
+
+
+def test_each_phase_stops_at_its_own_maximum(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated(decode_max=3)
+    report(redis_client, prefill, waiting=int(target_running(deployment, PREFILL) * 2))
+    report(redis_client, decode, running=int(target_running(deployment, DECODE) * 2))
+    do_autoscale(redis_client, now_s=1000.0)
+    assert counts(deployment) == (4, 3)
+
+
+def test_the_decode_phase_stays_within_its_own_pools_free_gpus(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated(decode_gpus=3)  # the prefill pool has 8
+    report(redis_client, prefill, running=2)
+    report(redis_client, decode, running=500, waiting=200, kv=0.99)
+    do_autoscale(redis_client, now_s=1000.0)
+    assert counts(deployment) == (2, 3)
+
+
+def test_a_phase_whose_bounds_leave_no_room_is_not_scaled(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated()
+    Deployment.objects.filter(pk=deployment.pk).update(decode_replicas_min=2, decode_replicas_max=2)
+    report(redis_client, [*prefill, *decode], waiting=500, kv=0.99)
+    outcomes = do_autoscale(redis_client, now_s=1000.0)
+    assert [outcome.phase for outcome in outcomes] == ["prefill"]
+    assert counts(deployment) == (4, 2)
+
+
+def test_yesterdays_decode_peak_warms_the_decode_phase_only(
+    disaggregated: Callable[..., Disaggregated], redis_client: redis.Redis
+) -> None:
+    deployment, prefill, decode = disaggregated()
+    peak = 10 * DAY + 9 * 3600
+    report(redis_client, prefill, running=2)
+    report(redis_client, decode, running=int(target_running(deployment, DECODE) * 2))
+    do_autoscale(redis_client, now_s=peak)
+    Deployment.objects.filter(pk=deployment.pk).update(decode_replicas_desired=2)
+    report(redis_client, decode, running=2)
+    outcomes = do_autoscale(redis_client, now_s=peak + DAY - COLD_START_S)
+    # The prefill phase's quiet day-old window lets it shrink; decode's peak is not its floor.
+    assert reasons(outcomes) == {"prefill": "down on load", "decode": "up on forecast"}
+    assert redis_client.exists(f"autoscale:history:{deployment.pk}:decode")
+
+
+def test_a_prefill_replica_holds_the_prompts_whose_prefills_fit_the_ttft_objective(
+    disaggregated: Callable[..., Disaggregated],
+) -> None:
+    deployment, _, _ = disaggregated()
+    prefill_s = PerfModel(
+        load_gpu_specs()["H100-SXM-80GB"], deployment.model_version.model.spec(), "bf16", 1
+    ).ttft_s(TYPICAL_PROMPT_TOKENS)
+    prompts = target_running(deployment, PREFILL)
+    assert prompts * prefill_s <= 1.0 < (prompts + 1) * prefill_s
+
+
+def test_the_decode_target_follows_the_decode_pools_gpu_class(
+    disaggregated: Callable[..., Disaggregated],
+) -> None:
+    deployment, _, _ = disaggregated()
+    on_h200 = target_running(deployment, DECODE)
+    GpuPool.objects.filter(decode_deployments=deployment).update(
+        gpu_class=GpuClass.objects.get(name="L40S-48GB")
+    )
+    deployment = Deployment.objects.select_related("decode_pool__gpu_class").get(pk=deployment.pk)
+    assert target_running(deployment, DECODE) < on_h200
+
+
+# --- do_scale_deployment per phase -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("requested", "written"), [(10, 3), (0, 1)])
+def test_scaling_the_decode_phase_writes_its_count_within_its_bounds_and_reconciles(
+    disaggregated: Callable[..., Disaggregated],
+    django_capture_on_commit_callbacks: Callable[..., Any],
+    requested: int,
+    written: int,
+) -> None:
+    deployment, _, _ = disaggregated(decode_max=3)
+    with django_capture_on_commit_callbacks() as callbacks:
+        do_scale_deployment(deployment, requested, phase=DECODE)
+    assert counts(deployment) == (2, written)
+    assert callbacks == [Enqueue("serving.reconcile")]
+
+
+def test_a_count_that_does_not_change_requests_no_reconcile(
+    fleet: Callable[..., tuple[Deployment, list[Replica]]],
+    django_capture_on_commit_callbacks: Callable[..., Any],
+) -> None:
+    deployment, _ = fleet()
+    with django_capture_on_commit_callbacks() as callbacks:
+        do_scale_deployment(deployment, 2)
+    assert callbacks == []
+
+
+def test_a_colocated_deployment_has_no_decode_phase_to_scale(
+    fleet: Callable[..., tuple[Deployment, list[Replica]]],
+) -> None:
+    deployment, _ = fleet()
+    with pytest.raises(ValidationError, match="no decode phase"):
+        do_scale_deployment(deployment, 3, phase=DECODE)
+    assert counts(deployment) == (2, 1)
+
+
+def test_bounds_staff_moved_since_the_row_was_read_are_not_overrun(
+    fleet: Callable[..., tuple[Deployment, list[Replica]]],
+) -> None:
+    deployment, _ = fleet()  # read with replicas_max 6
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_max=3)
+    do_scale_deployment(deployment, 5)
+    assert counts(deployment) == (2, 1)

@@ -50,6 +50,15 @@ def test_ttft_over_its_objective_scales_up_even_with_little_load() -> None:
     assert decision.desired == 8
 
 
+def test_a_fleet_whose_signal_kv_is_not_ignores_kv_use() -> None:
+    # A disaggregated deployment's prefill replicas: their KV waits for the decode side.
+    prefill = AutoscalerConfig(target_running_per_replica=50.0, kv_target=None)
+    decision = recommend(window(4, 5, kv=0.99), now_s=100, current=4, bounds=WIDE, config=prefill)
+    assert (decision.desired, decision.reason) == (4, "hold")
+    colocated = recommend(window(4, 5, kv=0.99), now_s=100, current=4, bounds=WIDE, config=CONFIG)
+    assert colocated.reason == "up on kv"
+
+
 def test_ttft_does_not_order_more_while_the_replicas_it_ordered_are_starting() -> None:
     # 4 ready, 4 starting: the slow first tokens are those of the fleet without the other 4.
     decision = recommend(
