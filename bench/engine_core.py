@@ -11,7 +11,6 @@ reads every engine's telemetry before routing would.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import random
 import sys
@@ -20,23 +19,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from serving.clustersim.workloads import AZURE_CONV_CSV, read_azure
 from serving.engine.core import Engine, EngineRequest
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs, load_model_specs
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure_llm_2023_conv.csv"
-TRACE_FALLBACK = Path("/work/shared/traces/azure_llm_2023_conv.csv")
 TRACE_RATE_PER_S = 19366 / 3502.0  # requests over the trace's span
 MAX_MODEL_LEN = 16384
 
 
 def trace_lengths() -> list[tuple[int, int]]:
-    path = TRACE if TRACE.exists() else TRACE_FALLBACK
-    with path.open(newline="") as f:
-        return [
-            (int(row["ContextTokens"]), max(1, int(row["GeneratedTokens"])))
-            for row in csv.DictReader(f)
-        ]
+    return [(row.prompt_tokens, max(1, row.output_tokens)) for row in read_azure(AZURE_CONV_CSV)]
 
 
 def poisson_stream(hours: float, rate: float, seed: int = 7) -> list[EngineRequest]:

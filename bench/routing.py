@@ -5,39 +5,49 @@ router).
     .venv/bin/python bench/routing.py [--azure-rate 10] [--mooncake-rate 0.5]
         [--mixes H100-SXM-80GB:1+L40S-48GB:1,...] [--traces azure,mooncake]
         [--gpus <classes of the homogeneous search, default every class in gpus.csv>]
+        [--max-replicas 128] [--json FILE]
+    .venv/bin/python bench/routing.py --trace PATH --format azure|mooncake [--rate X] ...
 
-Per trace:
+--traces runs the shipped traces (serving/clustersim/data/traces/); --trace runs any file in
+the Azure CSV or the Mooncake JSON-lines format instead, at its own pace or rescaled to
+--rate requests/s on average.
+
+SLO: an interactive request meets it when its TTFT and its TPOT are both within the
+interactive tier's objectives (a failed request misses it); the SLO is met when >= 99 % of
+interactive requests do. Per trace:
   (h) per GPU class and per policy (least-load, cost-aware), the smallest homogeneous fleet
-      on which >= 99 % of interactive requests meet the interactive TTFT objective
-      (doubling, then bisecting). The cheapest of these is the baseline of the cost target:
-      the cheapest homogeneous fleet that meets the SLO, routed as well as we can;
+      up to --max-replicas meeting the SLO (doubling, then bisecting). The cheapest of these
+      is the baseline of the cost target: the cheapest homogeneous fleet that meets the SLO,
+      routed as well as we can; --json FILE writes this search;
   (a) all four policies on the smallest H100 fleet meeting it;
   (b) a heterogeneous fleet of (a)'s hourly budget (the first `--mixes` entry's shares, in
       whole replicas, never over budget), all four policies on it;
   (c) per mix, the smallest budget on which cost-aware meets the SLO (bisecting the budget).
-Targets, checked in the same run: cost-aware meets the interactive TTFT SLO for >= 99 % at
->= 30 % below the cheapest homogeneous $/Mtok; its p99 TTFT on (b) is >= 20 % below
-least-load's. The saving against the cheapest H100 fleet is printed too, and so is the
-roofline's bound: a fleet sized by prefill compute (or by decode bandwidth) is at best as
-much cheaper as the best class's FLOPS (or bandwidth) per dollar is better than the
-baseline class's.
+Targets, checked in the same run: cost-aware meets the SLO at >= 30 % below the cheapest
+homogeneous $/Mtok; its p99 TTFT on (b) is >= 20 % below least-load's. The saving against
+the cheapest H100 fleet is printed too, and so is the roofline's bound: a fleet sized by
+prefill compute (or by decode bandwidth) is at best as much cheaper as the best class's
+FLOPS (or bandwidth) per dollar is better than the baseline class's.
 
 Tenants: acme and globex interactive (60 % of traffic), initech standard (25 %), umbrella
 batch (15 %); router SLO tiers are the defaults (interactive TTFT 1 s, TPOT 50 ms),
 except Mooncake's interactive TTFT objective (--mooncake-ttft, 5 s: its prompts average 15k
-tokens and a fifth of them cannot prefill within 1 s on an idle H100). The "int T+T" column
-is the share of interactive requests meeting both TTFT and TPOT: fleets of slow-decoding
-GPUs meet the TTFT target while missing TPOT. Runs are spread over `--workers` processes.
+tokens and a fifth of them cannot prefill within 1 s on an idle H100); a --trace in the
+Mooncake format gets the same objective. "int TTFT" is the share of interactive requests
+meeting the TTFT objective alone, "int T+T" the share meeting both clocks, which is what the
+SLO judges (the search once judged TTFT alone, that column then named "int SLO"). Runs are
+spread over `--workers` processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
 from pathlib import Path
@@ -49,13 +59,19 @@ from serving.clustersim import (
     SimRequest,
     Summary,
     homogeneous,
-    load_azure_conversation,
-    load_mooncake,
     simulate,
     summarize,
     with_budget,
 )
 from serving.clustersim.fleet import FleetSpec
+from serving.clustersim.report import TierFigures
+from serving.clustersim.workloads import (
+    AZURE_CONV_CSV,
+    MOONCAKE_JSONL,
+    TRACE_FORMATS,
+    TraceError,
+    load_trace,
+)
 from serving.engine.specs import load_gpu_specs
 from serving.router import DEFAULT_SLO_TIERS, POLICIES, RouterConfig, SloTier
 
@@ -91,9 +107,19 @@ def with_interactive_ttft(ttft_s: float) -> RouterConfig:
     return RouterConfig(slo_tiers=tiers)
 
 
+def interactive(summary: Summary) -> TierFigures | None:
+    """The interactive tier's figures; None when the run had no interactive request."""
+    return summary.tiers.get("interactive")
+
+
+def attainment(summary: Summary) -> float:
+    """The share of interactive requests within both clocks, TTFT and TPOT."""
+    tier = interactive(summary)
+    return tier.slo_attainment if tier is not None else 0.0
+
+
 def meets(summary: Summary) -> bool:
-    tier = summary.tiers.get("interactive")
-    return tier is not None and tier.ttft_attainment >= SLO_SHARE
+    return interactive(summary) is not None and attainment(summary) >= SLO_SHARE
 
 
 def hopeless(summary: Summary) -> bool:
@@ -112,20 +138,25 @@ def idle_misses(gpu: str, router: RouterConfig) -> float:
     return slow / max(1, len(interactive))
 
 
-def smallest_meeting(
-    task: tuple[str, str, RouterConfig],
-) -> tuple[str, str, int, Summary | None]:
+@dataclass(frozen=True, slots=True)
+class SizeSearch:
+    """What the doubling-then-bisecting search found for one GPU class and policy."""
+
+    replicas: int | None  # the fewest meeting the SLO; None when none up to the limit does
+    tried: int  # the fleet `summary` ran on: `replicas`, or the largest tried (0: none ran)
+    summary: Summary | None
+
+
+def smallest_meeting(task: tuple[str, str, RouterConfig, int]) -> tuple[str, str, SizeSearch]:
     """The fewest replicas of one GPU class on which `policy` meets the SLO."""
-    gpu, policy, router = task
+    gpu, policy, router, max_size = task
     cacheable = any(r.block_hashes for r in REQUESTS[:100])  # prefix hits can bring them in
     if not cacheable and idle_misses(gpu, router) > 1 - SLO_SHARE:
-        return gpu, policy, 0, None
-    count, found = smallest_size(
-        lambda size: run(homogeneous(gpu, size), policy, router),
-        meets,
-        lambda summary: summary.tiers["interactive"].ttft_attainment,
+        return gpu, policy, SizeSearch(None, 0, None)
+    found = search_size(
+        lambda size: run(homogeneous(gpu, size), policy, router), meets, attainment, max_size
     )
-    return gpu, policy, count, found
+    return gpu, policy, found
 
 
 def smallest_size(
@@ -134,21 +165,34 @@ def smallest_size(
     attainment: Callable[[Summary], float],
     max_size: int = MAX_REPLICAS,
 ) -> tuple[int, Summary | None]:
+    """`search_size`'s answer as (size, its summary); (0, None) when no size met it."""
+    found = search_size(evaluate, meets, attainment, max_size)
+    return (found.replicas, found.summary) if found.replicas is not None else (0, None)
+
+
+def search_size(
+    evaluate: Callable[[int], Summary],
+    meets: Callable[[Summary], bool],
+    attainment: Callable[[Summary], float],
+    max_size: int = MAX_REPLICAS,
+) -> SizeSearch:
     """The smallest size on which `meets` holds: doubling up to a size that meets it, then
-    bisecting (attainment grows with the size); (0, None) when more stopped helping."""
+    bisecting (attainment grows with the size); it stops early when more stopped helping."""
     failing, meeting, found = 0, 0, None
     size, previous = 1, -1.0
+    largest: tuple[int, Summary | None] = (0, None)
     while size <= max_size:
         summary = evaluate(size)
         if meets(summary):
             meeting, found = size, summary
             break
+        largest = (size, summary)
         attained = attainment(summary)
         if hopeless(summary) or (size >= 8 and attained <= previous):
-            return 0, None  # more replicas stopped helping
+            break  # more replicas stopped helping
         failing, size, previous = size, size * 2, attained
     if found is None:
-        return 0, None
+        return SizeSearch(None, *largest)
     while meeting - failing > 1:
         middle = (failing + meeting) // 2
         summary = evaluate(middle)
@@ -156,7 +200,7 @@ def smallest_size(
             meeting, found = middle, summary
         else:
             failing = middle
-    return meeting, found
+    return SizeSearch(meeting, meeting, found)
 
 
 def cheapest_mix(
@@ -191,17 +235,21 @@ def cheapest_mix(
 
 
 def row(label: str, summary: Summary, hourly: float) -> str:
-    tier = summary.tiers["interactive"]
+    tier = interactive(summary)
+    figures = (
+        f"{tier.ttft_attainment:>8.2%} {tier.slo_attainment:>8.2%} {tier.ttft_p99_s:>8.3f}"
+        if tier is not None
+        else f"{'-':>8} {'-':>8} {'-':>8}"
+    )
     return (
-        f"{label:<3} {summary.policy:<16} {summary.fleet:<56} {hourly:>7.2f} "
-        f"{tier.ttft_attainment:>8.2%} {tier.slo_attainment:>8.2%} {tier.ttft_p99_s:>8.3f} "
+        f"{label:<3} {summary.policy:<16} {summary.fleet:<56} {hourly:>7.2f} {figures} "
         f"{summary.ttft_p99_s:>8.3f} {summary.tpot_p99_s * 1000:>7.1f} "
         f"{summary.cost_per_million_tokens:>8.4f}"
     )
 
 
 HEADER = (
-    f"{'':<3} {'policy':<16} {'fleet':<56} {'$/hour':>7} {'int SLO':>8} {'int T+T':>8} "
+    f"{'':<3} {'policy':<16} {'fleet':<56} {'$/hour':>7} {'int TTFT':>8} {'int T+T':>8} "
     f"{'int p99':>8} {'all p99':>8} {'TPOTp99':>7} {'$/Mtok':>8}"
 )
 
@@ -228,28 +276,76 @@ def roofline_bound(baseline_gpu: str, classes: list[str]) -> str:
     return "; ".join(parts)
 
 
+def search_homogeneous(
+    router: RouterConfig, gpus: list[str], max_size: int, pool: Pool
+) -> list[tuple[str, str, SizeSearch]]:
+    """(h): per GPU class and policy, the smallest homogeneous fleet meeting the SLO."""
+    specs = load_gpu_specs()
+    tasks = [(g, p, router, max_size) for g in gpus for p in SEARCH_POLICIES]
+    searches = []
+    for gpu, policy, found in pool.imap(smallest_meeting, tasks):
+        searches.append((gpu, policy, found))
+        if found.replicas is not None and found.summary is not None:
+            print(row("(h)", found.summary, found.replicas * specs[gpu].usd_per_hour))
+        else:
+            print(f"(h) {policy:<16} {gpu:<56} no fleet up to {max_size} meets it")
+    return searches
+
+
+def search_entries(
+    trace: str, searches: list[tuple[str, str, SizeSearch]]
+) -> list[dict[str, object]]:
+    """--json's rows: the fleet found, its price, and the interactive both-clock attainment
+    on it (on the largest fleet tried when none met; null when none ran)."""
+    specs = load_gpu_specs()
+    return [
+        {
+            "trace": trace,
+            "policy": policy,
+            "gpu_class": gpu,
+            "replicas": found.replicas,
+            "usd_per_hour": (
+                round(found.replicas * specs[gpu].usd_per_hour, 4)
+                if found.replicas is not None
+                else None
+            ),
+            "attainment": (
+                attainment(found.summary)
+                if found.summary is not None and interactive(found.summary) is not None
+                else None
+            ),
+            "attainment_replicas": found.tried or None,
+        }
+        for gpu, policy, found in searches
+    ]
+
+
 def bench_trace(
     name: str,
     router: RouterConfig,
     mixes: list[dict[str, float]],
     gpus: list[str],
+    max_size: int,
     pool: Pool,
-) -> list[str]:
-    verdicts = []
+) -> tuple[list[str], list[tuple[str, str, SizeSearch]]]:
+    """The trace in REQUESTS through (h) to (c): its verdicts and (h)'s searches."""
+    verdicts: list[str] = []
     print(f"\n== {name}: {len(REQUESTS)} requests over {REQUESTS[-1].arrival_s:.0f} s ==")
+    if not any(r.tier == "interactive" for r in REQUESTS):
+        print("(h) no interactive request in this trace: the SLO has nothing to judge")
+        empty = SizeSearch(None, 0, None)
+        return [f"{name}: no interactive request"], [
+            (g, p, empty) for g in gpus for p in SEARCH_POLICIES
+        ]
     print(HEADER)
-    specs = load_gpu_specs()
-    # (h) per GPU class and policy, the smallest homogeneous fleet meeting the SLO.
-    smallest: dict[tuple[str, str], tuple[int, Summary]] = {}
-    tasks = [(g, p, router) for g in gpus for p in SEARCH_POLICIES]
-    for gpu, policy, count, summary in pool.imap(smallest_meeting, tasks):
-        if summary is None:
-            print(f"(h) {policy:<16} {gpu:<56} no fleet up to {MAX_REPLICAS} meets it")
-            continue
-        smallest[(gpu, policy)] = (count, summary)
-        print(row("(h)", summary, count * specs[gpu].usd_per_hour))
+    searches = search_homogeneous(router, gpus, max_size, pool)
+    smallest = {
+        (gpu, policy): (found.replicas, found.summary)
+        for gpu, policy, found in searches
+        if found.replicas is not None and found.summary is not None
+    }
     if not smallest:
-        return [f"{name}: no homogeneous fleet meets the SLO"]
+        return [f"{name}: no homogeneous fleet meets the SLO"], searches
     (base_gpu, base_policy), (base_count, base_summary) = min(
         smallest.items(), key=lambda item: item[1][1].cost_per_million_tokens
     )
@@ -292,9 +388,7 @@ def bench_trace(
     if a_gpu != base_gpu:
         print("roofline bound against " + a_gpu + ": " + roofline_bound(a_gpu, gpus))
     if cheapest is None:
-        verdicts.append(
-            f"{name}: cost-aware meets the interactive TTFT SLO on no heterogeneous fleet tried: FAIL"
-        )
+        verdicts.append(f"{name}: cost-aware meets the SLO on no heterogeneous fleet tried: FAIL")
     else:
         found, summary = cheapest
         saving = 1 - summary.cost_per_million_tokens / baseline
@@ -316,7 +410,7 @@ def bench_trace(
         f"{name}: p99 TTFT on (b) cost-aware {ca:.3f} s vs least-load {ll:.3f} s: {better:+.0%} "
         f"lower: {'PASS' if better >= P99_TARGET else 'FAIL'} (target >= {P99_TARGET:.0%})"
     )
-    return verdicts
+    return verdicts, searches
 
 
 def parse_mixes(text: str) -> list[dict[str, float]]:
@@ -327,18 +421,44 @@ def parse_mixes(text: str) -> list[dict[str, float]]:
     ]
 
 
-def main() -> int:
-    global REQUESTS
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--traces", default="azure,mooncake")
-    parser.add_argument("--azure-rate", type=float, default=10.0)
-    parser.add_argument("--mooncake-rate", type=float, default=0.5)
+    parser.add_argument(
+        "--traces", default=None, help="shipped traces to run: azure,mooncake (the default)"
+    )
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="run this trace file instead (give --format)"
+    )
+    parser.add_argument("--format", choices=TRACE_FORMATS, default=None, help="--trace's format")
+    parser.add_argument(
+        "--rate",
+        type=positive,
+        default=None,
+        help="rescale --trace to this many requests/s on average (inter-arrival times scaled "
+        "alike, as --azure-rate and --mooncake-rate do); default: the trace's own pace",
+    )
+    parser.add_argument(
+        "--azure-rate", type=positive, default=10.0, help="replay speed of the shipped Azure trace"
+    )
+    parser.add_argument(
+        "--mooncake-rate",
+        type=positive,
+        default=0.5,
+        help="replay speed of the shipped Mooncake trace",
+    )
     parser.add_argument(
         "--mooncake-ttft",
-        type=float,
+        type=positive,
         default=5.0,
-        help="interactive TTFT objective on Mooncake, s (a fifth of its prompts take over 1 s "
-        "to prefill on an idle H100)",
+        help="interactive TTFT objective on Mooncake-format traces, s (a fifth of the shipped "
+        "trace's prompts take over 1 s to prefill on an idle H100)",
     )
     parser.add_argument(
         "--mixes",
@@ -350,6 +470,19 @@ def main() -> int:
         "--gpus", default=",".join(load_gpu_specs()), help="GPU classes of the homogeneous search"
     )
     parser.add_argument(
+        "--max-replicas",
+        type=int,
+        default=MAX_REPLICAS,
+        help="the largest homogeneous fleet the search tries",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help='write the homogeneous search here: {"smallest": [{trace, policy, gpu_class, '
+        "replicas, usd_per_hour, attainment, attainment_replicas}, ...]}",
+    )
+    parser.add_argument(
         "--no-yield",
         action="store_true",
         help="cost-aware without yield_to_tighter_tiers (looser tiers take the least-bad "
@@ -357,26 +490,83 @@ def main() -> int:
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
+    if args.trace is not None and args.traces is not None:
+        parser.error("give --traces or --trace, not both")
+    if args.trace is not None and args.format is None:
+        parser.error(f"--trace needs --format {'|'.join(TRACE_FORMATS)}")
+    if args.trace is None and args.rate is not None:
+        parser.error(
+            "--rate rescales --trace; the shipped traces take --azure-rate/--mooncake-rate"
+        )
+    if args.json is not None and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: no folder {args.json.parent}")
+    if args.max_replicas < 1 or args.workers < 1:
+        parser.error("--max-replicas and --workers take a positive count")
+    classes = load_gpu_specs()
+    try:
+        args.mixes = parse_mixes(args.mixes)
+    except ValueError:
+        parser.error(f"--mixes: {args.mixes!r} is not CLASS:SHARE+CLASS:SHARE,...")
+    args.gpus = args.gpus.split(",")
+    unknown = sorted(
+        {g for g in args.gpus + [g for m in args.mixes for g in m] if g not in classes}
+    )
+    if unknown:
+        parser.error(f"unknown GPU class {', '.join(unknown)}: one of {', '.join(classes)}")
+    args.traces = (args.traces or "azure,mooncake").split(",")
+    if args.trace is None and not set(args.traces) <= set(TRACE_FORMATS):
+        parser.error(f"--traces takes {','.join(TRACE_FORMATS)}, not {','.join(args.traces)}")
+    return args
+
+
+def load(args: argparse.Namespace, trace: str) -> tuple[list[SimRequest], RouterConfig, str]:
+    """One trace's requests, router config and label: a shipped trace, or --trace."""
+    trace_format = args.format if args.trace is not None else trace
+    router = (
+        RouterConfig() if trace_format == "azure" else with_interactive_ttft(args.mooncake_ttft)
+    )
+    if args.no_yield:
+        router = replace(router, yield_to_tighter_tiers=False)
+    if args.trace is not None:
+        requests = load_trace(args.trace, trace_format, rate_per_s=args.rate)
+        pace = f"at {args.rate:g} requests/s" if args.rate is not None else "at its own pace"
+        return requests, router, f"{args.trace} ({trace_format}, {pace})"
+    if trace == "azure":
+        requests = load_trace(AZURE_CONV_CSV, "azure", rate_multiplier=args.azure_rate)
+        return requests, router, f"Azure conversation x{args.azure_rate:g}"
+    requests = load_trace(MOONCAKE_JSONL, "mooncake", rate_multiplier=args.mooncake_rate)
+    label = f"Mooncake x{args.mooncake_rate:g}, interactive TTFT {args.mooncake_ttft:g} s"
+    return requests, router, label
+
+
+def main() -> int:
+    global REQUESTS
+    args = parse_arguments()
     print("command: " + " ".join([".venv/bin/python", "bench/routing.py", *sys.argv[1:]]))
     started = time.perf_counter()
-    mixes = parse_mixes(args.mixes)
-    gpus = args.gpus.split(",")
     verdicts: list[str] = []
-    for trace in args.traces.split(","):
-        if trace == "azure":
-            router = RouterConfig()
-            REQUESTS = load_azure_conversation(rate_multiplier=args.azure_rate)
-            label = f"Azure conversation x{args.azure_rate:g}"
-        else:
-            router = with_interactive_ttft(args.mooncake_ttft)
-            REQUESTS = load_mooncake(rate_multiplier=args.mooncake_rate)
-            label = f"Mooncake x{args.mooncake_rate:g}, interactive TTFT {args.mooncake_ttft:g} s"
-        if args.no_yield:
-            router = replace(router, yield_to_tighter_tiers=False)
+    entries: list[dict[str, object]] = []
+    for trace in [str(args.trace)] if args.trace is not None else args.traces:
+        try:
+            REQUESTS, router, label = load(args, trace)
+        except TraceError as error:
+            print(f"routing.py: error: {error}", file=sys.stderr)
+            return 2
         # Forked after REQUESTS is set: workers inherit it.
         with get_context("fork").Pool(args.workers) as pool:
-            verdicts += bench_trace(label, router, mixes, gpus, pool)
+            trace_verdicts, searches = bench_trace(
+                label, router, args.mixes, args.gpus, args.max_replicas, pool
+            )
+        verdicts += trace_verdicts
+        entries += search_entries(trace, searches)
     print("\n" + "\n".join(verdicts))
+    if args.json is not None:
+        try:
+            args.json.write_text(json.dumps({"smallest": entries}, indent=2) + "\n")
+        except OSError as error:
+            print(f"routing.py: error: --json {args.json}: {error.strerror}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.json}")
     print(f"\n(wall {time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -5,6 +5,13 @@
         --fleet H100-SXM-80GB:4,L40S-48GB:4 --policy cost_aware --out var/sim
     python -m serving.clustersim --workload diurnal --rate 30 --duration 14400 --period 14400 \\
         --fleet H100-SXM-80GB:2 --autoscale 1:16 --compare-static
+    python -m serving.clustersim --trace my_trace.jsonl --format mooncake --rate 2 \\
+        --fleet H100-SXM-80GB:4
+
+--workload azure and mooncake replay the shipped traces (serving/clustersim/data/traces/);
+--trace PATH --format azure|mooncake replays any file in one of those formats instead. A trace
+replays at its own pace, or --rate-multiplier times faster, or rescaled to --rate requests/s
+on average.
 
 With --autoscale MIN:MAX every pool starts at its count and the autoscaler policy sets it
 within MIN..MAX (or MIN:MAX,MIN:MAX: one pair per pool, in --fleet's order);
@@ -24,14 +31,19 @@ from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, pool_
 from serving.clustersim.report import format_summary, plot, summarize, write_csv
 from serving.clustersim.simulator import SimConfig, SimResult, simulate
 from serving.clustersim.workloads import (
+    AZURE_CONV_CSV,
+    MOONCAKE_JSONL,
+    TRACE_FORMATS,
     SimRequest,
+    TraceError,
     bursty,
     diurnal,
-    load_azure_conversation,
-    load_mooncake,
+    load_trace,
     poisson,
 )
 from serving.router import POLICIES
+
+SYNTHETIC_RATE = 10.0  # requests/s of a synthetic workload when --rate is not given
 
 
 def parse_fleet(text: str, autoscale: str | None, model: str) -> FleetSpec:
@@ -58,24 +70,42 @@ def parse_bounds(text: str) -> AutoscaleBounds:
 
 
 def build_workload(args: argparse.Namespace) -> list[SimRequest]:
-    if args.workload == "azure":
-        return load_azure_conversation(
-            rate_multiplier=args.rate_multiplier, seed=args.seed, window_s=args.duration
-        )
-    if args.workload == "mooncake":
-        return load_mooncake(rate_multiplier=args.rate_multiplier, window_s=args.duration)
+    if args.trace is not None or args.workload in TRACE_FORMATS:
+        return build_replay(args)
+    rate = args.rate if args.rate is not None else SYNTHETIC_RATE
     duration = args.duration or 3600.0
     if args.workload == "poisson":
-        return poisson(args.rate, duration, seed=args.seed)
+        return poisson(rate, duration, seed=args.seed)
     if args.workload == "diurnal":
         return diurnal(
-            args.rate,
+            rate,
             duration,
             period_s=args.period,
             peak_to_trough=args.peak_to_trough,
             seed=args.seed,
         )
-    return bursty(args.rate, duration, burst_rate_per_s=args.rate * 4, seed=args.seed)
+    return bursty(rate, duration, burst_rate_per_s=rate * 4, seed=args.seed)
+
+
+def build_replay(args: argparse.Namespace) -> list[SimRequest]:
+    """The shipped trace --workload names, or the file --trace names in --format."""
+    if args.rate is not None and args.rate_multiplier is not None:
+        raise TraceError("give --rate or --rate-multiplier, not both")
+    if args.trace is not None and args.format is None:
+        raise TraceError(f"--trace needs --format {'|'.join(TRACE_FORMATS)}")
+    if args.trace is not None:
+        path, trace_format = args.trace, args.format
+    else:
+        path = AZURE_CONV_CSV if args.workload == "azure" else MOONCAKE_JSONL
+        trace_format = args.workload
+    return load_trace(
+        path,
+        trace_format,
+        rate_multiplier=args.rate_multiplier or 1.0,
+        rate_per_s=args.rate,
+        seed=args.seed,
+        window_s=args.duration,
+    )
 
 
 def peak_static(result: SimResult) -> FleetSpec:
@@ -102,8 +132,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", choices=["azure", "mooncake", "poisson", "diurnal", "bursty"], default="azure"
     )
-    parser.add_argument("--rate-multiplier", type=float, default=1.0, help="trace replay speed")
-    parser.add_argument("--rate", type=float, default=10.0, help="synthetic mean requests/s")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="replay this trace file (give --format)"
+    )
+    parser.add_argument("--format", choices=TRACE_FORMATS, default=None, help="--trace's format")
+    parser.add_argument(
+        "--rate-multiplier",
+        type=positive,
+        default=None,
+        help="trace replay speed: inter-arrival times divided by this (default 1)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=positive,
+        default=None,
+        help=f"mean requests/s: of a synthetic workload (default {SYNTHETIC_RATE:g}), or a "
+        "trace rescaled to this many on average (inter-arrival times scaled alike)",
+    )
     parser.add_argument("--duration", type=float, default=None, help="seconds of workload")
     parser.add_argument("--period", type=float, default=86400.0, help="diurnal period, s")
     parser.add_argument("--peak-to-trough", type=float, default=4.0)
@@ -124,9 +169,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace) -> int:
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
 
-    requests = build_workload(args)
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        requests = build_workload(args)
+    except TraceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     fleet = parse_fleet(args.fleet, args.autoscale, args.model)
     config = SimConfig(
         policy=args.policy,

@@ -5,11 +5,19 @@ counts, tenant, tier, and the tenant-salted hashes of the prompt's 16-token KV b
 gateway computes with `prompt_block_hashes`, and what the engine's prefix cache keys on). No
 text is generated: the engine model only needs counts and block identities.
 
-Traces (see /work/shared/traces/README.md):
-- Azure LLM 2023 conversation: one hour of (timestamp, context tokens, generated tokens). It
-  carries no prefix information, so its requests have no block hashes.
-- Mooncake synthetic: `hash_ids` name 512-token prompt blocks; equal ids at the same position
-  mean an equal prefix. Each id becomes 32 chained 16-token blocks salted with the tenant.
+Traces, shipped in data/traces/ (its README gives their sources, licences and citations), and
+any other file in either format (`load_trace`):
+- Azure (CSV: TIMESTAMP, ContextTokens, GeneratedTokens); the shipped one is an hour of the
+  2023 conversation service. It carries no prefix information, so its requests have no block
+  hashes.
+- Mooncake (JSON lines: timestamp in ms, input_length, output_length, hash_ids): `hash_ids`
+  name 512-token prompt blocks; equal ids at the same position mean an equal prefix. Each id
+  becomes 32 chained 16-token blocks salted with the tenant.
+
+Tenants are spread by weight over every trace (`assign_tenants`): requests that share a first
+block keep one tenant while some tenant has room for all of them, so a tenant's prefix hits
+stay its own; a root shared by more requests than any tenant's share (a trace whose requests
+all begin with one block) is drawn request by request instead.
 """
 
 from __future__ import annotations
@@ -20,16 +28,24 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import IO
 
 BLOCK_TOKENS = 16  # vLLM's KV block size; the gateway hashes prompts in blocks of this many
 MOONCAKE_BLOCK_TOKENS = 512
-SHARED_TRACES = Path("/work/shared/traces")
-AZURE_CONV_CSV = "azure_llm_2023_conv.csv"
-MOONCAKE_JSONL = "mooncake_synthetic.jsonl"
+TRACES_DIR = Path(__file__).resolve().parent / "data" / "traces"
+AZURE_CONV_CSV = TRACES_DIR / "azure_llm_2023_conv.csv"
+MOONCAKE_JSONL = TRACES_DIR / "mooncake_synthetic.jsonl"
+TRACE_FORMATS = ("azure", "mooncake")
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceError(Exception):
+    """A trace that is missing, empty or does not parse as its format; the message says where."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +75,7 @@ DEFAULT_TENANTS: tuple[Tenant, ...] = (
 
 
 class TenantPicker:
-    """Draws tenants by weight; `for_key` is deterministic per key (a shared prompt root
-    always belongs to one tenant, as a tenant's system prompt does)."""
+    """Draws tenants by weight."""
 
     def __init__(self, tenants: Sequence[Tenant]) -> None:
         if not tenants:
@@ -77,8 +92,42 @@ class TenantPicker:
         index = bisect.bisect_left(self._edges, rng.random())
         return self.tenants[min(index, len(self.tenants) - 1)]
 
-    def for_key(self, key: int) -> Tenant:
-        return self.draw(random.Random(key))
+
+def assign_tenants(
+    roots: Sequence[int | None], tenants: Sequence[Tenant], rng: random.Random
+) -> list[Tenant]:
+    """A tenant per request, by weight, keeping requests with one root (first prompt block) on
+    one tenant where that fits.
+
+    Each tenant has room for its weight's share of the requests. Roots are placed largest
+    first, each on the tenant with the most room left if all its requests fit there; the
+    requests of roots that fit nowhere, and those without a root, are drawn one by one in
+    proportion to the room left. Deterministic for a given trace and seed.
+    """
+    if not tenants:
+        raise ValueError("a workload needs at least one tenant")
+    total = sum(t.weight for t in tenants)
+    room = [t.weight / total * len(roots) for t in tenants]
+    chosen: list[Tenant | None] = [None] * len(roots)
+    groups: dict[int, list[int]] = {}
+    for index, root in enumerate(roots):
+        if root is not None:
+            groups.setdefault(root, []).append(index)
+    for _, members in sorted(groups.items(), key=lambda group: (-len(group[1]), group[0])):
+        best = max(range(len(tenants)), key=lambda i: room[i])
+        if room[best] >= len(members):
+            room[best] -= len(members)
+            for index in members:
+                chosen[index] = tenants[best]
+    rest = [index for index, tenant in enumerate(chosen) if tenant is None]
+    if rest:
+        picker = TenantPicker(
+            [Tenant(t.name, t.tier, r) for t, r in zip(tenants, room, strict=True)]
+        )
+        by_name = {t.name: t for t in tenants}
+        for index in rest:
+            chosen[index] = by_name[picker.draw(rng).name]
+    return [tenant for tenant in chosen if tenant is not None]
 
 
 def tenant_salt(tenant: str) -> int:
@@ -105,13 +154,6 @@ def salted_blocks(tenant: str, block_ids: Iterable[int], prompt_tokens: int) -> 
     return tuple(hashes)
 
 
-def _trace_path(name: str, path: Path | None) -> Path:
-    if path is not None:
-        return path
-    local = Path(__file__).resolve().parents[3] / "shared" / "traces" / name
-    return local if local.exists() else SHARED_TRACES / name
-
-
 def _clip(prompt: int, output: int, max_context: int) -> tuple[int, int]:
     """Fit a request into the model's context: keep the output, trim the prompt."""
     output = max(1, min(output, max_context // 2))
@@ -119,76 +161,215 @@ def _clip(prompt: int, output: int, max_context: int) -> tuple[int, int]:
     return prompt, output
 
 
-def load_azure_conversation(
-    path: Path | None = None,
+# --- traces ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One request as the trace has it: arrival in seconds after its first request."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    block_ids: tuple[int, ...] = ()
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[IO[str]]:
+    try:
+        with path.open(newline="") as f:
+            yield f
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: a directory, not a trace file") from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not a text file") from None
+
+
+def _from_first(path: Path, rows: list[TraceRow]) -> list[TraceRow]:
+    """Arrivals counted from the earliest, in arrival order (a trace may start anywhere)."""
+    if not rows:
+        raise TraceError(f"{path}: no requests")
+    start = min(row.arrival_s for row in rows)
+    shifted = [
+        TraceRow(row.arrival_s - start, row.prompt_tokens, row.output_tokens, row.block_ids)
+        for row in rows
+    ]
+    return sorted(shifted, key=lambda row: row.arrival_s)
+
+
+def read_azure(path: Path) -> list[TraceRow]:
+    rows: list[TraceRow] = []
+    with _opened(path) as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in AZURE_COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise TraceError(
+                f"{path}: not an Azure trace: no column {', '.join(missing)} "
+                f"(wants a CSV header {','.join(AZURE_COLUMNS)})"
+            )
+        start: datetime | None = None
+        for row in reader:
+            try:
+                # Seven fractional digits: more than datetime parses, so cut to microseconds.
+                stamp = datetime.fromisoformat(row["TIMESTAMP"][:26])
+                prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
+            except (TypeError, ValueError) as error:
+                raise TraceError(
+                    f"{path}, line {reader.line_num}: not an Azure row: {error}"
+                ) from None
+            start = start or stamp
+            rows.append(TraceRow((stamp - start).total_seconds(), prompt, output))
+    return _from_first(path, rows)
+
+
+def read_mooncake(path: Path) -> list[TraceRow]:
+    rows: list[TraceRow] = []
+    with _opened(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows.append(
+                    TraceRow(
+                        float(row["timestamp"]) / 1000.0,
+                        int(row["input_length"]),
+                        int(row["output_length"]),
+                        tuple(int(block) for block in row.get("hash_ids", ())),
+                    )
+                )
+            except KeyError as error:
+                raise TraceError(f"{path}, line {number}: not a Mooncake row: no {error}") from None
+            except (AttributeError, TypeError, ValueError) as error:
+                raise TraceError(
+                    f"{path}, line {number}: not a Mooncake row ({error}): want a JSON object "
+                    "with timestamp (ms), input_length, output_length and hash_ids"
+                ) from None
+    return _from_first(path, rows)
+
+
+READERS: dict[str, Callable[[Path], list[TraceRow]]] = {
+    "azure": read_azure,
+    "mooncake": read_mooncake,
+}
+
+
+def mean_rate(rows: Sequence[TraceRow]) -> float:
+    """Requests per second: one over the mean time between arrivals."""
+    span = rows[-1].arrival_s - rows[0].arrival_s
+    if span <= 0:
+        raise TraceError("every request of the trace arrives at once: it has no rate to rescale")
+    return (len(rows) - 1) / span
+
+
+def replay(
+    rows: Sequence[TraceRow],
     *,
+    prefix: str,
     rate_multiplier: float = 1.0,
+    rate_per_s: float | None = None,
     tenants: Sequence[Tenant] = DEFAULT_TENANTS,
     seed: int = 0,
     max_context: int = 131072,
     window_s: float | None = None,
 ) -> list[SimRequest]:
-    """The Azure conversation hour, inter-arrival times divided by `rate_multiplier`.
-
-    `window_s` keeps only requests arriving in the first window_s seconds of the replay."""
-    rng = random.Random(seed)
-    picker = TenantPicker(tenants)
-    requests: list[SimRequest] = []
-    start: datetime | None = None
-    with _trace_path(AZURE_CONV_CSV, path).open(newline="") as f:
-        for row in csv.DictReader(f):
-            # Seven fractional digits: more than datetime parses, so cut to microseconds.
-            stamp = datetime.fromisoformat(row["TIMESTAMP"][:26])
-            start = start or stamp
-            arrival = (stamp - start).total_seconds() / rate_multiplier
-            if window_s is not None and arrival >= window_s:
-                break
-            prompt, output = _clip(
-                int(row["ContextTokens"]), int(row["GeneratedTokens"]), max_context
+    """A trace's rows as requests: inter-arrival times divided by `rate_multiplier`, or
+    rescaled to `rate_per_s` requests per second on average when that is given; `window_s`
+    keeps only requests arriving in the first window_s seconds of the replay."""
+    if rate_per_s is not None:
+        rate_multiplier = rate_per_s / mean_rate(rows)
+    kept = [row for row in rows if window_s is None or row.arrival_s / rate_multiplier < window_s]
+    roots = [row.block_ids[0] if row.block_ids else None for row in kept]
+    chosen = assign_tenants(roots, tenants, random.Random(seed))
+    requests = []
+    for index, (row, tenant) in enumerate(zip(kept, chosen, strict=True)):
+        prompt, output = _clip(row.prompt_tokens, row.output_tokens, max_context)
+        requests.append(
+            SimRequest(
+                f"{prefix}{index}",
+                row.arrival_s / rate_multiplier,
+                prompt,
+                output,
+                tenant.name,
+                tenant.tier,
+                salted_blocks(tenant.name, row.block_ids, prompt),
             )
-            tenant = picker.draw(rng)
-            requests.append(
-                SimRequest(f"az{len(requests)}", arrival, prompt, output, tenant.name, tenant.tier)
-            )
+        )
     return requests
+
+
+def load_trace(
+    path: Path,
+    trace_format: str,
+    *,
+    rate_multiplier: float = 1.0,
+    rate_per_s: float | None = None,
+    tenants: Sequence[Tenant] = DEFAULT_TENANTS,
+    seed: int = 0,
+    max_context: int = 131072,
+    window_s: float | None = None,
+) -> list[SimRequest]:
+    """Any trace file in the Azure or the Mooncake format (module docstring), replayed."""
+    if trace_format not in READERS:
+        raise TraceError(f"unknown trace format {trace_format!r}: one of {', '.join(READERS)}")
+    return replay(
+        READERS[trace_format](path),
+        prefix="az" if trace_format == "azure" else "mc",
+        rate_multiplier=rate_multiplier,
+        rate_per_s=rate_per_s,
+        tenants=tenants,
+        seed=seed,
+        max_context=max_context,
+        window_s=window_s,
+    )
+
+
+def load_azure_conversation(
+    path: Path | None = None,
+    *,
+    rate_multiplier: float = 1.0,
+    rate_per_s: float | None = None,
+    tenants: Sequence[Tenant] = DEFAULT_TENANTS,
+    seed: int = 0,
+    max_context: int = 131072,
+    window_s: float | None = None,
+) -> list[SimRequest]:
+    """The shipped Azure conversation hour (or another Azure-format trace at `path`)."""
+    return load_trace(
+        path or AZURE_CONV_CSV,
+        "azure",
+        rate_multiplier=rate_multiplier,
+        rate_per_s=rate_per_s,
+        tenants=tenants,
+        seed=seed,
+        max_context=max_context,
+        window_s=window_s,
+    )
 
 
 def load_mooncake(
     path: Path | None = None,
     *,
     rate_multiplier: float = 1.0,
+    rate_per_s: float | None = None,
     tenants: Sequence[Tenant] = DEFAULT_TENANTS,
+    seed: int = 0,
     max_context: int = 131072,
     window_s: float | None = None,
 ) -> list[SimRequest]:
-    """The Mooncake synthetic trace; a request's tenant follows its first prompt block, so
-    requests that share a prefix share a tenant and its salt."""
-    picker = TenantPicker(tenants)
-    requests: list[SimRequest] = []
-    with _trace_path(MOONCAKE_JSONL, path).open() as f:
-        for line in f:
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            arrival = row["timestamp"] / 1000.0 / rate_multiplier
-            if window_s is not None and arrival >= window_s:
-                break
-            prompt, output = _clip(row["input_length"], row["output_length"], max_context)
-            ids: list[int] = row["hash_ids"]
-            tenant = picker.for_key(ids[0] if ids else len(requests))
-            requests.append(
-                SimRequest(
-                    f"mc{len(requests)}",
-                    arrival,
-                    prompt,
-                    output,
-                    tenant.name,
-                    tenant.tier,
-                    salted_blocks(tenant.name, ids, prompt),
-                )
-            )
-    requests.sort(key=lambda r: r.arrival_s)
-    return requests
+    """The shipped Mooncake synthetic trace (or another Mooncake-format trace at `path`)."""
+    return load_trace(
+        path or MOONCAKE_JSONL,
+        "mooncake",
+        rate_multiplier=rate_multiplier,
+        rate_per_s=rate_per_s,
+        tenants=tenants,
+        seed=seed,
+        max_context=max_context,
+        window_s=window_s,
+    )
 
 
 # --- synthetic ------------------------------------------------------------------------------

@@ -61,16 +61,32 @@ def test_a_mooncake_block_becomes_thirty_two_chained_engine_blocks() -> None:
 
 def test_mooncake_requests_sharing_a_root_block_share_a_tenant(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
-    rows = [
-        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [4, 5, 6]},
-        {"timestamp": 500, "input_length": 700, "output_length": 5, "hash_ids": [4, 9]},
-    ]
+    # Twenty roots of two requests each: enough distinct roots to keep each on one tenant.
+    rows = []
+    for root in range(20):
+        rows.append(
+            {
+                "timestamp": root * 1000,
+                "input_length": 1100,
+                "output_length": 5,
+                "hash_ids": [root, 100 + root, 200 + root],
+            }
+        )
+        rows.append(
+            {
+                "timestamp": root * 1000 + 500,
+                "input_length": 700,
+                "output_length": 5,
+                "hash_ids": [root, 300 + root],
+            }
+        )
     trace.write_text("\n".join(json.dumps(row) for row in rows))
-    first, second = load_mooncake(trace, rate_multiplier=2.0)
-    assert first.tenant == second.tenant
-    assert first.block_hashes[:32] == second.block_hashes[:32]
-    assert len(first.block_hashes) == 1100 // 16
-    assert second.arrival_s == pytest.approx(0.25)
+    requests = load_mooncake(trace, rate_multiplier=2.0)
+    for first, second in zip(requests[::2], requests[1::2], strict=True):
+        assert first.tenant == second.tenant
+        assert first.block_hashes[:32] == second.block_hashes[:32]
+    assert len(requests[0].block_hashes) == 1100 // 16
+    assert requests[1].arrival_s == pytest.approx(0.25)
 
 
 def test_the_rate_multiplier_divides_azure_interarrival_times() -> None:

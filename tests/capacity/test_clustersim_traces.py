@@ -1,0 +1,270 @@
+"""Traces for the cluster simulator: the shipped copies, any file in the Azure or Mooncake
+format, tenants spread over every trace, and bench/routing.py's search on both clocks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench import routing
+from serving.clustersim import SimRequest, homogeneous, simulate, summarize
+from serving.clustersim.__main__ import main as cli_main
+from serving.clustersim.simulator import SimConfig
+from serving.clustersim.workloads import (
+    AZURE_CONV_CSV,
+    DEFAULT_TENANTS,
+    MOONCAKE_JSONL,
+    TRACES_DIR,
+    TraceError,
+    load_azure_conversation,
+    load_mooncake,
+    load_trace,
+    mean_rate,
+    read_mooncake,
+)
+from serving.router import RouterConfig, SloTier
+
+REPO = Path(__file__).resolve().parents[2]
+L40S = "L40S-48GB"
+
+
+def write_mooncake(path: Path, count: int, *, spacing_ms: int = 250, start_ms: int = 0) -> Path:
+    """`count` requests, all beginning with the same 512-token block (one shared system
+    prompt), each with a block of its own after it."""
+    rows = [
+        {
+            "timestamp": start_ms + i * spacing_ms,
+            "input_length": 600 + 7 * i,
+            "output_length": 20,
+            "hash_ids": [0, 1000 + i],
+        }
+        for i in range(count)
+    ]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_the_default_traces_are_inside_the_repository() -> None:
+    for path in (AZURE_CONV_CSV, MOONCAKE_JSONL):
+        assert path.is_file()
+        assert path.is_relative_to(REPO / "serving" / "clustersim" / "data" / "traces")
+
+
+def test_the_shipped_traces_load_without_opening_anything_outside_the_repository(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[Path] = []
+    real_open = Path.open
+
+    def recording_open(self: Path, *args: object, **kwargs: object) -> object:
+        opened.append(self.resolve())
+        return real_open(self, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(Path, "open", recording_open)
+    azure = load_azure_conversation()
+    mooncake = load_mooncake()
+    assert (len(azure), len(mooncake)) == (19366, 3993)
+    assert opened and all(path.is_relative_to(REPO) for path in opened)
+
+
+def test_the_shipped_traces_are_the_published_files_unmodified() -> None:
+    readme = (TRACES_DIR / "README.md").read_text()
+    for path in (AZURE_CONV_CSV, MOONCAKE_JSONL):
+        section = readme[readme.index(f"## {path.name}") :]
+        listed = re.search(r"sha256: `([0-9a-f]{64})`", section)
+        assert listed is not None
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == listed.group(1)
+
+
+def test_a_trace_whose_requests_all_share_one_first_block_spreads_over_tenants_and_tiers(
+    tmp_path: Path,
+) -> None:
+    requests = load_mooncake(write_mooncake(tmp_path / "one_root.jsonl", 400))
+    tenants = Counter(r.tenant for r in requests)
+    assert set(tenants) == {t.name for t in DEFAULT_TENANTS}
+    assert {r.tier for r in requests} == {"interactive", "standard", "batch"}
+    for tenant in DEFAULT_TENANTS:
+        assert tenants[tenant.name] / len(requests) == pytest.approx(tenant.weight, abs=0.08)
+
+
+def test_requests_of_one_tenant_still_share_the_common_first_block(tmp_path: Path) -> None:
+    requests = load_mooncake(write_mooncake(tmp_path / "one_root.jsonl", 40))
+    acme = [r for r in requests if r.tenant == "acme"]
+    globex = [r for r in requests if r.tenant == "globex"]
+    assert len({r.block_hashes[:32] for r in acme}) == 1
+    assert not {r.block_hashes[0] for r in acme} & {r.block_hashes[0] for r in globex}
+
+
+def test_with_many_roots_each_tenant_gets_its_weight_share_to_half_a_percent() -> None:
+    requests = load_mooncake()
+    tenants = Counter(r.tenant for r in requests)
+    for tenant in DEFAULT_TENANTS:
+        assert tenants[tenant.name] / len(requests) == pytest.approx(tenant.weight, abs=0.005)
+
+
+def test_rate_rescales_a_trace_to_that_many_requests_per_second_on_average(
+    tmp_path: Path,
+) -> None:
+    trace = write_mooncake(tmp_path / "trace.jsonl", 50, spacing_ms=1000)
+    assert mean_rate(read_mooncake(trace)) == pytest.approx(1.0)
+    requests = load_trace(trace, "mooncake", rate_per_s=4.0)
+    assert (len(requests) - 1) / requests[-1].arrival_s == pytest.approx(4.0)
+
+
+def test_a_trace_is_replayed_from_its_first_request(tmp_path: Path) -> None:
+    trace = write_mooncake(tmp_path / "late.jsonl", 5, start_ms=1_700_000_000_000)
+    assert [r.arrival_s for r in load_trace(trace, "mooncake")] == pytest.approx(
+        [0.0, 0.25, 0.5, 0.75, 1.0]
+    )
+
+
+def test_an_unparsable_row_is_refused_with_its_line(tmp_path: Path) -> None:
+    trace = write_mooncake(tmp_path / "trace.jsonl", 3)
+    trace.write_text(trace.read_text() + '{"timestamp": 900, "input_length": 10}\n')
+    with pytest.raises(TraceError, match=r"line 4: .*no 'output_length'"):
+        load_trace(trace, "mooncake")
+
+
+def test_a_file_of_the_other_format_is_refused_by_name() -> None:
+    with pytest.raises(TraceError, match="not an Azure trace"):
+        load_trace(MOONCAKE_JSONL, "azure")
+    with pytest.raises(TraceError, match="line 1: not a Mooncake row"):
+        load_trace(AZURE_CONV_CSV, "mooncake")
+
+
+@pytest.mark.slow
+def test_the_cli_replays_any_mooncake_format_file(tmp_path: Path) -> None:
+    trace = write_mooncake(tmp_path / "tmp.jsonl", 40)
+    done = run_script(
+        "-m",
+        "serving.clustersim",
+        "--trace",
+        str(trace),
+        "--format",
+        "mooncake",
+        "--duration",
+        "5",
+        "--fleet",
+        f"{L40S}:1",
+        "--policy",
+        "least_load",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"least_load on 1x {L40S}: 20 requests" in done.stdout
+
+
+def test_the_cli_refuses_an_unknown_format_with_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_mooncake(tmp_path / "tmp.jsonl", 3)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["--trace", str(trace), "--format", "csv"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'csv'" in capsys.readouterr().err
+
+
+def test_the_cli_refuses_a_missing_file_or_the_wrong_format_with_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_mooncake(tmp_path / "tmp.jsonl", 3)
+    assert cli_main(["--trace", str(tmp_path / "missing.jsonl"), "--format", "mooncake"]) == 2
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
+    assert cli_main(["--trace", str(trace), "--format", "azure"]) == 2
+    assert "not an Azure trace" in capsys.readouterr().err
+
+
+def batch_only(count: int) -> list[SimRequest]:
+    return [SimRequest(f"b{i}", i * 0.5, 500, 10, "umbrella", "batch") for i in range(count)]
+
+
+def test_a_run_without_interactive_requests_meets_no_slo_and_prints_without_error() -> None:
+    summary = summarize(simulate(homogeneous(L40S, 1), batch_only(4)))
+    assert "interactive" not in summary.tiers
+    assert not routing.meets(summary)
+    assert routing.attainment(summary) == 0.0
+    assert "1x L40S-48GB" in routing.row("(h)", summary, 0.99)
+
+
+def test_the_search_judges_tpot_as_well_as_ttft() -> None:
+    tiers = {"interactive": SloTier("interactive", 60.0, 0.001)}  # no decode is that fast
+    requests = [SimRequest(f"i{i}", i * 0.5, 500, 10, "acme", "interactive") for i in range(4)]
+    config = SimConfig(policy="least_load", router=RouterConfig(slo_tiers=tiers))
+    summary = summarize(simulate(homogeneous(L40S, 1), requests, config))
+    assert summary.tiers["interactive"].ttft_attainment == 1.0
+    assert summary.tiers["interactive"].slo_attainment == 0.0
+    assert not routing.meets(summary)
+
+
+SEARCH_ARGS = ("--gpus", L40S, "--mixes", f"{L40S}:1", "--workers", "1")
+
+
+@pytest.mark.slow
+def test_routing_writes_the_homogeneous_search_as_json(tmp_path: Path) -> None:
+    trace = write_mooncake(tmp_path / "tiny.jsonl", 60)
+    out = tmp_path / "search.json"
+    done = run_script(
+        "bench/routing.py", "--trace", str(trace), "--format", "mooncake",
+        "--json", str(out), *SEARCH_ARGS,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    smallest = json.loads(out.read_text())["smallest"]
+    assert {(e["policy"], e["gpu_class"]) for e in smallest} == {
+        ("least_load", L40S),
+        ("cost_aware", L40S),
+    }
+    for entry in smallest:
+        assert {"policy", "gpu_class", "replicas", "usd_per_hour", "attainment"} <= set(entry)
+        assert entry["replicas"] == 1
+        assert entry["usd_per_hour"] == pytest.approx(0.99)
+        assert entry["attainment"] >= 0.99
+
+
+@pytest.mark.slow
+def test_routing_reports_null_when_no_fleet_up_to_the_limit_meets_the_slo(
+    tmp_path: Path,
+) -> None:
+    trace = write_mooncake(tmp_path / "tiny.jsonl", 60)
+    out = tmp_path / "search.json"
+    done = run_script(
+        "bench/routing.py", "--trace", str(trace), "--format", "mooncake", "--rate", "100",
+        "--max-replicas", "1", "--json", str(out), *SEARCH_ARGS,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for entry in json.loads(out.read_text())["smallest"]:
+        assert entry["replicas"] is None and entry["usd_per_hour"] is None
+        assert 0.0 <= entry["attainment"] < 0.99
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("trace", "trace_format", "message"),
+    [
+        ("missing.jsonl", "mooncake", "no such file"),
+        ("tiny.jsonl", "azure", "not an Azure trace"),
+        ("tiny.jsonl", "parquet", "invalid choice"),
+    ],
+)
+def test_routing_refuses_bad_input_with_status_2(
+    tmp_path: Path, trace: str, trace_format: str, message: str
+) -> None:
+    write_mooncake(tmp_path / "tiny.jsonl", 5)
+    done = run_script(
+        "bench/routing.py", "--trace", str(tmp_path / trace), "--format", trace_format,
+        *SEARCH_ARGS,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr
