@@ -28,7 +28,6 @@ from config.env import (
 django_stubs_ext.monkeypatch()
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-SHARED_DIR = BASE_DIR.parent / "shared"
 
 DEBUG = env_bool("DEBUG", default=False)
 

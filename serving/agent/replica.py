@@ -71,6 +71,9 @@ class SupervisionTimings:
     ready_poll_s: float = 0.25
     stop_grace_s: float = 15.0
     drain_timeout_s: float = 60.0
+    # Idle this long before a draining replica stops: a gateway that has not yet read the
+    # routing table without it (pub/sub in flight, its 1 s poll) may still send it a request.
+    drain_quiet_s: float = 2.0
     http_timeout_s: float = 5.0
 
 
@@ -351,14 +354,19 @@ class ReplicaSupervisor:
         if self.state == READY:
             self.state = DRAINING
             deadline = time.monotonic() + self._timings.drain_timeout_s
+            idle_since: float | None = None
             while time.monotonic() < deadline and self._process is not None:
                 await self.scrape(timeout_s=self._timings.http_timeout_s)
                 telemetry = self.telemetry or {}
                 busy = telemetry.get("num_requests_running", 0) + telemetry.get(
                     "num_requests_waiting", 0
                 )
-                if self.telemetry is not None and busy == 0:
-                    break
+                if self.telemetry is None or busy:
+                    idle_since = None
+                else:
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since >= self._timings.drain_quiet_s:
+                        break
                 await asyncio.sleep(0.5)
         await self.stop()
 

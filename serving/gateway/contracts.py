@@ -44,6 +44,10 @@ class ExchangeServices(Protocol):
 
     def endpoint(self, replica_id: str) -> ReplicaEndpoint | None: ...
 
+    async def reread_routing_table(self) -> None:
+        """Read the routing table from Redis now (kept as it is if Redis does not answer)."""
+        ...
+
     # --- admission: one Redis call ------------------------------------------------------------
 
     async def admit(

@@ -425,15 +425,11 @@ class Exchange:
         that failed may have."""
         tried: set[str] = set()
         for attempt in range(2):
-            assert self.decision is not None and self.decision.replica is not None
-            replica_id = self.decision.replica.replica_id
-            endpoint = self.gateway.endpoint(replica_id)
-            prefill = self._prefill_endpoint()
+            endpoint, prefill = await self._endpoints_of_decision(tried)
+            replica_id = endpoint.replica_id
             self.outcome.replica = endpoint
             self.outcome.prefill_replica = prefill
             self._prefill_cached = None
-            if endpoint is None:
-                raise _no_capacity("The chosen replica left the routing table; retry.", retry_s=1)
             # The replica whose failure it is if this attempt fails.
             failing = prefill or endpoint
             stream: UpstreamStream | None = None
@@ -471,6 +467,10 @@ class Exchange:
                 self._refused_before_first_token(error, failing, last_try=attempt == 1)
                 if error.status == 404 and not self._served_elsewhere(tried):
                     raise self._not_loaded() from error
+                if error.kind == "connect" and not self._served_elsewhere(tried):
+                    # The replica may have left the table since this gateway last read it
+                    # (a drain's update still on its way): read it again before giving up.
+                    await self.gateway.reread_routing_table()
                 await self._choose_replica(exclude=frozenset(tried))
             except BaseException:
                 # Cancelled (the client left) or a bug while connecting: undo what was taken.
@@ -485,16 +485,25 @@ class Exchange:
                 raise
         raise AssertionError("unreachable")
 
-    def _prefill_endpoint(self) -> ReplicaEndpoint | None:
-        """The prefill replica of a disaggregated decision, None for a colocated one."""
-        assert self.decision is not None
-        chosen = self.decision.prefill_replica
-        if chosen is None:
-            return None
-        endpoint = self.gateway.endpoint(chosen.replica_id)
-        if endpoint is None:
-            raise _no_capacity("The chosen replica left the routing table; retry.", retry_s=1)
-        return endpoint
+    async def _endpoints_of_decision(
+        self, tried: set[str]
+    ) -> tuple[ReplicaEndpoint, ReplicaEndpoint | None]:
+        """The decision's decode (or colocated) replica and its prefill replica, if any, as
+        the routing table has them now. A replica chosen on a table that has since dropped it
+        (a promotion or a drain published while the request waited) failed nothing: the
+        router chooses again on the table as it is."""
+        for _ in range(3):
+            assert self.decision is not None and self.decision.replica is not None
+            chosen, chosen_prefill = self.decision.replica, self.decision.prefill_replica
+            endpoint = self.gateway.endpoint(chosen.replica_id)
+            prefill = self.gateway.endpoint(chosen_prefill.replica_id) if chosen_prefill else None
+            if endpoint is not None and (chosen_prefill is None or prefill is not None):
+                return endpoint, prefill
+            self.gateway.abandon_probe(chosen.replica_id)
+            if chosen_prefill is not None:
+                self.gateway.abandon_probe(chosen_prefill.replica_id)
+            await self._choose_replica(exclude=frozenset(tried))
+        raise _no_capacity("The routing table is changing; retry.", retry_s=1)
 
     async def _prefill(self, endpoint: ReplicaEndpoint) -> dict[str, Any] | None:
         """A disaggregated request's first phase: the prompt prefilled on `endpoint`, one

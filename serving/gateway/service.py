@@ -249,6 +249,10 @@ class Gateway:
     def endpoint(self, replica_id: str) -> ReplicaEndpoint | None:
         return self.routing.snapshot.endpoints.get(replica_id)
 
+    async def reread_routing_table(self) -> None:
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.routing.reload()
+
     # --- route ---------------------------------------------------------------------------
 
     def check_loaded(self) -> None:

@@ -113,11 +113,14 @@ def test_revoking_another_tenants_key_is_a_404_and_leaves_it_alive(
 
 def test_a_developer_sees_the_secret_once_and_only_its_hash_is_kept(acme: Tenant) -> None:
     dev = client_for(member(acme, "dev", Role.DEVELOPER))
-    reply = dev.post("/portal/acme/keys/create/", {"name": "ci", "scopes": ["inference"]})
+    created = dev.post("/portal/acme/keys/create/", {"name": "ci", "scopes": ["inference"]})
+    assert created.status_code == 302  # POST-redirect-GET: a reload creates nothing
     key = ApiKey.objects.get(tenant=acme, name="ci")
-    secret = reply.context["secret"]
+    reply = dev.get(created["Location"])
+    secret = reply.context["new_key"]["secret"]
     assert secret.encode() in reply.content and reply["Cache-Control"] == "no-store"
     assert secret not in key.secret_hash
+    assert secret.encode() not in dev.get(created["Location"]).content  # once only
     assert secret.encode() not in dev.get("/portal/acme/").content
 
 
@@ -160,6 +163,18 @@ def test_the_playground_key_is_inference_only_and_expires_within_the_hour(acme: 
     assert key.scopes == ["inference"] and key.expires_at is not None
     lifetime = (key.expires_at - timezone.now()).total_seconds()
     assert 3500 < lifetime <= 3600
+
+
+def test_using_the_playground_again_hands_back_the_same_key(acme: Tenant) -> None:
+    dev = client_for(member(acme, "dev", Role.DEVELOPER))
+    first = dev.post("/portal/acme/playground/key/").json()["key"]
+    again = dev.post("/portal/acme/playground/key/").json()["key"]
+    assert again == first and ApiKey.objects.filter(tenant=acme).count() == 1
+    # Another browser of the same member holds no secret: a new key, the old one revoked.
+    other = client_for(Membership.objects.get(tenant=acme).user)
+    fresh = other.post("/portal/acme/playground/key/").json()["key"]
+    assert fresh != first
+    assert ApiKey.objects.filter(tenant=acme, revoked_at__isnull=True).count() == 1
 
 
 def test_a_post_without_a_csrf_token_is_refused(acme: Tenant) -> None:
@@ -315,7 +330,9 @@ def test_staff_start_a_rollout_from_the_console(pool: GpuPool) -> None:
     rollout = Rollout.objects.get()
     assert reply.status_code == 302 and reply["Location"] == f"/console/rollouts/{rollout.pk}/"
     assert rollout.canary.model_version == v2
-    assert rollout.canary.traffic_weight == 5
+    # Held at 0 % until its replica serves; the first step's weight waits for it.
+    assert rollout.canary.traffic_weight == 0 and rollout.steps[0] == 5
+    assert rollout.canary_state == "placing"
 
 
 def test_a_tenant_member_cannot_start_a_rollout(acme: Tenant, pool: GpuPool) -> None:

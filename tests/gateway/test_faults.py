@@ -356,3 +356,28 @@ def test_a_client_that_stops_reading_and_then_leaves_still_aborts_the_engine(set
     assert generated < 4000
     assert wait_until(lambda: len(usage_events(client)) == 1)
     assert usage_events(client)[0].status == "client_cancelled"
+
+
+def test_a_replica_gone_before_the_table_says_so_is_served_from_the_table_read_again(
+    setup,
+) -> None:
+    """A drained replica stops a moment after the table drops it; a gateway that has not yet
+    read the new table reads it again on the refused connection instead of answering 503."""
+    server, fleet, key, _ = setup
+    leaving = fleet.start()
+    fleet.publish()
+    assert chat(server.url, key.secret, max_tokens=2).status_code == 200
+    # This gateway stops following updates (its pub/sub and its poll), so its copy goes stale.
+    routing = server.gateway().routing
+    for task in routing._tasks:
+        task.get_loop().call_soon_threadsafe(task.cancel)
+    assert wait_until(lambda: all(task.done() for task in routing._tasks), 5)
+    staying = fleet.start()
+    fleet.sims.remove(leaving)
+    fleet.publish()  # the new table names only `staying`; this gateway has not read it
+    leaving.stop()
+    assert leaving.replica_id in routing.snapshot.endpoints
+    reply = chat(server.url, key.secret, max_tokens=2)
+    assert reply.status_code == 200, reply.text
+    assert sample(staying.metrics_text(), "vllm:request_success_total") == 1
+    assert set(routing.snapshot.endpoints) == {staying.replica_id}

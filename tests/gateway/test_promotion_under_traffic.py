@@ -28,6 +28,7 @@ from registry.tasks import rollout_tick
 from serving.actions.gpu_classes import sync_gpu_classes
 from serving.actions.reconcile import do_reconcile
 from serving.actions.routing_table import publish_routing_table, read_routing_table
+from serving.agent.replica import SupervisionTimings
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from tests.gateway.conftest import MODEL, EngineSim, Fleet, GatewayServer, publish_catalog, sample
 from tests.live import eventually
@@ -78,6 +79,25 @@ def _running(sim: EngineSim) -> float:
     return sample(sim.metrics_text(), "vllm:num_requests_running")
 
 
+def _idle_for(sim: EngineSim, quiet_s: float, *, within_s: float) -> None:
+    """Return once `sim` has run and queued nothing for `quiet_s` (scraped every 0.5 s)."""
+    deadline = time.monotonic() + within_s
+    idle_since: float | None = None
+    while time.monotonic() < deadline:
+        metrics = sim.metrics_text()
+        busy = sample(metrics, "vllm:num_requests_running") + sample(
+            metrics, "vllm:num_requests_waiting"
+        )
+        if busy:
+            idle_since = None
+        else:
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since >= quiet_s:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the baseline was not idle for {quiet_s} s within {within_s} s")
+
+
 def test_a_promotion_under_steady_traffic_loses_no_request(
     gateway_server: GatewayServer, fleet: Fleet, make_key: Any, redis_client: redis.Redis
 ) -> None:
@@ -100,6 +120,7 @@ def test_a_promotion_under_steady_traffic_loses_no_request(
     loops.start()
     key = make_key("acme", requests_per_minute=100_000, tokens_per_minute=10_000_000)
     statuses: list[int] = []
+    refusals: list[str] = []  # what the failed requests were answered
     unsent_at_promote = 0
     try:
         _report_ready(baseline, baseline_sim)
@@ -129,6 +150,8 @@ def test_a_promotion_under_steady_traffic_loses_no_request(
                     "max_tokens": 4,
                 },
             )
+            if reply.status_code != 200:
+                refusals.append(reply.text)
             return reply.status_code
 
         with ThreadPoolExecutor(max_workers=8) as pool_of_clients:
@@ -161,8 +184,8 @@ def test_a_promotion_under_steady_traffic_loses_no_request(
                 10,
                 "the baseline's replica draining",
             )
-            time.sleep(0.5)  # the gateways have the new table: nothing new reaches the baseline
-            eventually(lambda: _running(baseline_sim) == 0, 10, "the baseline idle")
+            # As the agent does: stop once the engine has been idle for its quiet period.
+            _idle_for(baseline_sim, SupervisionTimings().drain_quiet_s, within_s=20)
             baseline_sim.stop()
             statuses = [future.result(timeout=120) for future in futures]
         http.close()
@@ -172,7 +195,7 @@ def test_a_promotion_under_steady_traffic_loses_no_request(
     errors = [status for status in statuses if status != 200]
     assert len(statuses) == REQUESTS
     assert unsent_at_promote > REQUESTS // 4, "the traffic ended before the promotion"
-    assert errors == [], f"{len(errors)} errors in {REQUESTS} requests: {sorted(set(errors))}"
+    assert errors == [], f"{len(errors)} errors in {REQUESTS} requests: {sorted(set(refusals))}"
     assert Rollout.objects.get(pk=rollout.pk).state == Rollout.State.PROMOTED
     served = RedisRolloutMetrics(redis_client)
     assert served.window_stats(rollout.canary_id, {}).requests > 30
