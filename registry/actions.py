@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from django.core.exceptions import ValidationError
 from django.db import transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Count, Q, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
@@ -39,7 +39,11 @@ from registry.models import (
     RolloutTransition,
     Visibility,
 )
-from registry.placement import check_deployment_placement, check_kv_connector
+from registry.placement import (
+    check_deployment_capacity,
+    check_deployment_placement,
+    check_kv_connector,
+)
 from registry.rollout_metrics import RedisRolloutMetrics, RolloutMetricsSource
 from registry.rollout_policy import (
     DEFAULT_STEPS,
@@ -494,9 +498,22 @@ def do_create_deployment(**fields: Any) -> Deployment:
     if deployment.model_version.status != ModelVersion.Status.APPROVED:
         raise ValidationError({"model_version": ["Only an approved version can be deployed."]})
     check_deployment(deployment)
+    _note_capacity(deployment)
     deployment.save()
     _weights_changed()
     return deployment
+
+
+def _note_capacity(deployment: Deployment) -> None:
+    """A deployment whose replicas have no room now is created all the same, pending
+    capacity: it says why and since when until the fleet's reconcile places them (a node
+    joins, another deployment stops). Only a model that fits no GPU of the pool is refused."""
+    capacity = check_deployment_capacity(deployment)
+    if capacity.ok:
+        deployment.placement_failure, deployment.placement_failure_since = "", None
+    else:
+        deployment.placement_failure = capacity.message
+        deployment.placement_failure_since = timezone.now()
 
 
 @transaction.atomic
@@ -556,6 +573,50 @@ def do_delete_deployment(deployment: Deployment) -> None:
     _weights_changed()
 
 
+@transaction.atomic
+def do_retire_deployment(deployment: Deployment) -> Deployment:
+    """Take a deployment out of the routing table and drain its replicas; once none is left
+    it becomes stopped (`do_finish_drained_deployments`). Refused while a live rollout moves
+    traffic between it and another deployment: abort or finish the rollout first."""
+    deployment = Deployment.objects.select_for_update().get(pk=deployment.pk)
+    rollout = _live_rollout_of(deployment)
+    if rollout is not None:
+        role = "baseline" if rollout.baseline_id == deployment.pk else "canary"
+        raise ValidationError(
+            f"{deployment.name} is the {role} of rollout {rollout.pk}, which is "
+            f"{rollout.state}: abort or finish the rollout first."
+        )
+    if deployment.status != Deployment.Status.ACTIVE:
+        raise ValidationError(f"{deployment.name} is already {deployment.status}.")
+    deployment.status = Deployment.Status.DRAINING
+    deployment.placement_failure, deployment.placement_failure_since = "", None
+    deployment.save(
+        update_fields=["status", "placement_failure", "placement_failure_since", "updated_at"]
+    )
+    _weights_changed()
+    enqueue_on_commit("serving.reconcile")
+    return deployment
+
+
+# serving's Replica.State values of a replica that is still there (all but stopped).
+REPLICA_LIVE_STATES = ("pending", "starting", "ready", "failed", "draining")
+
+
+def do_finish_drained_deployments() -> list[int]:
+    """A draining deployment none of whose replicas is left (all stopped, or none ever
+    placed) becomes stopped. Idempotent; returns the ids it stopped."""
+    drained = Deployment.objects.filter(status=Deployment.Status.DRAINING).exclude(
+        replicas__state__in=REPLICA_LIVE_STATES
+    )
+    ids = list(drained.values_list("pk", flat=True))
+    # The UPDATE checks again: a replica placed since the read keeps its deployment draining.
+    if ids:
+        drained.filter(pk__in=ids).update(
+            status=Deployment.Status.STOPPED, updated_at=timezone.now()
+        )
+    return ids
+
+
 def _free_deployment_name(deployment: Deployment) -> str:
     version = deployment.model_version
     stem = f"{version.model.name}-{version.version}-{deployment.pool.name}".replace(".", "-")
@@ -564,6 +625,16 @@ def _free_deployment_name(deployment: Deployment) -> str:
     while Deployment.objects.filter(name=name).exists():
         name, n = f"{stem}-{n}", n + 1
     return name
+
+
+def with_ready_replicas(deployments: QuerySet[Deployment]) -> QuerySet[Deployment]:
+    """`ready_replicas` (colocated or prefill) and `decode_ready_replicas` on each row: its
+    replicas in serving's Replica.State "ready", per phase, counted in the same query."""
+    ready = Q(replicas__state="ready")
+    return deployments.annotate(
+        ready_replicas=Count("replicas", filter=ready & ~Q(replicas__phase="decode")),
+        decode_ready_replicas=Count("replicas", filter=ready & Q(replicas__phase="decode")),
+    )
 
 
 def _live_rollout_of(deployment: Deployment) -> Rollout | None:
@@ -672,6 +743,7 @@ def do_start_rollout(
     )
     canary.name = _free_deployment_name(canary)
     check_deployment(canary)
+    _note_capacity(canary)
     canary.save()
     metrics = metrics or default_metrics_source()
     state, canary_reason = canary_condition(CanaryReplicas())
@@ -993,16 +1065,26 @@ def do_release_rollout(
 
 def do_note_canary_placement(failures: Mapping[int, str]) -> None:
     """The fleet's reconcile: why it could not place a replica, by deployment id (absent:
-    placed what was asked). Kept on the live rollouts whose canary it is, for the controller
-    to hold and say why. The UPDATEs touch only the rows whose note changes."""
+    placed what was asked). Kept on every deployment, pending capacity since it first failed
+    (a changed reason keeps the since), and on the live rollouts whose canary it is, for the
+    controller to hold and say why. The UPDATEs touch only the rows whose note changes."""
     live = Rollout.objects.filter(state__in=Rollout.LIVE_STATES)
     live.exclude(canary_placement_failure="").exclude(canary_id__in=list(failures)).update(
         canary_placement_failure=""
     )
+    Deployment.objects.exclude(placement_failure="").exclude(pk__in=list(failures)).update(
+        placement_failure="", placement_failure_since=None
+    )
+    now = timezone.now()
     for deployment_id, failure in failures.items():
         live.filter(canary_id=deployment_id).exclude(canary_placement_failure=failure).update(
             canary_placement_failure=failure
         )
+        waiting = Deployment.objects.filter(pk=deployment_id).exclude(placement_failure=failure)
+        waiting.filter(placement_failure_since__isnull=True).update(
+            placement_failure=failure, placement_failure_since=now
+        )
+        waiting.filter(placement_failure_since__isnull=False).update(placement_failure=failure)
 
 
 def do_record_rollout_decision(

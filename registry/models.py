@@ -274,6 +274,10 @@ class Deployment(models.Model):
     traffic_weight = models.PositiveSmallIntegerField(
         default=100, validators=[MaxValueValidator(100)]
     )
+    # Pending capacity: why a replica it wants has no room on the fleet ("" once all have
+    # room), written on create and by every reconcile; `_since` is when it started waiting.
+    placement_failure = models.TextField(blank=True)
+    placement_failure_since = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -325,6 +329,10 @@ class Deployment(models.Model):
 
     def effective_engine_args(self) -> dict[str, object]:
         return {**DEFAULT_ENGINE_ARGS, **(self.engine_args or {})}
+
+    @property
+    def pending_capacity(self) -> bool:
+        return self.status == self.Status.ACTIVE and bool(self.placement_failure)
 
 
 def default_steps() -> list[int]:

@@ -3,6 +3,12 @@
 The rule and the arithmetic live in serving.engine.placement (weights plus the bf16 KV of one
 full sequence at max_model_len must fit memory x utilization minus 3 GB per GPU); this module
 only turns rows into specs and adds the pools where the deployment would fit as it stands.
+
+Room now (`check_deployment_capacity`) counts the free GPUs of each ready, active node of the
+pool (not cordoned, not draining), a GPU being free when no replica holds it (a draining
+replica's process still does), as the fleet's reconcile counts them; a replica's GPUs are on
+one node. The fleet's rows are read through the pool's reverse relations: the registry never
+imports serving's models.
 """
 
 from __future__ import annotations
@@ -14,10 +20,18 @@ from functools import cache
 from typing import Any, Protocol, TypedDict
 
 from registry.models import pools
-from serving.engine.placement import PlacementResult, check_placement
+from serving.engine.placement import (
+    CapacityResult,
+    NodeGpus,
+    PlacementResult,
+    check_capacity,
+    check_placement,
+)
 from serving.engine.specs import DATA_DIR, GpuSpec
 
 ENGINE_OVERHEAD_GB = 3.0
+# serving's Replica.State values that hold GPUs on a node (HOLDING_STATES).
+GPU_HOLDING_STATES = ("pending", "starting", "ready", "failed", "draining")
 
 
 class GpuClassRow(Protocol):
@@ -91,12 +105,7 @@ def check_deployment_placement(deployment: Any) -> PlacementResult:
 
 def _check_on_pool(deployment: Any, pool: Any) -> PlacementResult:
     version = deployment.model_version
-    args = deployment.effective_engine_args()
-    settings: _EngineSettings = {
-        "max_model_len": int(args["max_model_len"]),
-        "gpu_memory_utilization": float(args["gpu_memory_utilization"]),
-        "engine_overhead_gb": ENGINE_OVERHEAD_GB,
-    }
+    settings = _engine_settings(deployment)
     model = version.model.spec()
     result = check_placement(
         gpu_spec(pool.gpu_class),
@@ -122,3 +131,78 @@ def _check_on_pool(deployment: Any, pool: Any) -> PlacementResult:
         where = f" Pools where it fits as it stands: {', '.join(fitting)}."
         return replace(result, message=result.message + where)
     return result
+
+
+def free_gpus(pool: Any) -> list[NodeGpus]:
+    """The free GPUs of each ready, active node of `pool`, by hostname."""
+    nodes = pool.nodes.filter(health="ready", scheduling="active").order_by("hostname")
+    gpu_model = nodes.model._meta.get_field("gpus").related_model
+    replica_model = nodes.model._meta.get_field("replicas").related_model
+    memory: dict[int, dict[int, int]] = {}
+    for node_id, index, memory_mb in gpu_model._default_manager.filter(node__in=nodes).values_list(
+        "node_id", "index", "memory_mb"
+    ):
+        memory.setdefault(node_id, {})[index] = memory_mb
+    held: dict[int, set[int]] = {}
+    for node_id, indices in replica_model._default_manager.filter(
+        node__in=nodes, state__in=GPU_HOLDING_STATES
+    ).values_list("node_id", "gpu_indices"):
+        held.setdefault(node_id, set()).update(indices)
+    rooms = []
+    for node in nodes:
+        gpus = memory.get(node.pk, {})
+        free = sorted(set(gpus) - held.get(node.pk, set()))
+        rooms.append(NodeGpus(node.hostname, tuple(gpus[index] for index in free)))
+    return rooms
+
+
+def check_deployment_capacity(deployment: Any) -> CapacityResult:
+    """Room now for every replica `deployment` wants (an inactive one wants none); for a
+    disaggregated one the prefill replicas first, then the decode ones on what is left."""
+    active = deployment.status == "active"
+    phases = [(deployment.pool, deployment.replicas_desired if active else 0, "")]
+    if deployment.decode_pool_id is not None:
+        decode_wanted = deployment.decode_replicas_desired if active else 0
+        phases = [
+            (deployment.pool, phases[0][1], "prefill phase, "),
+            (deployment.decode_pool, decode_wanted, "decode phase, "),
+        ]
+    rooms: dict[int, list[NodeGpus]] = {}
+    results = []
+    for pool, wanted, label in phases:
+        nodes = rooms.get(pool.pk)
+        if nodes is None:
+            nodes = free_gpus(pool)
+        result = _capacity_on_pool(deployment, pool, nodes, int(wanted))
+        rooms[pool.pk] = list(result.remaining)
+        results.append(replace(result, message=label + result.message))
+        if not result.ok:
+            return results[-1]
+    if len(results) == 1:
+        return results[0]
+    return replace(results[-1], message="; ".join(r.message for r in results))
+
+
+def _capacity_on_pool(
+    deployment: Any, pool: Any, nodes: list[NodeGpus], wanted: int
+) -> CapacityResult:
+    version = deployment.model_version
+    return check_capacity(
+        pool.name,
+        nodes,
+        gpu_spec(pool.gpu_class),
+        version.model.spec(),
+        version.quantization,
+        deployment.tensor_parallel,
+        wanted,
+        **_engine_settings(deployment),
+    )
+
+
+def _engine_settings(deployment: Any) -> _EngineSettings:
+    args = deployment.effective_engine_args()
+    return {
+        "max_model_len": int(args["max_model_len"]),
+        "gpu_memory_utilization": float(args["gpu_memory_utilization"]),
+        "engine_overhead_gb": ENGINE_OVERHEAD_GB,
+    }

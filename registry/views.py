@@ -6,16 +6,32 @@ from collections.abc import Callable
 from typing import Any
 
 from django.contrib import messages
-from django.core.exceptions import ValidationError
+from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from config.views import staff_required
 from registry import actions
-from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, SloTier, pools
-from registry.placement import check_deployment_placement, check_kv_connector
+from registry.models import (
+    Adapter,
+    Deployment,
+    Model,
+    ModelVersion,
+    Quantization,
+    Rollout,
+    SloTier,
+    pools,
+)
+from registry.placement import (
+    check_deployment_capacity,
+    check_deployment_placement,
+    check_kv_connector,
+)
 from registry.rollout_policy import GateThresholds
+
+# What a refused version form typed, handed to the page it redirects to.
+VERSION_FORM_SESSION_KEY = "console_version_form"
 
 ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
     "pause": actions.do_pause_rollout,
@@ -28,7 +44,11 @@ ROLLOUT_ACTIONS: dict[str, Callable[..., Rollout]] = {
 
 def _errors_text(error: ValidationError) -> list[str]:
     if hasattr(error, "message_dict"):
-        return [f"{field}: {msg}" for field, msgs in error.message_dict.items() for msg in msgs]
+        return [
+            msg if field == NON_FIELD_ERRORS else f"{field}: {msg}"
+            for field, msgs in error.message_dict.items()
+            for msg in msgs
+        ]
     return list(error.messages)
 
 
@@ -82,20 +102,61 @@ def _deployment_from(data: QueryDict) -> Deployment:
 
 @staff_required
 def models_page(request: HttpRequest) -> HttpResponse:
+    deployments = actions.with_ready_replicas(
+        Deployment.objects.select_related("model_version__model", "pool", "decode_pool")
+    )
+    live_rollouts = actions.rollouts_for_user(request.user).filter(state__in=Rollout.LIVE_STATES)
+    in_rollout = {
+        pk for pair in live_rollouts.values_list("baseline_id", "canary_id") for pk in pair
+    }
     context = {
         "models": Model.objects.prefetch_related("versions", "granted_tenants"),
         "adapters": Adapter.objects.select_related("base_version__model", "owner_tenant"),
-        "deployments": Deployment.objects.select_related(
-            "model_version__model", "pool", "decode_pool"
-        ),
+        "deployments": deployments,
+        "in_rollout": in_rollout,
         "approved_versions": ModelVersion.objects.filter(
             status=ModelVersion.Status.APPROVED
         ).select_related("model"),
         "pools": pools(),
         "slo_tiers": SloTier.choices,
         "kv_connectors": Deployment.KvConnector.choices,
+        "quantizations": Quantization.choices,
+        "version_form": request.session.pop(VERSION_FORM_SESSION_KEY, None),
     }
     return render(request, "console/models.html", context)
+
+
+VERSION_FORM_FIELDS = ("version", "artifact_uri", "revision", "quantization")
+
+
+@staff_required
+@require_POST
+def create_version(request: HttpRequest) -> HttpResponse:
+    """Register a draft version of a model: the API's write (do_create_version), its errors on
+    the form with what was typed, nothing saved."""
+    typed = {name: request.POST.get(name, "").strip() for name in VERSION_FORM_FIELDS}
+    typed["quantization"] = typed["quantization"] or Quantization.BF16
+    model_pk = request.POST.get("model", "")
+    try:
+        try:
+            model = actions.access_model(request.user, model_pk)
+        except Http404:
+            raise ValidationError({"model": ["Choose a model from the list."]}) from None
+        version = actions.do_create_version(model, **typed)
+    except ValidationError as error:
+        errors = _errors_text(error)
+        messages.error(request, "Version not registered: " + "; ".join(errors))
+        # Cut to what the fields hold, so a huge paste does not fill the session.
+        request.session[VERSION_FORM_SESSION_KEY] = {
+            "model": model_pk[:20],
+            **{name: value[:500] for name, value in typed.items()},
+            "errors": errors,
+        }
+        return redirect("console-models")
+    messages.info(
+        request, f"{model.name} {version.version} registered as a draft: approve it to deploy it."
+    )
+    return redirect("console-models")
 
 
 @staff_required
@@ -113,16 +174,23 @@ def approve_version(request: HttpRequest, version_id: int) -> HttpResponse:
 @staff_required
 @require_POST
 def placement_check(request: HttpRequest) -> HttpResponse:
-    """The form's live answer: does this deployment fit, before anything is saved."""
+    """The form's live answer, before anything is saved: does the model fit the pool's GPUs,
+    and do the pool's nodes have room for its replicas now (else it would wait, pending
+    capacity)."""
+    capacity = None
     try:
         deployment = _deployment_from(request.POST)
         problems = actions.check_engine_args(deployment.engine_args)
         problems += check_kv_connector(deployment)
         result = None if problems else check_deployment_placement(deployment)
+        if result is not None and result.ok:
+            capacity = check_deployment_capacity(deployment)
     except (ValidationError, ValueError) as error:
         problems, result = [str(getattr(error, "message", error))], None
     return render(
-        request, "console/placement_result.html", {"problems": problems, "result": result}
+        request,
+        "console/placement_result.html",
+        {"problems": problems, "result": result, "capacity": capacity},
     )
 
 
@@ -137,9 +205,35 @@ def create_deployment(request: HttpRequest) -> HttpResponse:
         if deployment.name:
             fields["name"] = deployment.name
         created = actions.do_create_deployment(**fields)
-        messages.info(request, f"Deployment {created.name} created.")
     except ValidationError as error:
         messages.error(request, "Not created: " + "; ".join(_errors_text(error)))
+        return redirect("console-models")
+    if created.pending_capacity:
+        messages.warning(
+            request,
+            f"Deployment {created.name} created, pending capacity: {created.placement_failure}. "
+            "Its replicas start when the fleet has room.",
+        )
+    else:
+        messages.info(request, f"Deployment {created.name} created.")
+    return redirect("console-models")
+
+
+@staff_required
+@require_POST
+def retire_deployment(request: HttpRequest, deployment_id: int) -> HttpResponse:
+    """Remove a deployment from service: it drains, then stops (the API's retire)."""
+    deployment = actions.access_deployment(request.user, deployment_id)
+    try:
+        actions.do_retire_deployment(deployment)
+    except ValidationError as error:
+        messages.error(request, f"{deployment.name} not removed: " + "; ".join(error.messages))
+        return redirect("console-models")
+    messages.info(
+        request,
+        f"{deployment.name} removed: out of the routing table, draining; it stops once its "
+        "replicas have.",
+    )
     return redirect("console-models")
 
 

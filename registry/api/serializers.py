@@ -6,7 +6,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from registry.actions import MODEL_FIELDS
+from registry.actions import MODEL_FIELDS, with_ready_replicas
 from registry.models import (
     Adapter,
     Deployment,
@@ -112,6 +112,14 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
         slug_field="name", queryset=pools(), required=False, allow_null=True
     )
     effective_engine_args = serializers.DictField(read_only=True)
+    # Replicas in state ready over replicas_desired (decode: over decode_replicas_desired;
+    # null for a colocated deployment). Pending capacity: no room on the fleet for a replica
+    # now, why (`placement_failure`) and since when.
+    ready_replicas = serializers.SerializerMethodField()
+    decode_ready_replicas = serializers.SerializerMethodField()
+    pending_capacity = serializers.BooleanField(read_only=True)
+    placement_failure = serializers.CharField(read_only=True)
+    placement_failure_since = serializers.DateTimeField(read_only=True)
 
     class Meta:
         model = Deployment
@@ -130,6 +138,11 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
             "decode_replicas_min",
             "decode_replicas_max",
             "decode_replicas_desired",
+            "ready_replicas",
+            "decode_ready_replicas",
+            "pending_capacity",
+            "placement_failure",
+            "placement_failure_since",
             "kv_connector",
             "engine_args",
             "effective_engine_args",
@@ -142,6 +155,22 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
         read_only_fields = ["id", "created_at", "updated_at"]
         # Uniqueness and constraints are checked by the action, with placement.
         validators: list[Any] = []
+
+    def get_ready_replicas(self, deployment: Deployment) -> int:
+        return _ready(deployment, "ready_replicas")
+
+    def get_decode_ready_replicas(self, deployment: Deployment) -> int | None:
+        if not deployment.disaggregated:
+            return None
+        return _ready(deployment, "decode_ready_replicas")
+
+
+def _ready(deployment: Deployment, name: str) -> int:
+    """The count `with_ready_replicas` annotated on a listed row; counted now for a row an
+    action just wrote."""
+    if not hasattr(deployment, name):
+        deployment = with_ready_replicas(Deployment.objects.filter(pk=deployment.pk)).get()
+    return int(getattr(deployment, name))
 
 
 class RolloutTransitionSerializer(serializers.ModelSerializer[RolloutTransition]):

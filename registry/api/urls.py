@@ -3,7 +3,7 @@
 models/[{id}/]                              served models (visible ones; staff write)
 versions/[{id}/]  {id}/approve|deprecate|retire/   versions (approve: staff only)
 adapters/[{id}/]                            LoRA adapters
-deployments/[{id}/]                         deployments; placement checked on write
+deployments/[{id}/]  {id}/retire/            deployments; placement checked on write
 rollouts/[{id}/]  {id}/pause|resume|abort|promote|rollback|advance/   staff only
 """
 

@@ -142,7 +142,8 @@ class AdapterViewSet(RegistryViewSet):
 
 class DeploymentViewSet(RegistryViewSet):
     """Placement is checked on create and on any change of version, pool, TP or engine
-    arguments; a refused fit is a 400 whose `placement` message names what would fit."""
+    arguments; a refused fit is a 400 whose `placement` message names what would fit. A
+    deployment that fits but has no room on the fleet now is created pending capacity."""
 
     serializer_class = DeploymentSerializer
 
@@ -151,7 +152,7 @@ class DeploymentViewSet(RegistryViewSet):
         model = self.request.query_params.get("model")
         if model:
             deployments = deployments.filter(model_version__model__name=model)
-        return deployments.order_by("name")
+        return actions.with_ready_replicas(deployments).order_by("name")
 
     def get_object(self) -> Deployment:
         return actions.access_deployment(self.request.user, self.kwargs["pk"])
@@ -166,6 +167,14 @@ class DeploymentViewSet(RegistryViewSet):
 
     def perform_destroy(self, instance: Deployment) -> None:
         actions.do_delete_deployment(instance)
+
+    @extend_schema(request=None, responses=DeploymentSerializer)
+    @action(detail=True, methods=["post"])
+    def retire(self, request: Request, pk: str) -> Response:
+        """Out of the routing table, replicas drained, then stopped; refused (400) while a
+        live rollout has it as baseline or canary. The console's Remove."""
+        deployment = actions.do_retire_deployment(self.get_object())
+        return Response(self.get_serializer(deployment).data)
 
 
 class RolloutViewSet(RegistryViewSet):

@@ -7,7 +7,9 @@ KV is budgeted in bf16 so a placement never depends on the fp8 KV option being t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from serving.engine.perf import GB, PerfModel
 from serving.engine.specs import QUANTIZATIONS, GpuSpec, ModelSpec, load_gpu_specs
@@ -215,3 +217,101 @@ def suggest_placements(
                     )
                     break
     return sorted(placements, key=lambda p: (p.usd_per_hour, -p.kv_capacity_tokens))
+
+
+# --- room on the fleet now: free GPUs per node, one replica's GPUs on one node -------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeGpus:
+    """A schedulable node's free GPUs: the memory of each in MiB as NVML reports it (0 when
+    the agent has not said: the GPU class's datasheet figure is used)."""
+
+    node: str
+    free_memory_mb: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityResult:
+    """How many of `wanted` replicas the nodes of a pool have room for now, and why not all."""
+
+    ok: bool
+    wanted: int
+    placeable: int
+    message: str
+    # The nodes' free GPUs once the placeable replicas took theirs (another phase on the same
+    # pool is placed onto these).
+    remaining: tuple[NodeGpus, ...]
+
+
+def check_capacity(
+    pool: str,
+    nodes: Sequence[NodeGpus],
+    gpu: GpuSpec,
+    model: ModelSpec,
+    quantization: str,
+    tensor_parallel: int,
+    wanted: int,
+    max_model_len: int = 8192,
+    gpu_memory_utilization: float = 0.9,
+    engine_overhead_gb: float = 3.0,
+) -> CapacityResult:
+    """Place `wanted` replicas of `tensor_parallel` GPUs each, every replica on one node, on
+    free GPUs whose own memory holds the model at that TP degree (as the fleet's reconcile
+    chooses). Nodes that are not ready, cordoned or draining are not in `nodes`."""
+    settings = (max_model_len, gpu_memory_utilization, engine_overhead_gb)
+
+    def holds(memory_mb: int) -> bool:
+        own = replace(gpu, memory_gb=memory_mb * 1.048576 / 1000.0) if memory_mb else gpu
+        return _measure(own, model, quantization, tensor_parallel, *settings)[0]
+
+    placeable, remaining = 0, []
+    for node in nodes:
+        usable = [mb for mb in node.free_memory_mb if holds(mb)]
+        here = min(len(usable) // tensor_parallel, wanted - placeable)
+        taken = Counter(usable[: here * tensor_parallel])
+        left = []
+        for mb in node.free_memory_mb:
+            if taken[mb]:
+                taken[mb] -= 1
+            else:
+                left.append(mb)
+        placeable += here
+        remaining.append(NodeGpus(node.node, tuple(left)))
+    ok = placeable >= wanted
+    return CapacityResult(
+        ok=ok,
+        wanted=wanted,
+        placeable=placeable,
+        message=_capacity_message(pool, nodes, tensor_parallel, wanted, placeable, holds),
+        remaining=tuple(remaining),
+    )
+
+
+def _capacity_message(
+    pool: str,
+    nodes: Sequence[NodeGpus],
+    tensor_parallel: int,
+    wanted: int,
+    placeable: int,
+    holds: Callable[[int], bool],
+) -> str:
+    plural = "s" if tensor_parallel > 1 else ""
+    if wanted == 0:
+        return f"pool {pool}: no replicas wanted"
+    if not nodes:
+        return f"pool {pool}: no ready, schedulable node"
+    largest = max(nodes, key=lambda node: len(node.free_memory_mb))
+    free = len(largest.free_memory_mb)
+    largest_text = f"largest free is {free} on node {largest.node}"
+    if placeable >= wanted:
+        replicas = f"{wanted} replica{'s' if wanted > 1 else ''}"
+        return f"pool {pool}: room for {replicas} now ({largest_text})"
+    if free < tensor_parallel:
+        return f"pool {pool}: no node has {tensor_parallel} free GPU{plural}; {largest_text}"
+    if placeable == 0 and not any(holds(mb) for node in nodes for mb in node.free_memory_mb):
+        return f"pool {pool}: the free GPUs are too small for the model at TP {tensor_parallel}"
+    return (
+        f"pool {pool}: room for {placeable} of {wanted} replicas of {tensor_parallel} "
+        f"GPU{plural} on one node ({largest_text})"
+    )
