@@ -18,7 +18,9 @@ interactive requests do. Per trace:
   (h) per GPU class and per policy (least-load, cost-aware), the smallest homogeneous fleet
       up to --max-replicas meeting the SLO (doubling, then bisecting). The cheapest of these
       is the baseline of the cost target: the cheapest homogeneous fleet that meets the SLO,
-      routed as well as we can; --json FILE writes this search;
+      routed as well as we can. Each row names the class's lower bound (the fewest replicas
+      on which any router could meet the SLO: serving/capacity/lower_bound.py) and the
+      fleet as a multiple of it; --json FILE writes this search (`lower_bound_replicas`);
   (a) all four policies on the smallest H100 fleet meeting it;
   (b) a heterogeneous fleet of (a)'s hourly budget (the first `--mixes` entry's shares, in
       whole replicas, never over budget), all four policies on it;
@@ -54,6 +56,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from serving.capacity.lower_bound import lower_bound_replicas
 from serving.clustersim import (
     SimConfig,
     SimRequest,
@@ -276,27 +279,62 @@ def roofline_bound(baseline_gpu: str, classes: list[str]) -> str:
     return "; ".join(parts)
 
 
+def lower_bounds(router: RouterConfig, gpus: list[str]) -> dict[str, int | None]:
+    """Per GPU class, the fewest replicas on which any router could meet the SLO as this
+    benchmark judges it (99 % of interactive requests within both clocks), from
+    `serving.capacity.lower_bound` (its docstring derives it); None: no fleet of the class can."""
+    bounds: dict[str, int | None] = {}
+    for gpu in gpus:
+        fleet = homogeneous(gpu, 1)
+        bounds[gpu] = lower_bound_replicas(
+            REQUESTS,
+            fleet.perf(fleet.pools[0]),
+            tiers=router.slo_tiers,
+            counted_tiers=("interactive",),
+            share=SLO_SHARE,
+        )
+    return bounds
+
+
+def of_bound(replicas: int | None, bound: int | None) -> str:
+    """A fleet as a multiple of its class's lower bound ('-' where either is missing)."""
+    if replicas is None or not bound:
+        return "-"
+    return f"{replicas / bound:.2f}x"
+
+
 def search_homogeneous(
-    router: RouterConfig, gpus: list[str], max_size: int, pool: Pool
+    router: RouterConfig,
+    gpus: list[str],
+    max_size: int,
+    pool: Pool,
+    bounds: dict[str, int | None],
 ) -> list[tuple[str, str, SizeSearch]]:
-    """(h): per GPU class and policy, the smallest homogeneous fleet meeting the SLO."""
+    """(h): per GPU class and policy, the smallest homogeneous fleet meeting the SLO, with
+    the class's lower bound and the fleet as a multiple of it."""
     specs = load_gpu_specs()
     tasks = [(g, p, router, max_size) for g in gpus for p in SEARCH_POLICIES]
     searches = []
     for gpu, policy, found in pool.imap(smallest_meeting, tasks):
         searches.append((gpu, policy, found))
+        bound = bounds.get(gpu)
+        against = f"bound {bound if bound is not None else 'none'}"
         if found.replicas is not None and found.summary is not None:
-            print(row("(h)", found.summary, found.replicas * specs[gpu].usd_per_hour))
+            hourly = found.replicas * specs[gpu].usd_per_hour
+            print(
+                f"{row('(h)', found.summary, hourly)} {against} {of_bound(found.replicas, bound)}"
+            )
         else:
-            print(f"(h) {policy:<16} {gpu:<56} no fleet up to {max_size} meets it")
+            print(f"(h) {policy:<16} {gpu:<56} no fleet up to {max_size} meets it ({against})")
     return searches
 
 
 def search_entries(
-    trace: str, searches: list[tuple[str, str, SizeSearch]]
+    trace: str, searches: list[tuple[str, str, SizeSearch]], bounds: dict[str, int | None]
 ) -> list[dict[str, object]]:
-    """--json's rows: the fleet found, its price, and the interactive both-clock attainment
-    on it (on the largest fleet tried when none met; null when none ran)."""
+    """--json's rows: the fleet found, its price, the interactive both-clock attainment on
+    it (on the largest fleet tried when none met; null when none ran) and the class's lower
+    bound (null when no fleet of the class can meet the SLO)."""
     specs = load_gpu_specs()
     return [
         {
@@ -304,6 +342,7 @@ def search_entries(
             "policy": policy,
             "gpu_class": gpu,
             "replicas": found.replicas,
+            "lower_bound_replicas": bounds.get(gpu),
             "usd_per_hour": (
                 round(found.replicas * specs[gpu].usd_per_hour, 4)
                 if found.replicas is not None
@@ -327,25 +366,26 @@ def bench_trace(
     gpus: list[str],
     max_size: int,
     pool: Pool,
-) -> tuple[list[str], list[tuple[str, str, SizeSearch]]]:
-    """The trace in REQUESTS through (h) to (c): its verdicts and (h)'s searches."""
+) -> tuple[list[str], list[tuple[str, str, SizeSearch]], dict[str, int | None]]:
+    """The trace in REQUESTS through (h) to (c): its verdicts, (h)'s searches and the lower
+    bound per class."""
     verdicts: list[str] = []
     print(f"\n== {name}: {len(REQUESTS)} requests over {REQUESTS[-1].arrival_s:.0f} s ==")
     if not any(r.tier == "interactive" for r in REQUESTS):
         print("(h) no interactive request in this trace: the SLO has nothing to judge")
         empty = SizeSearch(None, 0, None)
-        return [f"{name}: no interactive request"], [
-            (g, p, empty) for g in gpus for p in SEARCH_POLICIES
-        ]
-    print(HEADER)
-    searches = search_homogeneous(router, gpus, max_size, pool)
+        searches = [(g, p, empty) for g in gpus for p in SEARCH_POLICIES]
+        return [f"{name}: no interactive request"], searches, {}
+    bounds = lower_bounds(router, gpus)
+    print(HEADER + "   (h): the class's lower bound, the fleet as a multiple of it")
+    searches = search_homogeneous(router, gpus, max_size, pool, bounds)
     smallest = {
         (gpu, policy): (found.replicas, found.summary)
         for gpu, policy, found in searches
         if found.replicas is not None and found.summary is not None
     }
     if not smallest:
-        return [f"{name}: no homogeneous fleet meets the SLO"], searches
+        return [f"{name}: no homogeneous fleet meets the SLO"], searches, bounds
     (base_gpu, base_policy), (base_count, base_summary) = min(
         smallest.items(), key=lambda item: item[1][1].cost_per_million_tokens
     )
@@ -410,7 +450,7 @@ def bench_trace(
         f"{name}: p99 TTFT on (b) cost-aware {ca:.3f} s vs least-load {ll:.3f} s: {better:+.0%} "
         f"lower: {'PASS' if better >= P99_TARGET else 'FAIL'} (target >= {P99_TARGET:.0%})"
     )
-    return verdicts, searches
+    return verdicts, searches, bounds
 
 
 def parse_mixes(text: str) -> list[dict[str, float]]:
@@ -554,11 +594,11 @@ def main() -> int:
             return 2
         # Forked after REQUESTS is set: workers inherit it.
         with get_context("fork").Pool(args.workers) as pool:
-            trace_verdicts, searches = bench_trace(
+            trace_verdicts, searches, bounds = bench_trace(
                 label, router, args.mixes, args.gpus, args.max_replicas, pool
             )
         verdicts += trace_verdicts
-        entries += search_entries(trace, searches)
+        entries += search_entries(trace, searches, bounds)
     print("\n" + "\n".join(verdicts))
     if args.json is not None:
         try:

@@ -228,6 +228,8 @@ def test_routing_writes_the_homogeneous_search_as_json(tmp_path: Path) -> None:
     for entry in smallest:
         assert {"policy", "gpu_class", "replicas", "usd_per_hour", "attainment"} <= set(entry)
         assert entry["replicas"] == 1
+        # The floor no router goes below: here the one replica the search found.
+        assert entry["lower_bound_replicas"] == 1
         assert entry["usd_per_hour"] == pytest.approx(0.99)
         assert entry["attainment"] >= 0.99
 
@@ -246,6 +248,9 @@ def test_routing_reports_null_when_no_fleet_up_to_the_limit_meets_the_slo(
     for entry in json.loads(out.read_text())["smallest"]:
         assert entry["replicas"] is None and entry["usd_per_hour"] is None
         assert 0.0 <= entry["attainment"] < 0.99
+        # A floor, not a prediction: the burst's work fits one replica's compute and
+        # bandwidth, while queueing and chunked prefill make one replica miss the TPOT.
+        assert entry["lower_bound_replicas"] == 1
 
 
 @pytest.mark.slow
