@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.http import Http404
 
 from config.jobs import enqueue_on_commit
 from metering.invoices import do_build_invoice, do_close_month
 from metering.models import HourlyRollup, Invoice, PriceSheet, ReplicaHour, UsageEvent
+from registry.actions import visible_models_for_user
 from tenants.actions import require_staff, tenants_for_user
 from tenants.models import Tenant
 
@@ -20,16 +23,69 @@ def _publish_after_commit() -> None:
     enqueue_on_commit("metering.publish_prices")
 
 
+PRICE_FIELDS = ("input_usd_per_mtok", "cached_input_usd_per_mtok", "output_usd_per_mtok")
+# The columns hold 12 digits, 6 after the point.
+MAX_PRICE = Decimal(1_000_000)
+
+
+def check_price_sheet(fields: dict[str, Any]) -> dict[str, Any]:
+    """Prices and tier multipliers that are numbers of at least zero, and names within their
+    columns; else a ValidationError naming the field (a negative price would pay tenants, a
+    longer name would be a DataError, a 500). The API's serializer checks the same first."""
+    for name in ("model", "adapter"):
+        largest = getattr(PriceSheet._meta.get_field(name), "max_length", None)
+        value = fields.get(name, "")
+        if largest is not None and len(value) > largest:
+            raise ValidationError({name: f"At most {largest} characters (this has {len(value)})."})
+    for name in PRICE_FIELDS:
+        if name not in fields:
+            continue
+        price = _non_negative(fields[name])
+        if price is None or price >= MAX_PRICE:
+            raise ValidationError(
+                {name: f"Enter a price from 0 to under {MAX_PRICE:,} USD per million tokens."}
+            )
+    for tier, multiplier in (fields.get("tier_multipliers") or {}).items():
+        if _non_negative(multiplier) is None:
+            raise ValidationError({"tier_multipliers": f"{tier}: enter a multiplier of 0 or more."})
+    return fields
+
+
+def check_known_model(user: Any, name: str) -> str:
+    """A model of the registry. The console offers only those; the API also takes a price for
+    a model before it is registered."""
+    if not visible_models_for_user(user).filter(name=name).exists():
+        raise ValidationError({"model": "Unknown model: choose one of the registry's models."})
+    return name
+
+
+def check_alert_percent(value: str) -> float:
+    """An alert threshold in percent of the budget, above 0 and at most 100, as the quota's
+    fraction."""
+    percent = _non_negative(value)
+    if percent is None or not 0 < percent <= 100:
+        raise ValidationError({"soft_alert_percent": "Enter a percentage above 0 and at most 100."})
+    return float(percent) / 100
+
+
+def _non_negative(value: Any) -> Decimal | None:
+    try:
+        number = Decimal(str(value).strip())
+    except (InvalidOperation, ValueError):
+        return None
+    return number if number.is_finite() and number >= 0 else None
+
+
 def do_create_price_sheet(acting_user: Any, **fields: Any) -> PriceSheet:
     require_staff(acting_user)
-    sheet = PriceSheet.objects.create(**fields)
+    sheet = PriceSheet.objects.create(**check_price_sheet(fields))
     _publish_after_commit()
     return sheet
 
 
 def do_update_price_sheet(sheet: PriceSheet, acting_user: Any, **changes: Any) -> PriceSheet:
     require_staff(acting_user)
-    for name, value in changes.items():
+    for name, value in check_price_sheet(changes).items():
         setattr(sheet, name, value)
     sheet.save()
     _publish_after_commit()
