@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 from collections.abc import Collection, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import redis
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.validators import validate_slug
 from django.db import transaction
 from django.db.models import Model, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
 from config.redis import redis_client
+from serving.gateway.guardrails import PatternError, check_blocked_patterns
 from tenants.keys import (
     KEY_EVENTS_CHANNEL,
     LAST_USED_HASH,
@@ -210,6 +213,76 @@ def check_model_allowlist(names: Iterable[str]) -> list[str]:
     return chosen
 
 
+# What the API's serializers allow, so a form's input is held to the same bounds.
+REGION_MAX_LENGTH = 64
+MAX_REGIONS = 100
+PATTERN_MAX_LENGTH = 500
+MAX_PATTERNS = 100
+
+
+def check_new_slug(slug: str) -> str:
+    """A slug for a new tenant: letters, digits, hyphens and underscores, within the field's
+    length and not taken (it is in URLs, key records and invoices, and never changes)."""
+    largest = Tenant._meta.get_field("slug").max_length or 64
+    slug = slug.strip()
+    if not slug:
+        raise ValidationError({"slug": "Enter a slug."})
+    if len(slug) > largest:
+        raise ValidationError({"slug": f"At most {largest} characters (this one has {len(slug)})."})
+    try:
+        validate_slug(slug)
+    except ValidationError:
+        raise ValidationError(
+            {"slug": "Use only letters, digits, hyphens and underscores."}
+        ) from None
+    if Tenant.objects.filter(slug=slug).exists():
+        raise ValidationError({"slug": "A tenant with this slug already exists."})
+    return slug
+
+
+def check_regions(regions: Iterable[str]) -> list[str]:
+    chosen = list(dict.fromkeys(region.strip() for region in regions))
+    if any(not region for region in chosen):
+        raise ValidationError({"allowed_regions": "A region name cannot be empty."})
+    if any(len(region) > REGION_MAX_LENGTH for region in chosen):
+        raise ValidationError(
+            {"allowed_regions": f"A region name has at most {REGION_MAX_LENGTH} characters."}
+        )
+    if len(chosen) > MAX_REGIONS:
+        raise ValidationError({"allowed_regions": f"At most {MAX_REGIONS} regions."})
+    return chosen
+
+
+def check_patterns(patterns: Sequence[str]) -> list[str]:
+    """Blocked patterns the gateway can run: RE2's syntax (not Python's `re`), within size."""
+    chosen = list(patterns)
+    if len(chosen) > MAX_PATTERNS:
+        raise ValidationError({"blocked_patterns": f"At most {MAX_PATTERNS} patterns."})
+    if any(len(pattern) > PATTERN_MAX_LENGTH for pattern in chosen):
+        raise ValidationError(
+            {"blocked_patterns": f"A pattern has at most {PATTERN_MAX_LENGTH} characters."}
+        )
+    try:
+        check_blocked_patterns(chosen)
+    except PatternError as error:
+        raise ValidationError({"blocked_patterns": str(error)}) from None
+    return chosen
+
+
+def check_status(status: str) -> str:
+    if status not in Tenant.Status.values:
+        raise ValidationError(
+            {"status": f"Choose from {', '.join(Tenant.Status.values)} (not {status!r})."}
+        )
+    return status
+
+
+def check_role(role: str) -> Role:
+    if role not in Role.values:
+        raise ValidationError({"role": f"Choose from {', '.join(Role.values)} (not {role!r})."})
+    return Role(role)
+
+
 # ---------------------------------------------------------------- tenants
 
 
@@ -223,9 +296,9 @@ def do_create_tenant(
     owner: Any = None,
 ) -> Tenant:
     tenant = Tenant.objects.create(
-        slug=slug,
+        slug=check_new_slug(slug),
         name=check_text(Tenant, "name", name),
-        allowed_regions=list(allowed_regions),
+        allowed_regions=check_regions(allowed_regions),
         fail_open=fail_open,
     )
     Quota.objects.create(tenant=tenant)
@@ -242,6 +315,12 @@ def do_update_tenant(tenant: Tenant, **changes: Any) -> Tenant:
     _check_fields(changes, TENANT_FIELDS)
     if "name" in changes:
         changes["name"] = check_text(Tenant, "name", changes["name"])
+    if "status" in changes:
+        changes["status"] = check_status(changes["status"])
+    if "allowed_regions" in changes:
+        changes["allowed_regions"] = check_regions(changes["allowed_regions"])
+    if "blocked_patterns" in changes:
+        changes["blocked_patterns"] = check_patterns(changes["blocked_patterns"])
     for name, value in changes.items():
         setattr(tenant, name, value)
     tenant.save(update_fields=list(changes))
@@ -263,6 +342,7 @@ def do_delete_tenant(tenant: Tenant) -> None:
 
 @transaction.atomic
 def do_add_member(tenant: Tenant, user: Any, role: str, *, acting_user: Any) -> Membership:
+    role = check_role(role)
     if role == Role.OWNER:
         require_role(acting_user, tenant, Role.OWNER)
     if Membership.objects.filter(tenant=tenant, user=user).exists():
@@ -272,6 +352,7 @@ def do_add_member(tenant: Tenant, user: Any, role: str, *, acting_user: Any) -> 
 
 @transaction.atomic
 def do_change_member_role(membership: Membership, role: str, *, acting_user: Any) -> Membership:
+    role = check_role(role)
     if Role.OWNER in (role, membership.role):
         require_role(acting_user, membership.tenant, Role.OWNER)
     if membership.role == Role.OWNER and role != Role.OWNER:
@@ -460,6 +541,10 @@ def do_update_quota(quota: Quota, **changes: Any) -> Quota:
     _check_fields(changes, QUOTA_FIELDS)
     if "allowed_tiers" in changes:
         changes["allowed_tiers"] = check_tiers(changes["allowed_tiers"])
+    fraction = changes.get("soft_alert_fraction")
+    if fraction is not None and not math.isfinite(fraction):
+        # NaN passes the model's 0-1 validators (every comparison with it is false)
+        raise ValidationError({"soft_alert_fraction": "Enter a number from 0 to 1."})
     for name, value in changes.items():
         setattr(quota, name, value)
     quota.full_clean()
@@ -474,6 +559,8 @@ def do_set_key_override(override: KeyQuotaOverride, **changes: Any) -> KeyQuotaO
     _check_fields(changes, OVERRIDE_FIELDS)
     for name, value in changes.items():
         setattr(override, name, value)
+    # The model's own bounds (0 up to PostgreSQL's integer): beyond them a save is a 500.
+    override.full_clean(exclude=["api_key"])
     override.save()
     republish_keys([override.api_key_id])
     return override
