@@ -341,6 +341,9 @@ if not 0.0 <= OTEL_TRACES_SAMPLE_RATIO <= 1.0:
 OTEL_SERVICE_NAME = env_str("OTEL_SERVICE_NAME", "inference-gateway")
 # The engine simulator's clock: 1.0 is real time, larger runs simulated replicas faster.
 SERVING_SIM_TIME_SCALE = env_float("SERVING_SIM_TIME_SCALE", 1.0)
+# How long a node drain may stay blocked (a replica with nowhere to go) before the console
+# asks staff to force or cancel it; one drain may set its own (drain_deadline_s).
+NODE_DRAIN_DEADLINE_S = env_int("NODE_DRAIN_DEADLINE_S", 600, minimum=0)
 
 # The demo fleet (`make run`): simulated GPU nodes only, or also one CPU node running real vLLM
 # (its CPU build, installed into VLLM_PYTHON's virtual environment) serving a tiny model.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from decimal import Decimal
 
+from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 
 class GpuClass(models.Model):
@@ -86,8 +89,13 @@ class Node(models.Model):
     """A GPU machine running a node agent.
 
     Health (`health`: ready / not ready, from heartbeats) and scheduling (`scheduling`: active,
-    cordoned, draining, set by staff) are separate fields, so a node can be NotReady AND
-    cordoned; `status` folds them into the one word the console shows."""
+    cordoned, draining, set by staff; drained, set by reconcile once a drain has moved or
+    stopped every replica) are separate fields, so a node can be NotReady AND cordoned;
+    `status` folds them into the one word the console shows.
+
+    A drain has a deadline (`drain_deadline_s`, else settings.NODE_DRAIN_DEADLINE_S) counted
+    from `drain_started_at`: past it, a drain still blocked asks staff to force or cancel it.
+    Why each replica is blocked lives on the replica (`Replica.drain_blocked_reason`)."""
 
     class Health(models.TextChoices):
         READY = "ready", "Ready"
@@ -97,6 +105,7 @@ class Node(models.Model):
         ACTIVE = "active", "Active"
         CORDONED = "cordoned", "Cordoned"
         DRAINING = "draining", "Draining"
+        DRAINED = "drained", "Drained"
 
     pool = models.ForeignKey(GpuPool, on_delete=models.PROTECT, related_name="nodes")
     hostname = models.CharField(max_length=255)
@@ -112,6 +121,10 @@ class Node(models.Model):
     # agent, yet the database alone never holds it (see serving/actions.py).
     token_nonce = models.CharField(max_length=64, blank=True)
     registered_at = models.DateTimeField(auto_now_add=True)
+    drain_started_at = models.DateTimeField(null=True, blank=True)
+    # This drain's own deadline in seconds; None: settings.NODE_DRAIN_DEADLINE_S.
+    drain_deadline_s = models.PositiveIntegerField(null=True, blank=True)
+    drain_finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["pool", "hostname"]
@@ -130,11 +143,28 @@ class Node(models.Model):
             return "Cordoned"
         if self.scheduling == self.Scheduling.DRAINING:
             return "Draining"
+        if self.scheduling == self.Scheduling.DRAINED:
+            return "Drained"
         return "Ready"
 
     @property
     def schedulable(self) -> bool:
         return self.health == self.Health.READY and self.scheduling == self.Scheduling.ACTIVE
+
+    @property
+    def drain_deadline_at(self) -> datetime | None:
+        if self.scheduling != self.Scheduling.DRAINING or self.drain_started_at is None:
+            return None
+        seconds = self.drain_deadline_s
+        if seconds is None:
+            seconds = settings.NODE_DRAIN_DEADLINE_S
+        return self.drain_started_at + timedelta(seconds=seconds)
+
+    @property
+    def drain_overdue(self) -> bool:
+        """Past its deadline and still draining: the console asks to force or cancel."""
+        deadline = self.drain_deadline_at
+        return deadline is not None and timezone.now() >= deadline
 
 
 class Gpu(models.Model):
@@ -194,6 +224,11 @@ class Replica(models.Model):
     draining_since = models.DateTimeField(null=True, blank=True)
     stopped_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # On a draining node, why this replica cannot leave yet and what would let it; reconcile
+    # writes them each tick and clears them once it leaves (or the drain is cancelled).
+    drain_blocked_reason = models.TextField(blank=True)
+    drain_unblock = models.JSONField(default=list, blank=True)
+    drain_blocked_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["deployment", "created_at"]

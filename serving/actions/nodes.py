@@ -20,6 +20,7 @@ from serving import telemetry
 from serving.actions.credentials import hash_token, node_token
 from serving.actions.reconcile import (
     desired_replica_specs,
+    drain_replicas,
     request_publish,
     request_reconcile,
     stop_replicas,
@@ -51,6 +52,10 @@ AGENT_STATES: dict[str, str] = {
 
 class RegistrationRefused(Exception):
     """A join token that is unknown, revoked, expired or used up, or a malformed registration."""
+
+
+class NodeActionRefused(ValueError):
+    """A cordon, drain, force or cancel that does not apply to the node as it is now."""
 
 
 class NodeAlreadyRegistered(RegistrationRefused):
@@ -373,25 +378,80 @@ def _take_out_of_service(
     stop_replicas(node.replicas.filter(state__in=Replica.HOLDING_STATES), kind, message)
 
 
+@transaction.atomic
 def do_cordon_node(node: Node) -> Node:
-    """No new replicas on this node; the ones there keep serving."""
-    return _set_scheduling(node, Node.Scheduling.CORDONED)
+    """No new replicas on this node; the ones there keep serving (a drain stops)."""
+    return _set_scheduling(_locked(node), Node.Scheduling.CORDONED)
 
 
+@transaction.atomic
 def do_uncordon_node(node: Node) -> Node:
-    return _set_scheduling(node, Node.Scheduling.ACTIVE)
+    """Placement may use the node again (a drain in progress is cancelled)."""
+    return _set_scheduling(_locked(node), Node.Scheduling.ACTIVE)
 
 
-def do_drain_node(node: Node) -> Node:
-    """Move every replica off: replacements are placed elsewhere first, then these drain."""
+@transaction.atomic
+def do_drain_node(node: Node, deadline_s: int | None = None) -> Node:
+    """Move every replica off: replacements are placed elsewhere first, then these drain. A
+    replica with nowhere to go stays and says why; past the deadline (`deadline_s`, else
+    settings.NODE_DRAIN_DEADLINE_S) staff are asked to force or cancel the drain."""
+    node = _locked(node)
+    if node.scheduling == Node.Scheduling.DRAINING:
+        raise NodeActionRefused(f"{node.hostname} is already draining.")
+    if node.scheduling == Node.Scheduling.DRAINED:
+        raise NodeActionRefused(f"{node.hostname} is already drained: uncordon it to use it.")
+    if deadline_s is not None and deadline_s < 0:
+        raise NodeActionRefused("A drain deadline is a number of seconds, 0 or more.")
+    node.drain_started_at = timezone.now()
+    node.drain_deadline_s = deadline_s
     node = _set_scheduling(node, Node.Scheduling.DRAINING)
     request_reconcile()
     return node
 
 
+@transaction.atomic
+def do_force_drain_node(node: Node) -> Node:
+    """Stop the replicas a drain could not move: each drains now (out of the routing table,
+    the agent stops it), and its deployment runs with fewer replicas until room appears."""
+    node = _locked(node)
+    if node.scheduling != Node.Scheduling.DRAINING:
+        raise NodeActionRefused(f"{node.hostname} is not draining: there is no drain to force.")
+    held = list(node.replicas.filter(state__in=Replica.DESIRED_STATES))
+    drain_replicas(held, "drain_forced")
+    logger.warning("drain of %s forced: %d replicas stopped", node.hostname, len(held))
+    request_publish()
+    request_reconcile()
+    return node
+
+
+@transaction.atomic
+def do_cancel_drain_node(node: Node) -> Node:
+    """The node is Ready for placement again; its replicas stay where they are."""
+    node = _locked(node)
+    if node.scheduling != Node.Scheduling.DRAINING:
+        raise NodeActionRefused(f"{node.hostname} is not draining: there is no drain to cancel.")
+    node = _set_scheduling(node, Node.Scheduling.ACTIVE)
+    request_reconcile()
+    return node
+
+
+def _locked(node: Node) -> Node:
+    return Node.objects.select_for_update().get(pk=node.pk)
+
+
 def _set_scheduling(node: Node, scheduling: str) -> Node:
-    Node.objects.filter(pk=node.pk).update(scheduling=scheduling)
+    """The caller holds the node's row lock. Leaving a drain forgets it and its blockers."""
+    fields = ["scheduling"]
     node.scheduling = scheduling
+    if scheduling != Node.Scheduling.DRAINING:
+        node.drain_started_at = node.drain_deadline_s = node.drain_finished_at = None
+        fields += ["drain_started_at", "drain_deadline_s", "drain_finished_at"]
+        node.replicas.filter(drain_blocked_since__isnull=False).update(
+            drain_blocked_reason="", drain_unblock=[], drain_blocked_since=None
+        )
+    else:
+        fields += ["drain_started_at", "drain_deadline_s"]
+    node.save(update_fields=fields)
     logger.info("node %s is now %s", node.hostname, scheduling)
     return node
 

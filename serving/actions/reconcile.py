@@ -13,6 +13,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models import DateTimeField, F, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from config.jobs import enqueue_on_commit
@@ -139,6 +141,11 @@ class Launch:
     # desired count are that phase's), with the deployment's KV connector.
     phase: str = "colocated"
     kv_connector: str = ""
+    # The fewest Ready replicas a drain with nowhere to move them may leave (replicas_min).
+    minimum: int = 0
+    # For what a blocked drain says.
+    deployment_name: str = ""
+    pool_name: str = ""
 
 
 def registry_related(prefix: str = "") -> list[str]:
@@ -174,6 +181,8 @@ def phase_launch(deployment: Any, phase: str, launch: Launch | None = None) -> L
         kv_connector=deployment.kv_connector,
         pool_id=deployment.decode_pool_id,
         desired=int(deployment.decode_replicas_desired) if active else 0,
+        minimum=int(deployment.decode_replicas_min) if active else 0,
+        pool_name=str(deployment.decode_pool.name),
     )
 
 
@@ -201,6 +210,7 @@ def deployment_launch(deployment: Any) -> Launch:
         pool_id=deployment.pool_id,
         active=deployment.status == "active",
         desired=int(deployment.replicas_desired) if deployment.status == "active" else 0,
+        minimum=int(deployment.replicas_min) if deployment.status == "active" else 0,
         artifact=version.artifact_uri,
         served_model_name=model.name,
         model_spec=catalogued.name if catalogued else None,
@@ -220,6 +230,8 @@ def deployment_launch(deployment: Any) -> Launch:
         adapters=adapters,
         slo_tier=str(deployment.slo_tier),
         traffic_weight=int(deployment.traffic_weight),
+        deployment_name=str(deployment.name),
+        pool_name=str(deployment.pool.name),
     )
 
 
@@ -294,6 +306,9 @@ class ReconcileReport:
     unplaceable: int = 0
     # Why a replica could not be placed, by deployment id: what a rollout shows of its canary.
     placement_failures: dict[int, str] = field(default_factory=dict)
+    # Replicas of draining nodes that stay this tick: replica id -> (why, what would unblock).
+    drain_blocked: dict[int, tuple[str, list[str]]] = field(default_factory=dict)
+    drains_finished: int = 0
 
 
 def do_reconcile() -> ReconcileReport:
@@ -314,6 +329,8 @@ def do_reconcile() -> ReconcileReport:
             {(launch.deployment_id, launch.phase) for launch in launches}
         )
         do_note_canary_placement(report.placement_failures)
+        _record_drain_blockers(report.drain_blocked)
+        report.drains_finished = _finish_drains()
         if report.placed or report.drained or report.stopped:
             request_publish()
     return report
@@ -361,10 +378,12 @@ def _reconcile_deployment(
     leaving = [r for r in live if r.node.scheduling == Node.Scheduling.DRAINING]
     missing = launch.desired - len(staying)
     per_node = Counter(r.node_id for r in live)
+    short = False
     for _ in range(max(0, missing)):
         views = [replace(room, same_deployment=per_node[room.node_id]) for room in rooms.values()]
         choice = choose_node(views, launch)
         if choice is None:
+            short = True
             report.unplaceable += 1
             report.placement_failures[launch.deployment_id] = placement_failure(
                 list(rooms.values()), launch
@@ -372,17 +391,132 @@ def _reconcile_deployment(
             logger.warning("no room for a replica of deployment %s", launch.deployment_id)
             break
         room, gpus = choice
-        _place(launch, room.node_id, gpus)
+        staying.append(_place(launch, room.node_id, gpus))
         per_node[room.node_id] += 1
         rooms[room.node_id] = replace(room, free=tuple(i for i in room.free if i not in gpus))
         report.placed += 1
-    if missing < 0:
-        report.drained += _drain(_scale_down_victims(staying, -missing), "scaled_down")
-    # A draining node's replicas leave once their replacements serve, so capacity never dips;
-    # a drain with no room elsewhere waits (as a PodDisruptionBudget would) until staff act.
+    if missing < 0:  # nothing was placed
+        report.drained += drain_replicas(_scale_down_victims(staying, -missing), "scaled_down")
+    if leaving:
+        report.drained += _move_off_draining_nodes(launch, staying, leaving, rooms, short, report)
+
+
+def _move_off_draining_nodes(
+    launch: Launch,
+    staying: list[Replica],
+    leaving: list[Replica],
+    rooms: dict[int, NodeRoom],
+    short: bool,
+    report: ReconcileReport,
+) -> int:
+    """A draining node's replicas leave once their replacements serve, so capacity never dips.
+    With no room for a replacement they leave while the deployment keeps replicas_min Ready
+    replicas (as a PodDisruptionBudget allows an eviction); the others stay, each with why and
+    what would let it go, until room appears or staff force or cancel the drain."""
     ready_elsewhere = sum(1 for r in staying if r.state == Replica.State.READY)
-    if leaving and ready_elsewhere >= launch.desired:
-        report.drained += _drain(leaving, "node_draining")
+    if ready_elsewhere >= launch.desired:
+        return drain_replicas(leaving, "node_draining")
+    going: list[Replica] = []
+    held = leaving
+    if short:
+        ready_leaving = [r for r in leaving if r.state == Replica.State.READY]
+        spare = max(0, ready_elsewhere + len(ready_leaving) - launch.minimum)
+        going = [r for r in leaving if r.state != Replica.State.READY] + ready_leaving[:spare]
+        held = ready_leaving[spare:]
+    for replica in held:
+        runs_at = len(staying) + sum(1 for r in held if r.node_id != replica.node_id)
+        if short:
+            reason, unblock = _no_room_blocker(launch, replica, rooms, ready_elsewhere)
+        else:
+            reason, unblock = _replacement_blocker(launch, staying, ready_elsewhere)
+        unblock.append(
+            f"force the drain: the replica stops and {_named(launch)} runs at {runs_at} "
+            f"of {launch.desired} replica{'s' if launch.desired != 1 else ''}"
+        )
+        report.drain_blocked[replica.pk] = (reason, unblock)
+    return drain_replicas(going, "node_draining_below_desired") if going else 0
+
+
+def _named(launch: Launch) -> str:
+    phase = "" if launch.phase == Replica.Phase.COLOCATED else f" ({launch.phase} phase)"
+    return f"deployment {launch.deployment_name or launch.deployment_id}{phase}"
+
+
+def _gpus(count: int) -> str:
+    return f"{count} free GPU{'s' if count != 1 else ''}"
+
+
+def _no_room_blocker(
+    launch: Launch, replica: Replica, rooms: dict[int, NodeRoom], ready_elsewhere: int
+) -> tuple[str, list[str]]:
+    pool, tp = launch.pool_name or f"#{launch.pool_id}", launch.tensor_parallel
+    mine = [room for room in rooms.values() if room.pool_id == launch.pool_id]
+    others = Node.objects.filter(pool_id=launch.pool_id).exclude(pk=replica.node_id).count()
+    add = f"add a node to pool {pool} with at least {_gpus(tp)}"
+    if others == 0:
+        where = f"{replica.node.hostname} is the only node of pool {pool}"
+    elif not mine:
+        where = (
+            f"no other node of pool {pool} is Ready and schedulable "
+            f"({others} cordoned, draining or NotReady)"
+        )
+        add = f"{add}, or uncordon one of its nodes"
+    elif all(len(room.free) < tp for room in mine):
+        free = sum(len(room.free) for room in mine)
+        where = (
+            f"no other Ready node of pool {pool} has {_gpus(tp)} for its TP {tp} "
+            f"({free} free on {len(mine)} node{'s' if len(mine) != 1 else ''})"
+        )
+    else:
+        where = f"the free GPUs of pool {pool} are too small for the model at TP {tp}"
+        add = f"add a node to pool {pool} whose GPUs hold the model at TP {tp}"
+    reason = (
+        f"{where}; stopping it would leave {_named(launch)} {ready_elsewhere} Ready "
+        f"replica{'s' if ready_elsewhere != 1 else ''}, under its replicas_min of "
+        f"{launch.minimum}"
+    )
+    lower = f"lower replicas_min of {_named(launch)} to {ready_elsewhere}"
+    return reason, [add, lower]
+
+
+def _replacement_blocker(
+    launch: Launch, staying: list[Replica], ready_elsewhere: int
+) -> tuple[str, list[str]]:
+    starting = [r for r in staying if r.state != Replica.State.READY]
+    reason = (
+        f"waiting for its replacement to become Ready: {_named(launch)} has "
+        f"{ready_elsewhere} of {launch.desired} replicas Ready elsewhere"
+    )
+    which = ", ".join(f"replica {r.pk} on {r.node.hostname} ({r.state})" for r in starting)
+    return reason, [f"wait for {which or 'the replacement'} to become Ready"]
+
+
+def _record_drain_blockers(blocked: dict[int, tuple[str, list[str]]]) -> None:
+    """What the console shows of each blocked replica; `since` stays from the first tick."""
+    Replica.objects.filter(drain_blocked_since__isnull=False).exclude(pk__in=list(blocked)).update(
+        drain_blocked_reason="", drain_unblock=[], drain_blocked_since=None
+    )
+    now = timezone.now()
+    for replica_id, (reason, unblock) in blocked.items():
+        Replica.objects.filter(pk=replica_id).update(
+            drain_blocked_reason=reason,
+            drain_unblock=unblock,
+            drain_blocked_since=Coalesce(
+                F("drain_blocked_since"), Value(now, output_field=DateTimeField())
+            ),
+        )
+
+
+def _finish_drains() -> int:
+    """A draining node with no replica left holding its GPUs is drained."""
+    done = Node.objects.filter(scheduling=Node.Scheduling.DRAINING).exclude(
+        replicas__state__in=Replica.HOLDING_STATES
+    )
+    hostnames = list(done.values_list("hostname", flat=True))
+    finished = done.update(scheduling=Node.Scheduling.DRAINED, drain_finished_at=timezone.now())
+    for hostname in hostnames:
+        logger.info("node %s is drained", hostname)
+    return finished
 
 
 def _scale_down_victims(replicas: list[Replica], count: int) -> list[Replica]:
@@ -411,10 +545,11 @@ def _drain_orphans(wanted: set[tuple[int, str]]) -> int:
     between colocated and disaggregated (its old phase's replicas)."""
     live = Replica.objects.filter(state__in=Replica.DESIRED_STATES).only("deployment_id", "phase")
     orphans = [r for r in live if (r.deployment_id, r.phase) not in wanted]
-    return _drain(orphans, "deployment_gone")
+    return drain_replicas(orphans, "deployment_gone")
 
 
-def _drain(replicas: Iterable[Replica], reason: str) -> int:
+def drain_replicas(replicas: Iterable[Replica], reason: str) -> int:
+    """Out of the routing table at the next publish; the agent stops each process."""
     now = timezone.now()
     count = 0
     for replica in replicas:

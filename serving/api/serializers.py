@@ -40,6 +40,8 @@ class NodeSerializer(serializers.ModelSerializer):
     pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
     status = serializers.CharField(read_only=True)
     gpus = GpuSerializer(many=True, read_only=True)
+    drain_deadline_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    drain_overdue = serializers.BooleanField(read_only=True)
 
     class Meta:
         model = Node
@@ -53,9 +55,23 @@ class NodeSerializer(serializers.ModelSerializer):
             "scheduling",
             "last_heartbeat_at",
             "registered_at",
+            "drain_started_at",
+            "drain_deadline_at",
+            "drain_overdue",
+            "drain_finished_at",
             "gpus",
         ]
         read_only_fields = fields
+
+
+class DrainSerializer(serializers.Serializer):
+    deadline_s = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        min_value=0,
+        max_value=7 * 24 * 3600,
+        help_text="This drain's deadline in seconds; default the NODE_DRAIN_DEADLINE_S setting.",
+    )
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -78,6 +94,9 @@ class ReplicaSerializer(serializers.ModelSerializer):
             "ready_at",
             "draining_since",
             "stopped_at",
+            "drain_blocked_reason",
+            "drain_unblock",
+            "drain_blocked_since",
         ]
         read_only_fields = fields
 

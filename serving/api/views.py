@@ -1,5 +1,5 @@
 """The fleet's staff REST API: pools, join tokens (minted, listed, revoked), nodes (with
-cordon, uncordon, drain), GPUs, replicas.
+cordon, uncordon, drain, force-drain, cancel-drain), GPUs, replicas.
 
 Staff only, by session or API key like the rest of /api/v1/ (a key is never staff, so every
 key is refused). Pool writes go through serving.actions.pools."""
@@ -21,6 +21,7 @@ from rest_framework.response import Response
 from config.api import PlatformModelViewSet, PlatformReadOnlyViewSet, PlatformViewSet
 from serving.actions import credentials, nodes, pools
 from serving.api.serializers import (
+    DrainSerializer,
     GpuPoolSerializer,
     GpuSerializer,
     JoinTokenCreateSerializer,
@@ -90,7 +91,10 @@ class NodeViewSet(PlatformReadOnlyViewSet):
         return queryset.filter(pool__name=pool) if pool else queryset
 
     def _act(self, change: Callable[[Node], Node]) -> Response:
-        node = change(self.get_object())
+        try:
+            node = change(self.get_object())
+        except nodes.NodeActionRefused as refused:
+            return Response({"detail": str(refused)}, status=status.HTTP_400_BAD_REQUEST)
         return Response(NodeSerializer(node).data)
 
     @extend_schema(request=None, responses=NodeSerializer)
@@ -103,10 +107,23 @@ class NodeViewSet(PlatformReadOnlyViewSet):
     def uncordon(self, request: Request, pk: str | None = None) -> Response:
         return self._act(nodes.do_uncordon_node)
 
-    @extend_schema(request=None, responses=NodeSerializer)
+    @extend_schema(request=DrainSerializer, responses=NodeSerializer)
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
-        return self._act(nodes.do_drain_node)
+        given = DrainSerializer(data=request.data)
+        given.is_valid(raise_exception=True)
+        deadline_s = given.validated_data.get("deadline_s")
+        return self._act(lambda node: nodes.do_drain_node(node, deadline_s=deadline_s))
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"], url_path="force-drain")
+    def force_drain(self, request: Request, pk: str | None = None) -> Response:
+        return self._act(nodes.do_force_drain_node)
+
+    @extend_schema(request=None, responses=NodeSerializer)
+    @action(detail=True, methods=["post"], url_path="cancel-drain")
+    def cancel_drain(self, request: Request, pk: str | None = None) -> Response:
+        return self._act(nodes.do_cancel_drain_node)
 
 
 class GpuViewSet(PlatformReadOnlyViewSet):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis
 from django.contrib import messages
 from django.db import OperationalError
+from django.db.models import Prefetch
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
@@ -31,11 +33,16 @@ log = logging.getLogger(__name__)
 REDIS_AWAY = "Live figures unavailable: Redis is unreachable."
 POSTGRES_AWAY = "Live figures unavailable: PostgreSQL is not answering."
 
-NODE_ACTIONS = {
-    "cordon": nodes.do_cordon_node,
-    "uncordon": nodes.do_uncordon_node,
-    "drain": nodes.do_drain_node,
-    "release": nodes.do_release_node,
+NODE_ACTIONS: dict[str, tuple[Callable[[Node], Node], str]] = {
+    "cordon": (nodes.do_cordon_node, "cordoned: no new replicas there"),
+    "uncordon": (nodes.do_uncordon_node, "uncordoned: replicas may be placed there"),
+    "drain": (nodes.do_drain_node, "draining: its replicas move elsewhere"),
+    "force-drain": (
+        nodes.do_force_drain_node,
+        "drain forced: its replicas stop, their deployments run with fewer until room appears",
+    ),
+    "cancel-drain": (nodes.do_cancel_drain_node, "drain cancelled: the node is Ready again"),
+    "release": (nodes.do_release_node, "released for re-registration"),
 }
 
 
@@ -70,7 +77,15 @@ def overview(request: HttpRequest) -> HttpResponse:
 
 @staff_required
 def fleet(request: HttpRequest) -> HttpResponse:
-    pools = GpuPool.objects.select_related("gpu_class").prefetch_related("nodes__gpus")
+    blocked = Replica.objects.filter(drain_blocked_since__isnull=False).select_related("deployment")
+    pools = GpuPool.objects.select_related("gpu_class").prefetch_related(
+        "nodes__gpus",
+        Prefetch(
+            "nodes__replicas",
+            queryset=blocked.order_by("drain_blocked_since", "pk"),
+            to_attr="blocked_replicas",
+        ),
+    )
     replicas = (
         Replica.objects.exclude(state=Replica.State.STOPPED)
         .select_related("node__pool", "deployment")
@@ -90,10 +105,19 @@ def fleet(request: HttpRequest) -> HttpResponse:
 @require_POST
 def node_action(request: HttpRequest, node_id: int, action: str) -> HttpResponse:
     node = Node.objects.filter(pk=node_id).first()
-    if node is None or action not in NODE_ACTIONS:
-        raise Http404("No such node or action.")
-    NODE_ACTIONS[action](node)
-    messages.info(request, f"{node.hostname}: {action} requested.")
+    if node is None:
+        raise Http404("No such node.")
+    if action not in NODE_ACTIONS:
+        known = ", ".join(NODE_ACTIONS)
+        messages.error(request, f"Not done: {action!r} is not a node action ({known}).")
+        return redirect("console-fleet")
+    change, done = NODE_ACTIONS[action]
+    try:
+        change(node)
+    except nodes.NodeActionRefused as refused:
+        messages.error(request, f"Not done: {refused}")
+        return redirect("console-fleet")
+    messages.success(request, f"{node.hostname} {done}.")
     return redirect("console-fleet")
 
 
