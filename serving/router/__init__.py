@@ -21,8 +21,16 @@ from serving.router.contracts import (
 )
 from serving.router.disaggregated import Disaggregated
 from serving.router.index import ReplicaSet, RouterState
+from serving.router.peers import (
+    PEERS,
+    DynamoKv,
+    LlmDEpp,
+    PeerPolicy,
+    ProductionStackPrefixAware,
+    ProductionStackRoundRobin,
+)
+from serving.router.policies import POLICIES as OWN_POLICIES
 from serving.router.policies import (
-    POLICIES,
     CostAware,
     LeastLoad,
     Policy,
@@ -35,10 +43,18 @@ from serving.router.predict import Prediction, is_candidate, predict
 from serving.router.prefix import PrefixIndex
 from serving.router.queue import AdmissionQueue, QueueFull
 
+# Ours and the peers', by name: what the gateway, the simulator and the benchmarks look up.
+POLICIES: dict[str, type[RoundRobin | LeastLoad | WeightedScorer | CostAware | PeerPolicy]] = {
+    **OWN_POLICIES,
+    **PEERS,
+}
+
 __all__ = [
     "COLOCATED",
     "DECODE",
     "DEFAULT_SLO_TIERS",
+    "OWN_POLICIES",
+    "PEERS",
     "POLICIES",
     "PREFILL",
     "AdmissionQueue",
@@ -48,12 +64,16 @@ __all__ = [
     "Decision",
     "DeploymentRoute",
     "Disaggregated",
+    "DynamoKv",
     "KvLink",
     "LeastLoad",
+    "LlmDEpp",
     "ModelRoute",
     "Policy",
     "Prediction",
     "PrefixIndex",
+    "ProductionStackPrefixAware",
+    "ProductionStackRoundRobin",
     "QueueFull",
     "Reason",
     "ReplicaPerf",

@@ -319,6 +319,12 @@ class WeightedScorer:
     fraction of the request's blocks the replica holds as a leading run. Ties are broken
     at random. Above `max_scored` candidates we score a random sample plus every prefix
     holder, since min-max over thousands of replicas per request costs milliseconds.
+
+    Not llm-d as it ships: this reads the shared `RouterState.prefix_index` and whatever
+    telemetry the caller last scraped, and samples large fleets. The faithful model of
+    llm-d's endpoint picker (its own per-endpoint prefix LRU, model-name block, 50 ms
+    metrics refresh, cited to source) is `serving.router.peers.llm_d.LlmDEpp`; compare
+    against that one.
     """
 
     name = "weighted_scorer"
