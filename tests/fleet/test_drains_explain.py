@@ -196,7 +196,7 @@ def test_before_its_deadline_a_blocked_drain_shows_its_reason_but_asks_nothing(
 ) -> None:
     page = staff.get("/console/fleet/").content.decode()
     assert "gpu-1 is the only node of pool l4-eu" in page
-    assert "deadline in" in page
+    assert "the console asks to force or cancel it in" in page
     assert "Force drain" not in page and "Cancel drain" in page
 
 
