@@ -1076,15 +1076,27 @@ def do_note_canary_placement(failures: Mapping[int, str]) -> None:
         placement_failure="", placement_failure_since=None
     )
     now = timezone.now()
-    for deployment_id, failure in failures.items():
-        live.filter(canary_id=deployment_id).exclude(canary_placement_failure=failure).update(
-            canary_placement_failure=failure
-        )
-        waiting = Deployment.objects.filter(pk=deployment_id).exclude(placement_failure=failure)
+    failing = Deployment.objects.filter(pk__in=list(failures)).select_related(
+        "model_version__model", "pool__gpu_class", "decode_pool__gpu_class"
+    )
+    for deployment in failing:
+        live.filter(canary_id=deployment.pk).exclude(
+            canary_placement_failure=failures[deployment.pk]
+        ).update(canary_placement_failure=failures[deployment.pk])
+        failure = _fleet_reason(deployment, failures[deployment.pk])
+        waiting = Deployment.objects.filter(pk=deployment.pk).exclude(placement_failure=failure)
         waiting.filter(placement_failure_since__isnull=True).update(
             placement_failure=failure, placement_failure_since=now
         )
         waiting.filter(placement_failure_since__isnull=False).update(placement_failure=failure)
+
+
+def _fleet_reason(deployment: Deployment, reported: str) -> str:
+    """Why the replicas a deployment lacks have no room, in the words of the placement check
+    (the pool, the node with the most free GPUs); the reconcile's own words where the two
+    disagree (a GPU class without datasheet figures, a node that changed in between)."""
+    capacity = check_deployment_capacity(deployment, missing_only=True)
+    return reported if capacity.ok else capacity.message
 
 
 def do_record_rollout_decision(

@@ -156,9 +156,12 @@ def free_gpus(pool: Any) -> list[NodeGpus]:
     return rooms
 
 
-def check_deployment_capacity(deployment: Any) -> CapacityResult:
+def check_deployment_capacity(deployment: Any, *, missing_only: bool = False) -> CapacityResult:
     """Room now for every replica `deployment` wants (an inactive one wants none); for a
-    disaggregated one the prefill replicas first, then the decode ones on what is left."""
+    disaggregated one the prefill replicas first, then the decode ones on what is left.
+    `missing_only`: only for the replicas it still lacks (a saved deployment whose placed
+    replicas hold GPUs already; those on a draining node are replaced, so they count as
+    lacking, as the fleet's reconcile counts them)."""
     active = deployment.status == "active"
     phases = [(deployment.pool, deployment.replicas_desired if active else 0, "")]
     if deployment.decode_pool_id is not None:
@@ -166,6 +169,13 @@ def check_deployment_capacity(deployment: Any) -> CapacityResult:
         phases = [
             (deployment.pool, phases[0][1], "prefill phase, "),
             (deployment.decode_pool, decode_wanted, "decode phase, "),
+        ]
+    if missing_only and deployment.pk is not None:
+        placed = _placed_per_phase(deployment)
+        names = ["colocated"] if len(phases) == 1 else ["prefill", "decode"]
+        phases = [
+            (pool, max(0, wanted - placed.get(name, 0)), label)
+            for (pool, wanted, label), name in zip(phases, names, strict=True)
         ]
     rooms: dict[int, list[NodeGpus]] = {}
     results = []
@@ -181,6 +191,20 @@ def check_deployment_capacity(deployment: Any) -> CapacityResult:
     if len(results) == 1:
         return results[0]
     return replace(results[-1], message="; ".join(r.message for r in results))
+
+
+def _placed_per_phase(deployment: Any) -> dict[str, int]:
+    """The deployment's replicas the fleet runs or is starting (serving's DESIRED_STATES),
+    on nodes that are not draining, by phase."""
+    placed: dict[str, int] = {}
+    for phase in (
+        deployment.replicas.filter(state__in=GPU_HOLDING_STATES)
+        .exclude(state="draining")
+        .exclude(node__scheduling="draining")
+        .values_list("phase", flat=True)
+    ):
+        placed[phase] = placed.get(phase, 0) + 1
+    return placed
 
 
 def _capacity_on_pool(

@@ -253,7 +253,9 @@ def test_reconcile_records_why_a_deployment_waits_and_since_when(
     do_reconcile()
     deployment.refresh_from_db()
     assert deployment.pending_capacity
-    assert "needs 4 free GPUs on one node" in deployment.placement_failure
+    assert deployment.placement_failure == (
+        "pool h100-us-east: no node has 4 free GPUs; largest free is 1 on node n1"
+    )
     since = deployment.placement_failure_since
     assert since is not None
 
@@ -272,15 +274,45 @@ def test_a_changed_reason_keeps_the_since(h100: GpuPool, llama_70b_v1: ModelVers
     deployment = Deployment.objects.create(
         name="d", model_version=llama_70b_v1, pool=h100, tensor_parallel=4
     )
-    do_note_canary_placement({deployment.pk: "first reason"})
+    do_note_canary_placement({deployment.pk: "reconcile's words"})
     deployment.refresh_from_db()
+    assert deployment.placement_failure == "pool h100-us-east: no ready, schedulable node"
     since = deployment.placement_failure_since
-    do_note_canary_placement({deployment.pk: "second reason"})
+    add_node(h100, "n1", 2)
+    do_note_canary_placement({deployment.pk: "reconcile's words"})
     deployment.refresh_from_db()
     assert (deployment.placement_failure, deployment.placement_failure_since) == (
-        "second reason",
+        "pool h100-us-east: no node has 4 free GPUs; largest free is 2 on node n1",
         since,
     )
     do_note_canary_placement({})
     deployment.refresh_from_db()
     assert (deployment.placement_failure, deployment.placement_failure_since) == ("", None)
+
+
+def test_a_scaled_up_deployment_waits_for_the_replicas_it_lacks(
+    h100: GpuPool, llama_70b_v1: ModelVersion
+) -> None:
+    add_node(h100, "n1", 4)
+    deployment = do_create_deployment(
+        model_version=llama_70b_v1, pool=h100, tensor_parallel=4, replicas_max=2
+    )
+    do_reconcile()
+    assert deployment.replicas.count() == 1
+    Deployment.objects.filter(pk=deployment.pk).update(replicas_desired=2)
+    do_reconcile()
+    deployment.refresh_from_db()
+    # Its first replica holds n1's four GPUs: the second has nowhere to go.
+    assert deployment.placement_failure == (
+        "pool h100-us-east: no node has 4 free GPUs; largest free is 0 on node n1"
+    )
+
+
+def test_when_the_check_sees_room_the_reconciles_words_are_kept(
+    h100: GpuPool, llama_70b_v1: ModelVersion
+) -> None:
+    add_node(h100, "n1", 4)
+    deployment = do_create_deployment(model_version=llama_70b_v1, pool=h100, tensor_parallel=4)
+    do_note_canary_placement({deployment.pk: "the node went away meanwhile"})
+    deployment.refresh_from_db()
+    assert deployment.placement_failure == "the node went away meanwhile"
