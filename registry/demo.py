@@ -113,7 +113,4 @@ def seed(details: dict[str, Any]) -> None:
         publish_visibility()
     except Exception as error:  # a seed without Redis still leaves a usable database
         details.setdefault("warnings", []).append(f"model visibility not published: {error}")
-    details["extra"]["Rollout to try"] = (
-        "qwen2.5-7b v1 -> v2: POST /api/v1/rollouts/ "
-        '{"baseline": <its deployment id>, "target_version": <v2 id>}'
-    )
+    # The banner's rollout to try is serving.demo's to write: it knows the deployment.

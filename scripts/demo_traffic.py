@@ -6,6 +6,7 @@ and long prompts, of models and priority tiers, most requests streamed.
 
 It can start before any node has registered a model: it waits for /v1/models to list one
 (polling with backoff, one line said while waiting), and it never sends a request without.
+It lists them again every `MODELS_REFRESH_S`, so models deployed later get traffic too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import time
 
 import openai
 from openai.types.chat import ChatCompletionMessageParam
@@ -46,6 +48,7 @@ WORDS = [
 TIERS = ("interactive", "interactive", "standard", "standard", "batch")
 FIRST_POLL_S = 1.0
 LONGEST_POLL_S = 30.0
+MODELS_REFRESH_S = 30.0
 
 
 def prompt(rng: random.Random) -> str:
@@ -81,6 +84,14 @@ async def one_request(client: openai.AsyncOpenAI, models: list[str], rng: random
         print(f"demo request to {model} ({tier}) failed: {error}", flush=True)
 
 
+async def list_models(client: openai.AsyncOpenAI) -> list[str]:
+    """What /v1/models lists now; none when the gateway does not answer."""
+    try:
+        return [model.id async for model in client.models.list()]
+    except openai.APIError:
+        return []
+
+
 async def wait_for_models(
     client: openai.AsyncOpenAI,
     first_poll_s: float = FIRST_POLL_S,
@@ -91,10 +102,7 @@ async def wait_for_models(
     pause_s = first_poll_s
     said = False
     while True:
-        try:
-            models = [model.id async for model in client.models.list()]
-        except openai.APIError:
-            models = []
+        models = await list_models(client)
         if models:
             return models
         if not said:
@@ -110,8 +118,13 @@ async def run(base_url: str, api_key: str, rate: float, seed: int) -> None:
     models = await wait_for_models(client)
     print(f"demo traffic: {rate:g} requests/s over {', '.join(models)}", flush=True)
     pending: set[asyncio.Task[None]] = set()
+    listed_at = time.monotonic()
     while True:
         await asyncio.sleep(rng.expovariate(rate))
+        if time.monotonic() - listed_at >= MODELS_REFRESH_S:
+            # Models come and go (nodes register, a rollout adds a version): list them again.
+            listed_at = time.monotonic()
+            models = await list_models(client) or models
         task = asyncio.create_task(one_request(client, models, rng))
         pending.add(task)
         task.add_done_callback(pending.discard)

@@ -11,6 +11,7 @@ registry.actions: the demo passes the checks an API caller does."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from registry.actions import (
     publish_visibility,
 )
 from registry.demo import model_fields, put_approved_version, put_model
-from registry.models import Adapter, Deployment, Model, Visibility
+from registry.models import Adapter, Deployment, Model, ModelVersion, Visibility
 from serving.actions.credentials import do_create_join_token, hash_token
 from serving.actions.pools import do_create_pool, do_update_pool
 from serving.engine.specs import load_model_specs
@@ -114,9 +115,56 @@ def seed(details: dict[str, Any]) -> None:
         f"{tokens['l4-eu-west']} (demo only: never expires, any number of nodes)"
     )
     _seed_deployments()
+    _suggest_rollout(details)
     if settings.PLATFORM_DEMO_ENGINE == "vllm":
         seed_tiny_model(tiny_model_dir(), CPU_POOL.name)
         details["extra"]["Real vLLM model"] = f"{TINY_MODEL} (adapter {TINY_ADAPTER}), CPU node"
+
+
+# A rollout the demo's traffic (about 1 request/s over every model) carries to promotion in a
+# few minutes: two steps, each held a minute and judged on 10 canary requests. The defaults
+# (5, 25, 50, 100 % over 5 minutes and 200 requests a step) are for production traffic.
+DEMO_ROLLOUT: dict[str, Any] = {
+    "steps": [50, 100],
+    "step_min_duration_s": 60,
+    "step_min_requests": 10,
+    "gate_thresholds": {"min_requests": 10},
+}
+
+
+def _suggest_rollout(details: dict[str, Any]) -> None:
+    """The banner's "Rollout to try": qwen2.5-7b's active deployment to a newer approved
+    version nothing serves yet, with its ids; none once no such version is left (after the
+    promotion)."""
+    details["extra"].pop("Rollout to try", None)
+    baseline = (
+        Deployment.objects.filter(
+            model_version__model__name="qwen2.5-7b",
+            status=Deployment.Status.ACTIVE,
+            pool__name__in=[p.name for p in DEMO_POOLS],
+        )
+        .select_related("model_version")
+        .first()
+    )
+    if baseline is None:
+        return
+    target = (
+        ModelVersion.objects.filter(
+            model=baseline.model_version.model, status=ModelVersion.Status.APPROVED
+        )
+        .filter(created_at__gt=baseline.model_version.created_at)  # forward, not back
+        .exclude(deployments__status=Deployment.Status.ACTIVE)
+        .order_by("-created_at")
+        .first()
+    )
+    if target is None:
+        return
+    body = {"baseline": baseline.pk, "target_version": target.pk, **DEMO_ROLLOUT}
+    details["extra"]["Rollout to try"] = (
+        f"qwen2.5-7b {baseline.model_version.version} -> {target.version}, promoted in about "
+        f"5 minutes of demo traffic: POST /api/v1/rollouts/ {json.dumps(body)} "
+        "with the staff API token (README: Trying it)"
+    )
 
 
 def _put_pool(demo: DemoPool) -> GpuPool:

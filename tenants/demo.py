@@ -1,5 +1,7 @@
-"""Demo tenants: acme and globex, a member of each role in each, generous quotas, and one
-inference key of acme's whose secret stays the same across runs (kept in var/demo.json).
+"""Demo tenants: acme and globex, a member of each role in each, generous quotas, one
+inference key of acme's whose secret stays the same across runs (kept in var/demo.json), and
+a write-scoped staff API token of the admin's for trying the REST API from a shell (kept the
+same way, and made again once it expires or is revoked).
 
 The quota is the demo's only when the seed creates the tenant: `make run` seeds on every
 start, and must not undo a quota or budget an operator has changed since."""
@@ -7,9 +9,11 @@ start, and must not undo a quota or budget an operator has changed since."""
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 from django.contrib.auth import get_user_model
+from django.utils import timezone
 
 from tenants.actions import (
     do_create_api_key,
@@ -18,9 +22,18 @@ from tenants.actions import (
     write_key_records,
 )
 from tenants.models import ApiKey, Membership, Quota, Role, Scope, Tenant
+from tenants.staff_token_actions import (
+    do_create_staff_token,
+    staff_token_for_raw_token,
+    staff_token_refusal,
+)
+from tenants.staff_tokens import StaffTokenScope
 
 DEMO_TENANTS = {"acme": "Acme Corporation", "globex": "Globex Corporation"}
 DEMO_KEY_NAME = "Demo inference key"
+DEMO_STAFF_TOKEN_NAME = "Demo automation"
+# Made again this long before it expires, so a printed token works for a while yet.
+DEMO_STAFF_TOKEN_MIN_LEFT = timedelta(days=7)
 DEMO_MEMBERS = {
     Role.OWNER: "owner",
     Role.ADMIN: "admin",
@@ -50,6 +63,7 @@ def seed(details: dict[str, Any]) -> None:
         for role, suffix in DEMO_MEMBERS.items():
             seed_member(tenant, f"{slug}-{suffix}", role, details["tenant_password"])
     seed_demo_key(details)
+    seed_staff_token(details)
 
 
 def seed_member(tenant: Tenant, username: str, role: str, password: str) -> None:
@@ -86,3 +100,24 @@ def seed_demo_key(details: dict[str, Any]) -> None:
         f"acme-owner / acme-admin / acme-dev / acme-viewer (and globex-*), "
         f"password {details['tenant_password']}"
     )
+
+
+def seed_staff_token(details: dict[str, Any]) -> None:
+    """The admin's demo staff token (write scope, 90 days): the same secret while it works."""
+    admin = get_user_model().objects.filter(username=details.get("admin_username", "admin")).first()
+    if admin is None or not admin.is_staff:
+        return
+    now = timezone.now()
+    raw_token = details.get("staff_token")
+    token = staff_token_for_raw_token(raw_token) if raw_token else None
+    if (
+        token is None
+        or token.user_id != admin.pk
+        or staff_token_refusal(token, now) is not None
+        or token.expires_at - now < DEMO_STAFF_TOKEN_MIN_LEFT
+    ):
+        _, raw_token = do_create_staff_token(
+            admin, DEMO_STAFF_TOKEN_NAME, StaffTokenScope.WRITE, now + timedelta(days=90)
+        )
+    details["staff_token"] = raw_token
+    details["extra"]["Staff API token"] = f"{raw_token} (write scope, for /api from a shell)"
