@@ -201,7 +201,9 @@ def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: Gp
     assert b"Does not fit" in reply.content
     assert not Deployment.objects.exists()
     fits = staff.post("/console/deployments/check/", {**form, "tensor_parallel": 4})
-    assert b"Fits" in fits.content
+    # It fits the class's memory at TP 4; the pool has no node yet, so it would wait for one.
+    assert b"Fits in GPU memory" in fits.content
+    assert b"Pending capacity" in fits.content and b"no ready, schedulable node" in fits.content
 
 
 def test_staff_create_a_disaggregated_deployment_from_the_form(pool: GpuPool) -> None:
@@ -231,7 +233,8 @@ def test_staff_create_a_disaggregated_deployment_from_the_form(pool: GpuPool) ->
     # NIXL on a CPU decode pool: the live check says why before anything is saved.
     refused = staff.post("/console/deployments/check/", {**form, "decode_pool": cpu_pool.pk})
     assert b"NIXL needs GPU nodes" in refused.content
-    assert b"Fits" in staff.post("/console/deployments/check/", form).content
+    checked = staff.post("/console/deployments/check/", form).content
+    assert b"Fits in GPU memory" in checked and b"Pending capacity" in checked
 
     reply = staff.post("/console/deployments/create/", form, follow=True)
 
