@@ -17,6 +17,10 @@ With --autoscale MIN:MAX every pool starts at its count and the autoscaler polic
 within MIN..MAX (or MIN:MAX,MIN:MAX: one pair per pool, in --fleet's order);
 --compare-static also runs a static fleet sized for the peak (the most replicas the
 autoscaled run used) and prints both.
+
+--gateways N deals the arrivals round robin to N gateways, each knowing only its own requests
+in flight and its own prefix index; --telemetry-interval S scrapes every S seconds (0: the
+policy's own refresh interval; default 2).
 """
 
 from __future__ import annotations
@@ -167,12 +171,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-static", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write CSV and PNG here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--gateways", type=at_least_one, default=1, help="gateway processes (default 1)"
+    )
+    parser.add_argument(
+        "--telemetry-interval",
+        type=non_negative,
+        default=2.0,
+        help="seconds between telemetry scrapes; 0: the policy's own refresh interval",
+    )
 
 
 def positive(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number of at least 1")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of at least 0")
     return value
 
 
@@ -189,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
         cold_start_s=args.cold_start,
         forecast_period_s=args.period if args.forecast else None,
         seed=args.seed,
+        gateways=args.gateways,
+        telemetry_interval_s=args.telemetry_interval or None,
     )
     result = simulate(fleet, requests, config)
     summary = summarize(result)

@@ -6,7 +6,14 @@ advanced to t with `Engine.advance`, which fast-forwards runs of identical decod
 finishes are known (the router's in-flight counts drop) before the next decision.
 
 The router sees what the gateway sees: telemetry (running, waiting, KV use) as of the last
-scrape, every `telemetry_interval_s`, plus its own in-flight counts, which are exact. The
+scrape, every `telemetry_interval_s` (None: the policy's own `refresh_interval_s`), plus its
+own in-flight counts, which are exact. With `gateways` N > 1 the arrivals are dealt round
+robin to N gateways, as a load balancer in front of them would; each has its own copy of
+every replica's `ReplicaState`, its own `RouterState` (prefix index, random draws) and its
+own policy. Every scrape reaches every gateway's copy, but a request's start, first token
+and finish are counted only by the gateway that routed it, so each knows only its own
+in-flight requests, as N gateway processes do. Gateway 0 draws the random numbers one
+gateway always drew, so N = 1 is the single-gateway simulation unchanged. The
 autoscaler sees windowed samples of the same scrapes; a replica it adds pays for its cold
 start before it takes traffic, and one it removes drains (leaves the router at once, stops
 when its engine is empty), paying until then.
@@ -28,7 +35,8 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from serving.capacity.autoscaler import (
     AutoscalerConfig,
@@ -65,13 +73,18 @@ from serving.router.disaggregated import Disaggregated
 
 DEPLOYMENT = "sim"
 DISAGGREGATED = Disaggregated.name
+# Our policies read telemetry the gateway refreshes from Redis; peers name their own interval.
+DEFAULT_REFRESH_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     policy: str = "cost_aware"
     router: RouterConfig = field(default_factory=RouterConfig)
-    telemetry_interval_s: float = 2.0
+    # None: the policy class's own `refresh_interval_s` (DEFAULT_REFRESH_INTERVAL_S if none).
+    telemetry_interval_s: float | None = 2.0
+    # Gateway processes, each with only its own in-flight counts and prefix index.
+    gateways: int = 1
     autoscaler: AutoscalerConfig | None = None
     autoscale_interval_s: float = 15.0
     cold_start_s: float = 90.0
@@ -83,6 +96,24 @@ class SimConfig:
         if self.policy not in POLICIES and self.policy != DISAGGREGATED:
             known = ", ".join([*POLICIES, DISAGGREGATED])
             raise ValueError(f"unknown policy {self.policy!r}; use one of {known}")
+        if self.gateways < 1:
+            raise ValueError(f"gateways must be at least 1, not {self.gateways}")
+        if self.telemetry_interval_s is not None and not self.telemetry_interval_s > 0:
+            raise ValueError(
+                f"telemetry_interval_s must be positive, not {self.telemetry_interval_s}"
+            )
+
+    @property
+    def policy_class(self) -> Callable[[RouterState, RouterConfig], Policy]:
+        return Disaggregated if self.policy == DISAGGREGATED else POLICIES[self.policy]
+
+    @property
+    def scrape_interval_s(self) -> float:
+        """Seconds between telemetry scrapes: the explicit interval, else the policy's own."""
+        if self.telemetry_interval_s is not None:
+            return self.telemetry_interval_s
+        interval = getattr(self.policy_class, "refresh_interval_s", None)
+        return float(interval) if interval else DEFAULT_REFRESH_INTERVAL_S
 
 
 @dataclass(slots=True)
@@ -100,6 +131,8 @@ class RequestRecord:
     prefill_tokens: int = 0
     # Why it never ran: "no_candidates", "too_long"; None when it was served.
     failed: str | None = None
+    # The gateway that routed it, the only one that counts it in flight.
+    gateway: int = 0
     # Disaggregated: where it was prefilled (replica_id then decoded it), when the prefill
     # handed its KV off, and when the KV landed on the decode replica.
     prefill_replica_id: str | None = None
@@ -125,7 +158,9 @@ class SimReplica:
     replica_id: str
     pool: PoolSpec
     engine: Engine
-    state: ReplicaState
+    # Each gateway's view of the replica, by gateway index: the same telemetry, its own
+    # in-flight counts.
+    states: list[ReplicaState]
     started_s: float
     ready_s: float
     drain_s: float | None = None
@@ -136,6 +171,20 @@ class SimReplica:
     @property
     def gpus(self) -> int:
         return self.pool.tensor_parallel
+
+    @property
+    def state(self) -> ReplicaState:
+        """The first gateway's view (the only one when there is one gateway)."""
+        return self.states[0]
+
+
+@dataclass(slots=True)
+class Gateway:
+    """One gateway process's router: its own table over its own replica views."""
+
+    index: int
+    state: RouterState
+    policy: Policy
 
 
 @dataclass(slots=True)
@@ -176,14 +225,17 @@ class ClusterSimulator:
         self._route = ModelRoute(fleet.model, (DeploymentRoute(DEPLOYMENT, "v1", 100),))
         self._replicas: dict[str, SimReplica] = {}
         self._serial = 0
-        self._state = RouterState([self._route], [], seed=self.config.seed)
         if fleet.disaggregated and self.config.policy != DISAGGREGATED:
             raise ValueError(
                 f"fleet {fleet.describe()} has prefill and decode pools: use policy "
                 f"{DISAGGREGATED!r}, not {self.config.policy!r}"
             )
         self._link = load_link_specs()[fleet.kv_link]
-        self._policy = self._make_policy()
+        self._gateways = [
+            self._gateway(g, RouterState([self._route], [], seed=self._seed(g, 0)))
+            for g in range(self.config.gateways)
+        ]
+        self._arrivals = 0
         # Disaggregated requests waiting on their prefill: request id -> decode replica; and
         # the prefills finished, (time, request id), to hand off when the loop reaches them.
         self._handoff_to: dict[str, str] = {}
@@ -213,7 +265,7 @@ class ClusterSimulator:
             clock_s=now_s,
             role=pool.role,
         )
-        state = ReplicaState(
+        view = ReplicaState(
             replica_id=replica_id,
             deployment_id=DEPLOYMENT,
             model=self.fleet.model,
@@ -227,8 +279,9 @@ class ClusterSimulator:
             role=pool.role,
             kv_link=KvLink(self._link.gbytes_per_s, self._link.latency_s),
         )
+        states = [view] + [replace(view) for _ in range(1, self.config.gateways)]
         replica = SimReplica(
-            replica_id, pool, engine, state, now_s, ready_s, port=LinkPort(self._link)
+            replica_id, pool, engine, states, now_s, ready_s, port=LinkPort(self._link)
         )
         self._replicas[replica_id] = replica
         self._dirty = True
@@ -238,21 +291,30 @@ class ClusterSimulator:
         return [r for r in self._replicas.values() if r.drain_s is None and r.ready_s <= now_s]
 
     def _republish(self, now_s: float) -> None:
-        """A new routing-table version: the prefix index and in-flight counts carry over."""
-        self._state = RouterState(
-            [self._route],
-            [r.state for r in self._routable(now_s)],
-            version=self._state.version + 1,
-            prefix_index=self._state.prefix_index,
-            seed=self.config.seed + self._state.version + 1,
-        )
-        self._policy = self._make_policy()
+        """A new routing-table version on every gateway: each one's prefix index and
+        in-flight counts carry over."""
+        routable = self._routable(now_s)
+        for g, gateway in enumerate(self._gateways):
+            version = gateway.state.version + 1
+            state = RouterState(
+                [self._route],
+                [r.states[g] for r in routable],
+                version=version,
+                prefix_index=gateway.state.prefix_index,
+                seed=self._seed(g, version),
+            )
+            self._gateways[g] = self._gateway(g, state)
         self._dirty = False
 
-    def _make_policy(self) -> Policy:
-        if self.config.policy == DISAGGREGATED:
-            return Disaggregated(self._state, self.config.router)
-        return POLICIES[self.config.policy](self._state, self.config.router)
+    def _seed(self, gateway: int, version: int) -> int:
+        # Gateway 0 keeps the single gateway's seeds; the others draw apart from it.
+        return self.config.seed + version + gateway * 1_000_003
+
+    def _gateway(self, index: int, state: RouterState) -> Gateway:
+        return Gateway(index, state, self.config.policy_class(state, self.config.router))
+
+    def _router(self, record: RequestRecord) -> RouterState:
+        return self._gateways[record.gateway].state
 
     # --- engines -----------------------------------------------------------------------
 
@@ -315,12 +377,12 @@ class ClusterSimulator:
             prompt = record.prefill_tokens if record.prefill_replica_id is None else 0
             if kind == FIRST_TOKEN:
                 record.first_token_s = event.time_s
-                self._state.request_first_token(replica.replica_id, prompt)
+                self._router(record).request_first_token(replica.replica_id, prompt)
                 self._recent_ttft[replica.pool.name].append(event.time_s - record.request.arrival_s)
             elif kind == FINISHED:
                 record.finished_s = event.time_s
                 record.output_tokens = event.output_tokens
-                self._state.request_finished(replica.replica_id, prompt)
+                self._router(record).request_finished(replica.replica_id, prompt)
                 last = event.time_s
             elif kind == PREEMPTED:
                 record.preemptions += 1
@@ -336,10 +398,11 @@ class ClusterSimulator:
         event: EngineEvent,
         handoffs: list[tuple[float, str]],
     ) -> None:
+        router = self._router(record)
         if event.kind == FIRST_TOKEN:
-            self._state.request_first_token(replica.replica_id, record.prefill_tokens)
+            router.request_first_token(replica.replica_id, record.prefill_tokens)
         elif event.kind == FINISHED:
-            self._state.request_finished(replica.replica_id, record.prefill_tokens)
+            router.request_finished(replica.replica_id, record.prefill_tokens)
             handoffs.append((event.time_s, record.request.request_id))
         elif event.kind == PREEMPTED:
             record.preemptions += 1
@@ -347,9 +410,13 @@ class ClusterSimulator:
     # --- routing -----------------------------------------------------------------------
 
     def _route_request(self, request: SimRequest) -> None:
-        record = RequestRecord(request)
+        # Round robin over the gateways, as the load balancer in front of them deals.
+        gateway = self._gateways[self._arrivals % len(self._gateways)]
+        self._arrivals += 1
+        record = RequestRecord(request, gateway=gateway.index)
         self._records[request.request_id] = record
-        decision = self._policy.choose(
+        router = gateway.state
+        decision = gateway.policy.choose(
             RouteRequest(
                 model=self.fleet.model,
                 tenant=request.tenant,
@@ -377,10 +444,8 @@ class ClusterSimulator:
             self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)
             record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
             prefill = self._replicas[decision.prefill_replica.replica_id]
-            self._state.request_started(
-                prefill.replica_id, record.prefill_tokens, request.arrival_s
-            )
-            self._state.request_started(replica.replica_id, 0, request.arrival_s)
+            router.request_started(prefill.replica_id, record.prefill_tokens, request.arrival_s)
+            router.request_started(replica.replica_id, 0, request.arrival_s)
             prefill.engine.add_request(
                 EngineRequest(
                     request.request_id,
@@ -396,7 +461,7 @@ class ClusterSimulator:
         baseline = decision.baseline_replica
         record.baseline_replica_id = baseline.replica_id if baseline is not None else None
         record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
-        self._state.request_started(replica.replica_id, record.prefill_tokens, request.arrival_s)
+        router.request_started(replica.replica_id, record.prefill_tokens, request.arrival_s)
         engine.add_request(
             EngineRequest(
                 request.request_id,
@@ -416,13 +481,14 @@ class ClusterSimulator:
         per_pool: dict[str, list[SimReplica]] = {p.name: [] for p in self.fleet.pools}
         for replica in self._routable(now_s):
             engine = replica.engine
-            self._state.update_telemetry(
-                replica.replica_id,
-                running=engine.num_running,
-                waiting=engine.num_waiting,
-                kv_usage=engine.kv_usage,
-                telemetry_at=now_s,
-            )
+            for gateway in self._gateways:
+                gateway.state.update_telemetry(
+                    replica.replica_id,
+                    running=engine.num_running,
+                    waiting=engine.num_waiting,
+                    kv_usage=engine.kv_usage,
+                    telemetry_at=now_s,
+                )
             per_pool[replica.pool.name].append(replica)
             running += engine.num_running
             waiting += engine.num_waiting
@@ -521,7 +587,7 @@ class ClusterSimulator:
             for _ in range(pool.replicas):
                 self._add_replica(pool, 0.0, 0.0)
         self._republish(0.0)
-        tick = self.config.telemetry_interval_s
+        tick = self.config.scrape_interval_s
         scale_every = self.config.autoscale_interval_s
         next_scrape = 0.0
         next_scale = scale_every

@@ -1,0 +1,248 @@
+"""N gateways in the cluster simulator: each with its own in-flight counts and prefix index
+over the same scraped telemetry; one gateway routes as the single-gateway simulator did;
+the telemetry interval may be the policy's own."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import pytest
+
+from serving.capacity.autoscaler import AutoscalerConfig
+from serving.clustersim import (
+    AutoscaleBounds,
+    FleetSpec,
+    LengthClass,
+    LengthMix,
+    PoolSpec,
+    SimConfig,
+    SimRequest,
+    SimResult,
+    bursty,
+    homogeneous,
+    poisson,
+    simulate,
+    summarize,
+)
+from serving.clustersim.__main__ import main as cli_main
+from serving.clustersim.fleet import disaggregated
+from serving.clustersim.simulator import DEFAULT_REFRESH_INTERVAL_S
+from serving.router import POLICIES, LeastLoad
+
+MIXED = FleetSpec(pools=(PoolSpec("h100", "H100-SXM-80GB", 2), PoolSpec("l40s", "L40S-48GB", 2)))
+LONG = LengthMix((LengthClass(1.0, 6000, 100),))
+
+
+def burst(seed: int = 4) -> list[SimRequest]:
+    return bursty(6, 90, burst_rate_per_s=40, burst_every_s=30, burst_length_s=10, seed=seed)
+
+
+def digest(result: SimResult) -> str:
+    """Where and when every request ran, and every scaling decision, to the microsecond."""
+    rows: list[object] = [
+        (
+            r.request.request_id,
+            r.replica_id,
+            r.prefill_replica_id,
+            r.failed,
+            None if r.first_token_s is None else round(r.first_token_s, 6),
+            None if r.finished_s is None else round(r.finished_s, 6),
+        )
+        for r in result.records
+    ]
+    rows.append(
+        tuple((round(t, 6), pool, desired) for t, pool, desired, _ in result.scaling_events)
+    )
+    return hashlib.sha256(repr(rows).encode()).hexdigest()[:16]
+
+
+# Digests of these runs taken from the simulator before it had gateways (one router state).
+SINGLE_GATEWAY_RUNS = {
+    "cost_aware": (
+        MIXED,
+        lambda: poisson(12, 60, seed=3),
+        SimConfig(),
+        "666d5afbdebde70a",
+    ),
+    "least_load": (
+        homogeneous("H100-SXM-80GB", 3),
+        lambda: bursty(6, 90, burst_rate_per_s=30, burst_every_s=30, burst_length_s=10, seed=4),
+        SimConfig(policy="least_load"),
+        "87aa5d28100e0a68",
+    ),
+    "autoscaled": (
+        FleetSpec(pools=(PoolSpec("h100", "H100-SXM-80GB", 1, autoscale=AutoscaleBounds(1, 4)),)),
+        lambda: poisson(15, 120, seed=5),
+        SimConfig(
+            policy="least_load",
+            autoscaler=AutoscalerConfig(target_running_per_replica=16.0),
+            cold_start_s=20.0,
+        ),
+        "dfbb08c99ef03935",
+    ),
+    "disaggregated": (
+        disaggregated("H100-SXM-80GB", 1, "H100-SXM-80GB", 1),
+        lambda: poisson(3, 40, lengths=LONG, seed=1),
+        SimConfig(policy="disaggregated"),
+        "ca0bb42e7fec27a2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SINGLE_GATEWAY_RUNS))
+def test_one_gateway_routes_exactly_as_the_single_router_simulator_did(case: str) -> None:
+    fleet, requests, config, expected = SINGLE_GATEWAY_RUNS[case]
+    assert config.gateways == 1 and config.telemetry_interval_s == 2.0
+    assert digest(simulate(fleet, requests(), config)) == expected
+
+
+def test_the_same_seed_gives_the_same_run_with_many_gateways() -> None:
+    config = SimConfig(policy="cost_aware", gateways=4, telemetry_interval_s=0.5)
+    requests = poisson(12, 40, seed=6)
+    assert digest(simulate(MIXED, requests, config)) == digest(simulate(MIXED, requests, config))
+
+
+def test_arrivals_are_dealt_round_robin_to_the_gateways() -> None:
+    requests = poisson(8, 20, seed=2)
+    result = simulate(MIXED, requests, SimConfig(gateways=3))
+    by_id = {r.request.request_id: r for r in result.records}
+    assert [by_id[r.request_id].gateway for r in requests] == [i % 3 for i in range(len(requests))]
+
+
+def test_sixteen_gateways_on_stale_telemetry_balance_a_burst_worse_than_one() -> None:
+    fleet = homogeneous("H100-SXM-80GB", 4)
+    requests = burst()
+    one, sixteen = (
+        summarize(
+            simulate(
+                fleet, requests, SimConfig(policy="least_load", gateways=n, telemetry_interval_s=2)
+            )
+        )
+        for n in (1, 16)
+    )
+    # One gateway counts every request it sent since the last scrape; each of sixteen sees a
+    # sixteenth of them and herds onto the replica that looked idle two seconds ago.
+    assert sixteen.ttft_p99_s > 1.5 * one.ttft_p99_s
+    assert sixteen.tiers["interactive"].slo_attainment < one.tiers["interactive"].slo_attainment
+
+
+def test_fresh_telemetry_hides_most_of_what_the_gateways_do_not_know() -> None:
+    fleet = homogeneous("H100-SXM-80GB", 4)
+    requests = burst()
+    stale, fresh = (
+        summarize(
+            simulate(
+                fleet, requests, SimConfig(policy="least_load", gateways=16, telemetry_interval_s=t)
+            )
+        )
+        for t in (2.0, 0.05)
+    )
+    assert fresh.ttft_p99_s < stale.ttft_p99_s
+
+
+@pytest.mark.parametrize(
+    ("fleet", "requests", "config"),
+    [
+        (MIXED, lambda: poisson(12, 40, seed=3), SimConfig(policy="cost_aware", gateways=4)),
+        (
+            homogeneous("H100-SXM-80GB", 3),
+            burst,
+            SimConfig(policy="weighted_scorer", gateways=5, telemetry_interval_s=0.1),
+        ),
+        (
+            disaggregated("H100-SXM-80GB", 1, "H100-SXM-80GB", 1),
+            lambda: poisson(3, 30, lengths=LONG, seed=1),
+            SimConfig(policy="disaggregated", gateways=3),
+        ),
+        (
+            FleetSpec(
+                pools=(PoolSpec("h100", "H100-SXM-80GB", 1, autoscale=AutoscaleBounds(1, 4)),)
+            ),
+            lambda: poisson(15, 90, seed=5),
+            SimConfig(
+                policy="least_load",
+                gateways=4,
+                autoscaler=AutoscalerConfig(target_running_per_replica=16.0),
+                cold_start_s=20.0,
+            ),
+        ),
+    ],
+    ids=["cost_aware", "weighted_scorer", "disaggregated", "autoscaled"],
+)
+def test_every_gateways_in_flight_counts_return_to_zero_after_a_run(
+    fleet: FleetSpec, requests: object, config: SimConfig
+) -> None:
+    assert callable(requests)
+    result = simulate(fleet, requests(), config)
+    assert all(r.finished_s is not None for r in result.records)
+    for replica in result.replicas:
+        assert len(replica.states) == config.gateways
+        for state in replica.states:
+            counts = (state.inflight, state.inflight_prompt_tokens, state.prefill_pending_tokens)
+            assert counts == (0, 0, 0)
+
+
+def test_a_request_is_counted_only_by_the_gateway_that_routed_it() -> None:
+    result = simulate(MIXED, poisson(6, 30, seed=8), SimConfig(gateways=4))
+    # `prompt_rate_at` moves only when the gateway starts a request with prefill work there.
+    for replica in result.replicas:
+        for gateway, state in enumerate(replica.states):
+            started = [
+                r.request.arrival_s
+                for r in result.records
+                if r.gateway == gateway and r.replica_id == replica.replica_id and r.prefill_tokens
+            ]
+            assert state.prompt_rate_at == max(started, default=0.0)
+    assert len({r.gateway for r in result.records}) == 4
+
+
+def test_every_gateway_sees_every_scrape() -> None:
+    result = simulate(MIXED, poisson(6, 30, seed=8), SimConfig(gateways=3))
+    for replica in result.replicas:
+        assert len({state.telemetry_at for state in replica.states}) == 1
+        assert replica.states[0].telemetry_at == result.timeline[-1].at_s
+
+
+class FreshLeastLoad(LeastLoad):
+    name = "fresh_least_load"
+    refresh_interval_s = 0.25
+
+
+def test_no_telemetry_interval_means_the_policys_own_refresh_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(POLICIES, FreshLeastLoad.name, FreshLeastLoad)
+    config = SimConfig(policy=FreshLeastLoad.name, telemetry_interval_s=None)
+    assert config.scrape_interval_s == 0.25
+    result = simulate(homogeneous("H100-SXM-80GB", 2), poisson(4, 5, seed=1), config)
+    gaps = {
+        round(b.at_s - a.at_s, 9)
+        for a, b in zip(result.timeline, result.timeline[1:], strict=False)
+    }
+    assert gaps == {0.25}
+    assert replace(config, telemetry_interval_s=0.5).scrape_interval_s == 0.5
+
+
+def test_our_policies_without_an_interval_scrape_every_two_seconds() -> None:
+    assert DEFAULT_REFRESH_INTERVAL_S == 2.0
+    for policy in ("least_load", "cost_aware", "disaggregated"):
+        assert SimConfig(policy=policy, telemetry_interval_s=None).scrape_interval_s == 2.0
+
+
+def test_nonsense_gateways_and_intervals_are_refused() -> None:
+    with pytest.raises(ValueError, match="gateways must be at least 1"):
+        SimConfig(gateways=0)
+    with pytest.raises(ValueError, match="telemetry_interval_s must be positive"):
+        SimConfig(telemetry_interval_s=0.0)
+
+
+def test_the_cli_takes_gateways_and_a_telemetry_interval(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--workload", "poisson", "--rate", "4", "--duration", "10"]
+    argv += ["--fleet", "H100-SXM-80GB:2", "--policy", "least_load"]
+    assert cli_main([*argv, "--gateways", "4", "--telemetry-interval", "0.5"]) == 0
+    assert "least_load on 2x H100-SXM-80GB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "--gateways", "0"])
