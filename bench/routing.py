@@ -5,7 +5,7 @@ router).
     .venv/bin/python bench/routing.py [--azure-rate 10] [--mooncake-rate 0.5]
         [--mixes H100-SXM-80GB:1+L40S-48GB:1,...] [--traces azure,mooncake]
         [--gpus <classes of the homogeneous search, default every class in gpus.csv>]
-        [--max-replicas 128] [--json FILE]
+        [--max-replicas 128] [--json FILE] [--gateways 1] [--telemetry-interval 2]
     .venv/bin/python bench/routing.py --trace PATH --format azure|mooncake [--rate X] ...
 
 --traces runs the shipped traces (serving/clustersim/data/traces/); --trace runs any file in
@@ -38,7 +38,10 @@ tokens and a fifth of them cannot prefill within 1 s on an idle H100); a --trace
 Mooncake format gets the same objective. "int TTFT" is the share of interactive requests
 meeting the TTFT objective alone, "int T+T" the share meeting both clocks, which is what the
 SLO judges (the search once judged TTFT alone, that column then named "int SLO"). Runs are
-spread over `--workers` processes.
+spread over `--workers` processes. --gateways N and --telemetry-interval S go into every
+run's SimConfig: N gateways dealt the arrivals round robin, each knowing only its own
+requests in flight, and telemetry scraped every S seconds (0: each policy's own refresh
+interval); the defaults, 1 and 2 s, are the runs as they were.
 """
 
 from __future__ import annotations
@@ -94,10 +97,19 @@ DEFAULT_MIXES = (
 
 # Set per trace before the worker pool forks, so the requests are never pickled.
 REQUESTS: list[SimRequest] = []
+# --gateways and --telemetry-interval (None: the policy's own), set before the fork too.
+GATEWAYS = 1
+TELEMETRY_INTERVAL_S: float | None = 2.0
 
 
 def run(fleet: FleetSpec, policy: str, router: RouterConfig) -> Summary:
-    return summarize(simulate(fleet, REQUESTS, SimConfig(policy=policy, router=router)))
+    config = SimConfig(
+        policy=policy,
+        router=router,
+        gateways=GATEWAYS,
+        telemetry_interval_s=TELEMETRY_INTERVAL_S,
+    )
+    return summarize(simulate(fleet, REQUESTS, config))
 
 
 def run_task(task: tuple[FleetSpec, str, RouterConfig]) -> Summary:
@@ -529,7 +541,18 @@ def parse_arguments() -> argparse.Namespace:
         "replica in overload, as before that rule)",
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--gateways", type=int, default=1, help="gateway processes in every run (default 1)"
+    )
+    parser.add_argument(
+        "--telemetry-interval",
+        type=float,
+        default=2.0,
+        help="seconds between telemetry scrapes in every run; 0: the policy's own (default 2)",
+    )
     args = parser.parse_args()
+    if args.gateways < 1 or args.telemetry_interval < 0:
+        parser.error("--gateways takes a count of at least 1, --telemetry-interval >= 0 s")
     if args.trace is not None and args.traces is not None:
         parser.error("give --traces or --trace, not both")
     if args.trace is not None and args.format is None:
@@ -580,8 +603,9 @@ def load(args: argparse.Namespace, trace: str) -> tuple[list[SimRequest], Router
 
 
 def main() -> int:
-    global REQUESTS
+    global REQUESTS, GATEWAYS, TELEMETRY_INTERVAL_S
     args = parse_arguments()
+    GATEWAYS, TELEMETRY_INTERVAL_S = args.gateways, args.telemetry_interval or None
     print("command: " + " ".join([".venv/bin/python", "bench/routing.py", *sys.argv[1:]]))
     started = time.perf_counter()
     verdicts: list[str] = []
