@@ -18,7 +18,7 @@ at 2 s, one gateway, is near the SLO on both):
 Per run: interactive both-clock attainment (share of interactive requests whose TTFT and
 TPOT both met the tier: TierFigures.slo_attainment), fleet TTFT p99 and TPOT p99, and each
 against the same policy at 0.05 s with one gateway (attainment in points, latencies in %).
---quick runs 25 s of each workload (about 2 minutes on one CPU for eight policies).
+--quick runs 25 s of each workload (under 3 minutes on one CPU for eight policies).
 One artefact to read past: a round-robin policy starts its rotation at the first replica on
 every gateway and every routing-table version, so N gateways dealt consecutive arrivals send
 them to the same replica, more a model of synchronised restarts than of steady state.
