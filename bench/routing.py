@@ -1,22 +1,31 @@
-"""The four routing policies on homogeneous fleets and heterogeneous fleets, on the Azure
-conversation trace and the Mooncake trace, in the cluster simulator (engine model + the real
-router).
+"""The routing policies, ours and the faithful peers, on homogeneous fleets and heterogeneous
+fleets, on the Azure conversation trace, the Mooncake trace and the workload families, in the
+cluster simulator (engine model + the real router).
 
     .venv/bin/python bench/routing.py [--azure-rate 10] [--mooncake-rate 0.5]
         [--mixes H100-SXM-80GB:1+L40S-48GB:1,...] [--traces azure,mooncake]
         [--gpus <classes of the homogeneous search, default every class in gpus.csv>]
-        [--max-replicas 128] [--json FILE] [--gateways 1] [--telemetry-interval 2]
+        [--policies least_load,cost_aware,...] [--max-replicas 128] [--json FILE]
+        [--gateways 1] [--telemetry-interval 0] [--quick]
     .venv/bin/python bench/routing.py --trace PATH --format azure|mooncake [--rate X] ...
+    .venv/bin/python bench/routing.py --families all|code,chat,... [--duration S] [--seed N]
+        [--rate X (one family)] [--quick] ...
 
 --traces runs the shipped traces (serving/clustersim/data/traces/); --trace runs any file in
 the Azure CSV or the Mooncake JSON-lines format instead, at its own pace or rescaled to
---rate requests/s on average.
+--rate requests/s on average. --families runs generated workload families
+(serving/clustersim/families.py: prefill-heavy code, decode-heavy generation, multi-turn chat,
+RAG over shared documents, bursty, diurnal), each as a trace, at its own rate, window and
+seed unless --rate, --duration, --seed say. --quick runs 30 s of each family and the first
+300 s of each trace, and only the first --mixes entry in (c).
 
 SLO: an interactive request meets it when its TTFT and its TPOT are both within the
 interactive tier's objectives (a failed request misses it); the SLO is met when >= 99 % of
 interactive requests do. Per trace:
-  (h) per GPU class and per policy (least-load, cost-aware), the smallest homogeneous fleet
-      up to --max-replicas meeting the SLO (doubling, then bisecting). The cheapest of these
+  (h) per GPU class and per --policies policy (default least-load, cost-aware, round-robin,
+      llm-d's EPP, production-stack prefix, Dynamo KV), the smallest homogeneous fleet up to
+      --max-replicas meeting the SLO (doubling from the class's lower bound, then
+      bisecting). The cheapest of these
       is the baseline of the cost target: the cheapest homogeneous fleet that meets the SLO,
       routed as well as we can. Each row names the class's lower bound (the fewest replicas
       on which any router could meet the SLO: serving/capacity/lower_bound.py) and the
@@ -29,7 +38,11 @@ Targets, checked in the same run: cost-aware meets the SLO at >= 30 % below the 
 homogeneous $/Mtok; its p99 TTFT on (b) is >= 20 % below least-load's. The saving against
 the cheapest H100 fleet is printed too, and so is the roofline's bound: a fleet sized by
 prefill compute (or by decode bandwidth) is at best as much cheaper as the best class's
-FLOPS (or bandwidth) per dollar is better than the baseline class's.
+FLOPS (or bandwidth) per dollar is better than the baseline class's. Fleet verdicts per
+workload, from (h): cost-aware's cheapest fleet over the classes searched is at most 0.85x
+the best faithful peer's (llm_d_epp, production_stack_*, dynamo_kv, round_robin) and never
+dearer than least-load's; every policy's cheapest fleet is within 1.25x its class's lower
+bound.
 
 Tenants: acme and globex interactive (60 % of traffic), initech standard (25 %), umbrella
 batch (15 %); router SLO tiers are the defaults (interactive TTFT 1 s, TPOT 50 ms),
@@ -40,14 +53,16 @@ meeting the TTFT objective alone, "int T+T" the share meeting both clocks, which
 SLO judges (the search once judged TTFT alone, that column then named "int SLO"). Runs are
 spread over `--workers` processes. --gateways N and --telemetry-interval S go into every
 run's SimConfig: N gateways dealt the arrivals round robin, each knowing only its own
-requests in flight, and telemetry scraped every S seconds (0: each policy's own refresh
-interval); the defaults, 1 and 2 s, are the runs as they were.
+requests in flight, and telemetry scraped every S seconds (0, the default: each policy's
+own refresh interval, 2 s for ours, 50 ms for llm-d's EPP; 2 was the runs before the peers
+joined the search).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -69,6 +84,7 @@ from serving.clustersim import (
     summarize,
     with_budget,
 )
+from serving.clustersim.families import FAMILIES, FamilyError, parse_families
 from serving.clustersim.fleet import FleetSpec
 from serving.clustersim.report import TierFigures
 from serving.clustersim.workloads import (
@@ -86,7 +102,21 @@ COST_TARGET = 0.30
 P99_TARGET = 0.20
 H100 = "H100-SXM-80GB"
 MAX_REPLICAS = 128
-SEARCH_POLICIES = ("least_load", "cost_aware")
+DEFAULT_SEARCH_POLICIES = (
+    "least_load",
+    "cost_aware",
+    "round_robin",
+    "llm_d_epp",
+    "production_stack_prefix",
+    "dynamo_kv",
+)
+# The faithful peers cost-aware is held against, and the targets of the fleet verdicts.
+PEERS = ("llm_d_epp", "production_stack_roundrobin", "production_stack_prefix", "dynamo_kv")
+PEER_TARGET = 0.85  # cost-aware's cheapest fleet at most this multiple of the best peer's
+LEAST_LOAD_TARGET = 1.0  # and never larger than least-load's
+BOUND_TARGET = 1.25  # every policy's fleet within this multiple of the lower bound
+QUICK_FAMILY_S = 30.0  # --quick: each family's window
+QUICK_TRACE_S = 300.0  # --quick: the first seconds of each trace
 DEFAULT_MIXES = (
     "H100-SXM-80GB:1+L40S-48GB:1,"
     "RTX-PRO-6000-96GB:1+L40S-48GB:1,"
@@ -97,9 +127,11 @@ DEFAULT_MIXES = (
 
 # Set per trace before the worker pool forks, so the requests are never pickled.
 REQUESTS: list[SimRequest] = []
-# --gateways and --telemetry-interval (None: the policy's own), set before the fork too.
+# --policies, --gateways and --telemetry-interval (None: the policy's own), set before the
+# fork too.
+SEARCH_POLICIES: tuple[str, ...] = DEFAULT_SEARCH_POLICIES
 GATEWAYS = 1
-TELEMETRY_INTERVAL_S: float | None = 2.0
+TELEMETRY_INTERVAL_S: float | None = None
 
 
 def run(fleet: FleetSpec, policy: str, router: RouterConfig) -> Summary:
@@ -162,14 +194,21 @@ class SizeSearch:
     summary: Summary | None
 
 
-def smallest_meeting(task: tuple[str, str, RouterConfig, int]) -> tuple[str, str, SizeSearch]:
-    """The fewest replicas of one GPU class on which `policy` meets the SLO."""
-    gpu, policy, router, max_size = task
+def smallest_meeting(
+    task: tuple[str, str, RouterConfig, int, int | None],
+) -> tuple[str, str, SizeSearch]:
+    """The fewest replicas of one GPU class on which `policy` meets the SLO; the search
+    starts at the class's lower bound, below which no router meets it."""
+    gpu, policy, router, max_size, bound = task
     cacheable = any(r.block_hashes for r in REQUESTS[:100])  # prefix hits can bring them in
     if not cacheable and idle_misses(gpu, router) > 1 - SLO_SHARE:
         return gpu, policy, SizeSearch(None, 0, None)
     found = search_size(
-        lambda size: run(homogeneous(gpu, size), policy, router), meets, attainment, max_size
+        lambda size: run(homogeneous(gpu, size), policy, router),
+        meets,
+        attainment,
+        max_size,
+        start=min(bound or 1, max_size),
     )
     return gpu, policy, found
 
@@ -190,11 +229,13 @@ def search_size(
     meets: Callable[[Summary], bool],
     attainment: Callable[[Summary], float],
     max_size: int = MAX_REPLICAS,
+    start: int = 1,
 ) -> SizeSearch:
-    """The smallest size on which `meets` holds: doubling up to a size that meets it, then
-    bisecting (attainment grows with the size); it stops early when more stopped helping."""
-    failing, meeting, found = 0, 0, None
-    size, previous = 1, -1.0
+    """The smallest size on which `meets` holds: doubling from `start` (every smaller size
+    is known to miss) up to a size that meets it, then bisecting (attainment grows with the
+    size); it stops early when more stopped helping."""
+    failing, meeting, found = start - 1, 0, None
+    size, previous = start, -1.0
     largest: tuple[int, Summary | None] = (0, None)
     while size <= max_size:
         summary = evaluate(size)
@@ -325,7 +366,7 @@ def search_homogeneous(
     """(h): per GPU class and policy, the smallest homogeneous fleet meeting the SLO, with
     the class's lower bound and the fleet as a multiple of it."""
     specs = load_gpu_specs()
-    tasks = [(g, p, router, max_size) for g in gpus for p in SEARCH_POLICIES]
+    tasks = [(g, p, router, max_size, bounds.get(g)) for g in gpus for p in SEARCH_POLICIES]
     searches = []
     for gpu, policy, found in pool.imap(smallest_meeting, tasks):
         searches.append((gpu, policy, found))
@@ -342,15 +383,20 @@ def search_homogeneous(
 
 
 def search_entries(
-    trace: str, searches: list[tuple[str, str, SizeSearch]], bounds: dict[str, int | None]
+    trace: str,
+    searches: list[tuple[str, str, SizeSearch]],
+    bounds: dict[str, int | None],
+    family: str | None = None,
 ) -> list[dict[str, object]]:
     """--json's rows: the fleet found, its price, the interactive both-clock attainment on
     it (on the largest fleet tried when none met; null when none ran) and the class's lower
-    bound (null when no fleet of the class can meet the SLO)."""
+    bound (null when no fleet of the class can meet the SLO); `family` names the workload
+    family (then `trace` does too), null for a trace."""
     specs = load_gpu_specs()
     return [
         {
             "trace": trace,
+            "family": family,
             "policy": policy,
             "gpu_class": gpu,
             "replicas": found.replicas,
@@ -465,6 +511,98 @@ def bench_trace(
     return verdicts, searches, bounds
 
 
+@dataclass(frozen=True, slots=True)
+class Cheapest:
+    """A policy's cheapest fleet meeting the SLO over the GPU classes searched."""
+
+    policy: str
+    gpu: str
+    replicas: int
+    usd_per_hour: float
+    bound: int | None
+
+
+def cheapest_fleets(
+    searches: list[tuple[str, str, SizeSearch]], bounds: dict[str, int | None]
+) -> dict[str, Cheapest]:
+    specs = load_gpu_specs()
+    best: dict[str, Cheapest] = {}
+    for gpu, policy, found in searches:
+        if found.replicas is None:
+            continue
+        fleet = Cheapest(
+            policy, gpu, found.replicas, found.replicas * specs[gpu].usd_per_hour, bounds.get(gpu)
+        )
+        if policy not in best or fleet.usd_per_hour < best[policy].usd_per_hour:
+            best[policy] = fleet
+    return best
+
+
+def verdict(value: float, target: float) -> str:
+    return "PASS" if value <= target else "FAIL"
+
+
+def fleet_verdicts(
+    name: str, searches: list[tuple[str, str, SizeSearch]], bounds: dict[str, int | None]
+) -> list[str]:
+    """The fleet verdicts of one workload: cost-aware's cheapest fleet (over the classes
+    searched) against the best faithful peer's and least-load's, and every policy's cheapest
+    fleet as a multiple of its class's lower bound. A policy meeting the SLO on no fleet
+    counts as infinitely dear."""
+    cheapest = cheapest_fleets(searches, bounds)
+    policies = list(dict.fromkeys(policy for _, policy, _ in searches))
+
+    def fleet(policy: str) -> str:
+        found = cheapest.get(policy)
+        if found is None:
+            return f"{policy} none"
+        return f"{policy} {found.replicas}x {found.gpu} ${found.usd_per_hour:.2f}/h"
+
+    def per_class(policy: str) -> str:
+        counts = {
+            gpu: found.replicas for gpu, p, found in searches if p == policy and found.replicas
+        }
+        return ", ".join(f"{gpu} {count}" for gpu, count in counts.items()) or "none"
+
+    lines = [
+        f"{name}: fleets (replicas per class): "
+        + "; ".join(f"{policy} {per_class(policy)}" for policy in policies)
+    ]
+    ours = cheapest.get("cost_aware")
+    peers = [p for p in policies if p in PEERS or p == "round_robin"]
+    against = [("best faithful peer", peers, PEER_TARGET)]
+    if "least_load" in policies:
+        against.append(("least-load", ["least_load"], LEAST_LOAD_TARGET))
+    for label, rivals, target in against if "cost_aware" in policies else []:
+        if not rivals:
+            continue
+        met = [cheapest[p] for p in rivals if p in cheapest]
+        rival = min(met, key=lambda f: f.usd_per_hour) if met else None
+        if ours is None:
+            ratio = math.inf
+        elif rival is None:
+            ratio = 0.0
+        else:
+            ratio = ours.usd_per_hour / rival.usd_per_hour
+        shown = f"{ratio:.2f}x" if math.isfinite(ratio) else "inf"
+        lines.append(
+            f"{name}: cost-aware ({fleet('cost_aware')}) / {label} "
+            f"({fleet(rival.policy) if rival else 'none meets it'}) = {shown}: "
+            f"{verdict(ratio, target)} (target <= {target:.2f}x)"
+        )
+    for policy in policies:
+        found = cheapest.get(policy)
+        if found is None or not found.bound:
+            lines.append(f"{name}: {fleet(policy)} / lower bound: - (no fleet or no bound)")
+            continue
+        multiple = found.replicas / found.bound
+        lines.append(
+            f"{name}: {fleet(policy)} / lower bound {found.bound} = {multiple:.2f}x: "
+            f"{verdict(multiple, BOUND_TARGET)} (target <= {BOUND_TARGET:.2f}x)"
+        )
+    return lines
+
+
 def parse_mixes(text: str) -> list[dict[str, float]]:
     """`A:1+B:2,C:1+D:1` -> [{A: 1, B: 2}, {C: 1, D: 1}]: shares of the budget per class."""
     return [
@@ -483,7 +621,36 @@ def positive(text: str) -> float:
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--traces", default=None, help="shipped traces to run: azure,mooncake (the default)"
+        "--traces",
+        default=None,
+        help="shipped traces to run: azure,mooncake (the default unless --families is given)",
+    )
+    parser.add_argument(
+        "--families",
+        default=None,
+        help=f"workload families to run, comma-separated, or all: {','.join(FAMILIES)} "
+        "(serving/clustersim/families.py)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=positive,
+        default=None,
+        help="seconds of each family's window (default: the family's own, or "
+        f"{QUICK_FAMILY_S:g} with --quick)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="every family's seed (default: its own)"
+    )
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_SEARCH_POLICIES),
+        help="policies of the homogeneous search, comma-separated",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"short windows ({QUICK_FAMILY_S:g} s of each family, the first "
+        f"{QUICK_TRACE_S:g} s of each trace) and only the first --mixes entry in (c)",
     )
     parser.add_argument(
         "--trace", type=Path, default=None, help="run this trace file instead (give --format)"
@@ -494,7 +661,8 @@ def parse_arguments() -> argparse.Namespace:
         type=positive,
         default=None,
         help="rescale --trace to this many requests/s on average (inter-arrival times scaled "
-        "alike, as --azure-rate and --mooncake-rate do); default: the trace's own pace",
+        "alike, as --azure-rate and --mooncake-rate do); default: the trace's own pace; or "
+        "the rate of the one family --families names",
     )
     parser.add_argument(
         "--azure-rate", type=positive, default=10.0, help="replay speed of the shipped Azure trace"
@@ -547,8 +715,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--telemetry-interval",
         type=float,
-        default=2.0,
-        help="seconds between telemetry scrapes in every run; 0: the policy's own (default 2)",
+        default=0.0,
+        help="seconds between telemetry scrapes in every run; 0: each policy's own refresh "
+        "interval (the default)",
     )
     args = parser.parse_args()
     if args.gateways < 1 or args.telemetry_interval < 0:
@@ -557,9 +726,23 @@ def parse_arguments() -> argparse.Namespace:
         parser.error("give --traces or --trace, not both")
     if args.trace is not None and args.format is None:
         parser.error(f"--trace needs --format {'|'.join(TRACE_FORMATS)}")
-    if args.trace is None and args.rate is not None:
+    try:
+        args.families = parse_families(args.families) if args.families is not None else []
+    except FamilyError as error:
+        parser.error(f"--families: {error}")
+    if args.trace is not None and args.families:
+        parser.error("give --families or --trace, not both")
+    if args.trace is None and args.rate is not None and len(args.families) != 1:
         parser.error(
-            "--rate rescales --trace; the shipped traces take --azure-rate/--mooncake-rate"
+            "--rate rescales --trace or sets the rate of one family; the shipped traces take "
+            "--azure-rate/--mooncake-rate"
+        )
+    args.policies = tuple(p for p in args.policies.split(",") if p)
+    unknown_policies = [p for p in args.policies if p not in POLICIES]
+    if unknown_policies or not args.policies:
+        parser.error(
+            f"--policies: unknown {', '.join(unknown_policies) or 'none given'}: "
+            f"from {', '.join(POLICIES)}"
         )
     if args.json is not None and not args.json.parent.is_dir():
         parser.error(f"--json {args.json}: no folder {args.json.parent}")
@@ -576,7 +759,10 @@ def parse_arguments() -> argparse.Namespace:
     )
     if unknown:
         parser.error(f"unknown GPU class {', '.join(unknown)}: one of {', '.join(classes)}")
-    args.traces = (args.traces or "azure,mooncake").split(",")
+    if args.quick:
+        args.mixes = args.mixes[:1]
+    default_traces = "" if args.families else "azure,mooncake"
+    args.traces = [t for t in (args.traces or default_traces).split(",") if t]
     if args.trace is None and not set(args.traces) <= set(TRACE_FORMATS):
         parser.error(f"--traces takes {','.join(TRACE_FORMATS)}, not {','.join(args.traces)}")
     return args
@@ -594,25 +780,49 @@ def load(args: argparse.Namespace, trace: str) -> tuple[list[SimRequest], Router
         requests = load_trace(args.trace, trace_format, rate_per_s=args.rate)
         pace = f"at {args.rate:g} requests/s" if args.rate is not None else "at its own pace"
         return requests, router, f"{args.trace} ({trace_format}, {pace})"
+    window = QUICK_TRACE_S if args.quick else None
     if trace == "azure":
-        requests = load_trace(AZURE_CONV_CSV, "azure", rate_multiplier=args.azure_rate)
+        requests = load_trace(
+            AZURE_CONV_CSV, "azure", rate_multiplier=args.azure_rate, window_s=window
+        )
         return requests, router, f"Azure conversation x{args.azure_rate:g}"
-    requests = load_trace(MOONCAKE_JSONL, "mooncake", rate_multiplier=args.mooncake_rate)
+    requests = load_trace(
+        MOONCAKE_JSONL, "mooncake", rate_multiplier=args.mooncake_rate, window_s=window
+    )
     label = f"Mooncake x{args.mooncake_rate:g}, interactive TTFT {args.mooncake_ttft:g} s"
     return requests, router, label
 
 
+def load_family(args: argparse.Namespace, name: str) -> tuple[list[SimRequest], RouterConfig, str]:
+    """One family's requests (at --rate, --duration and --seed where given), the default
+    router config and a label naming its parameters."""
+    spec = FAMILIES[name]
+    duration = args.duration or (QUICK_FAMILY_S if args.quick else spec.duration_s)
+    rate = args.rate or spec.rate_per_s
+    seed = spec.seed if args.seed is None else args.seed
+    requests = spec.generate(seed=seed, rate=rate, duration_s=duration)
+    router = RouterConfig()
+    if args.no_yield:
+        router = replace(router, yield_to_tighter_tiers=False)
+    print(f"\nfamily {spec.describe()}")
+    return requests, router, f"{name} at {rate:g} requests/s, {duration:g} s, seed {seed}"
+
+
 def main() -> int:
-    global REQUESTS, GATEWAYS, TELEMETRY_INTERVAL_S
+    global REQUESTS, GATEWAYS, TELEMETRY_INTERVAL_S, SEARCH_POLICIES
     args = parse_arguments()
     GATEWAYS, TELEMETRY_INTERVAL_S = args.gateways, args.telemetry_interval or None
+    SEARCH_POLICIES = args.policies
     print("command: " + " ".join([".venv/bin/python", "bench/routing.py", *sys.argv[1:]]))
     started = time.perf_counter()
     verdicts: list[str] = []
     entries: list[dict[str, object]] = []
-    for trace in [str(args.trace)] if args.trace is not None else args.traces:
+    workloads = [(str(args.trace), False)] if args.trace is not None else []
+    workloads += [(t, False) for t in args.traces if args.trace is None]
+    workloads += [(f, True) for f in args.families]
+    for name, is_family in workloads:
         try:
-            REQUESTS, router, label = load(args, trace)
+            REQUESTS, router, label = (load_family if is_family else load)(args, name)
         except TraceError as error:
             print(f"routing.py: error: {error}", file=sys.stderr)
             return 2
@@ -621,8 +831,8 @@ def main() -> int:
             trace_verdicts, searches, bounds = bench_trace(
                 label, router, args.mixes, args.gpus, args.max_replicas, pool
             )
-        verdicts += trace_verdicts
-        entries += search_entries(trace, searches, bounds)
+        verdicts += trace_verdicts + fleet_verdicts(name, searches, bounds) + [""]
+        entries += search_entries(name, searches, bounds, name if is_family else None)
     print("\n" + "\n".join(verdicts))
     if args.json is not None:
         try:

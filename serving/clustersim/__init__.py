@@ -1,6 +1,7 @@
 """The cluster simulator: discrete events in virtual time over the engine model, with the real
 router and the real autoscaler policy. Imports nothing from Django."""
 
+from serving.clustersim.families import FAMILIES, FamilySpec
 from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, homogeneous, with_budget
 from serving.clustersim.report import (
     Summary,
@@ -28,8 +29,10 @@ from serving.clustersim.workloads import (
 
 __all__ = [
     "DEFAULT_TENANTS",
+    "FAMILIES",
     "AutoscaleBounds",
     "ClusterSimulator",
+    "FamilySpec",
     "FleetSpec",
     "LengthClass",
     "LengthMix",

@@ -7,11 +7,15 @@
         --fleet H100-SXM-80GB:2 --autoscale 1:16 --compare-static
     python -m serving.clustersim --trace my_trace.jsonl --format mooncake --rate 2 \\
         --fleet H100-SXM-80GB:4
+    python -m serving.clustersim --family chat --rate 64 --duration 120 --seed 3 \\
+        --fleet H100-SXM-80GB:4
 
 --workload azure and mooncake replay the shipped traces (serving/clustersim/data/traces/);
 --trace PATH --format azure|mooncake replays any file in one of those formats instead. A trace
 replays at its own pace, or --rate-multiplier times faster, or rescaled to --rate requests/s
-on average.
+on average. --family NAME generates one of the workload families
+(serving/clustersim/families.py: code, generation, chat, rag, bursty, diurnal) at its own
+rate, window and seed, or at --rate, --duration and --seed.
 
 With --autoscale MIN:MAX every pool starts at its count and the autoscaler policy sets it
 within MIN..MAX (or MIN:MAX,MIN:MAX: one pair per pool, in --fleet's order);
@@ -31,6 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from serving.capacity.autoscaler import AutoscalerConfig
+from serving.clustersim.families import FAMILIES
 from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, pool_name
 from serving.clustersim.report import format_summary, plot, summarize, write_csv
 from serving.clustersim.simulator import SimConfig, SimResult, simulate
@@ -74,21 +79,25 @@ def parse_bounds(text: str) -> AutoscaleBounds:
 
 
 def build_workload(args: argparse.Namespace) -> list[SimRequest]:
+    if args.family is not None:
+        return FAMILIES[args.family].generate(
+            seed=args.seed, rate=args.rate, duration_s=args.duration
+        )
     if args.trace is not None or args.workload in TRACE_FORMATS:
         return build_replay(args)
     rate = args.rate if args.rate is not None else SYNTHETIC_RATE
     duration = args.duration or 3600.0
     if args.workload == "poisson":
-        return poisson(rate, duration, seed=args.seed)
+        return poisson(rate, duration, seed=args.seed or 0)
     if args.workload == "diurnal":
         return diurnal(
             rate,
             duration,
             period_s=args.period,
             peak_to_trough=args.peak_to_trough,
-            seed=args.seed,
+            seed=args.seed or 0,
         )
-    return bursty(rate, duration, burst_rate_per_s=rate * 4, seed=args.seed)
+    return bursty(rate, duration, burst_rate_per_s=rate * 4, seed=args.seed or 0)
 
 
 def build_replay(args: argparse.Namespace) -> list[SimRequest]:
@@ -107,7 +116,7 @@ def build_replay(args: argparse.Namespace) -> list[SimRequest]:
         trace_format,
         rate_multiplier=args.rate_multiplier or 1.0,
         rate_per_s=args.rate,
-        seed=args.seed,
+        seed=args.seed or 0,
         window_s=args.duration,
     )
 
@@ -135,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload", choices=["azure", "mooncake", "poisson", "diurnal", "bursty"], default="azure"
+    )
+    parser.add_argument(
+        "--family",
+        choices=list(FAMILIES),
+        default=None,
+        help="generate this workload family instead of --workload (its own rate, window and "
+        "seed unless --rate, --duration, --seed say)",
     )
     parser.add_argument(
         "--trace", type=Path, default=None, help="replay this trace file (give --format)"
@@ -170,7 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cold-start", type=float, default=90.0)
     parser.add_argument("--compare-static", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="write CSV and PNG here")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="workload and simulation seed (default 0, or a --family's own)",
+    )
     parser.add_argument(
         "--gateways", type=at_least_one, default=1, help="gateway processes (default 1)"
     )
@@ -215,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         autoscaler=AutoscalerConfig() if args.autoscale else None,
         cold_start_s=args.cold_start,
         forecast_period_s=args.period if args.forecast else None,
-        seed=args.seed,
+        seed=args.seed or 0,
         gateways=args.gateways,
         telemetry_interval_s=args.telemetry_interval or None,
     )
