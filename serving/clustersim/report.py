@@ -103,6 +103,54 @@ class Summary:
     decode_gpu_hours: float = 0.0
     transfer_p50_s: float = float("nan")
     transfer_p99_s: float = float("nan")
+    # The router's prediction error on the requests it predicted (module docstring).
+    prediction: PredictionError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionError:
+    """Simulated minus predicted, over served requests the policy predicted for: p50 and
+    p99 of the absolute error, the median signed error (negative: the router expected
+    worse than happened), and the share of requests whose outcome was worse than predicted.
+    TPOT is compared where the request decoded more than one token."""
+
+    requests: int
+    ttft_abs_p50_s: float
+    ttft_abs_p99_s: float
+    ttft_signed_p50_s: float
+    ttft_under_share: float
+    tpot_abs_p50_s: float
+    tpot_abs_p99_s: float
+    tpot_signed_p50_s: float
+    tpot_under_share: float
+
+
+def prediction_error(records: list[RequestRecord]) -> PredictionError | None:
+    """How far the router's predicted TTFT and TPOT were from the simulated ones."""
+    ttft = [
+        actual - predicted
+        for r in records
+        if (predicted := r.predicted_ttft_s) is not None and (actual := r.ttft_s) is not None
+    ]
+    tpot = [
+        actual - predicted
+        for r in records
+        if (predicted := r.predicted_tpot_s) is not None and (actual := r.tpot_s) is not None
+    ]
+    if not ttft:
+        return None
+    ttft_abs, tpot_abs = _percentiles([abs(e) for e in ttft]), _percentiles([abs(e) for e in tpot])
+    return PredictionError(
+        requests=len(ttft),
+        ttft_abs_p50_s=ttft_abs[0],
+        ttft_abs_p99_s=ttft_abs[2],
+        ttft_signed_p50_s=_percentiles(ttft)[0],
+        ttft_under_share=sum(1 for e in ttft if e > 0) / len(ttft),
+        tpot_abs_p50_s=tpot_abs[0],
+        tpot_abs_p99_s=tpot_abs[2],
+        tpot_signed_p50_s=_percentiles(tpot)[0] if tpot else float("nan"),
+        tpot_under_share=sum(1 for e in tpot if e > 0) / len(tpot) if tpot else float("nan"),
+    )
 
 
 def _percentiles(values: list[float]) -> tuple[float, float, float]:
@@ -276,6 +324,7 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
             for name, members in sorted(by_tier.items())
         },
         share_by_gpu={gpu: n / len(served) for gpu, n in sorted(by_gpu.items())} if served else {},
+        prediction=prediction_error(served),
         **_phase_figures(result, served),
     )
 
@@ -307,7 +356,11 @@ def _phase_figures(result: SimResult, served: list[RequestRecord]) -> dict[str, 
 
 def summary_rows(summary: Summary) -> list[dict[str, object]]:
     """One row for the whole run and one per tier, for a CSV."""
-    head = {k: v for k, v in asdict(summary).items() if k not in ("tiers", "share_by_gpu")}
+    head = {
+        k: v for k, v in asdict(summary).items() if k not in ("tiers", "share_by_gpu", "prediction")
+    }
+    if summary.prediction is not None:
+        head |= {f"prediction_{k}": v for k, v in asdict(summary.prediction).items()}
     rows: list[dict[str, object]] = [{"scope": "all", **head}]
     for figures in summary.tiers.values():
         rows.append({"scope": f"tier:{figures.tier}", **asdict(figures)})
@@ -452,6 +505,16 @@ def format_summary(summary: Summary) -> str:
             f"{summary.prefill_gpu_hours:.2f}, decode {summary.decode_gpu_hours:.2f}; KV "
             f"transfer p50/p99 {summary.transfer_p50_s * 1000:.1f}/"
             f"{summary.transfer_p99_s * 1000:.1f} ms"
+        )
+    error = summary.prediction
+    if error is not None:
+        lines.append(
+            f"  router's prediction error (simulated - predicted, {error.requests} requests): "
+            f"TTFT |err| p50/p99 {error.ttft_abs_p50_s * 1000:.0f}/"
+            f"{error.ttft_abs_p99_s * 1000:.0f} ms, worse than predicted "
+            f"{error.ttft_under_share:.0%}; TPOT |err| p50/p99 "
+            f"{error.tpot_abs_p50_s * 1000:.1f}/{error.tpot_abs_p99_s * 1000:.1f} ms, worse "
+            f"than predicted {error.tpot_under_share:.0%}"
         )
     for t in summary.tiers.values():
         lines.append(

@@ -133,6 +133,10 @@ class RequestRecord:
     failed: str | None = None
     # The gateway that routed it, the only one that counts it in flight.
     gateway: int = 0
+    # What the router predicted for it on the replica it chose (None: the policy predicts
+    # nothing, as round robin); the report compares them with what the engine model did.
+    predicted_ttft_s: float | None = None
+    predicted_tpot_s: float | None = None
     # Disaggregated: where it was prefilled (replica_id then decoded it), when the prefill
     # handed its KV off, and when the KV landed on the decode replica.
     prefill_replica_id: str | None = None
@@ -382,7 +386,9 @@ class ClusterSimulator:
             elif kind == FINISHED:
                 record.finished_s = event.time_s
                 record.output_tokens = event.output_tokens
-                self._router(record).request_finished(replica.replica_id, prompt)
+                self._router(record).request_finished(
+                    replica.replica_id, prompt, context_tokens=record.request.prompt_tokens
+                )
                 last = event.time_s
             elif kind == PREEMPTED:
                 record.preemptions += 1
@@ -440,12 +446,16 @@ class ClusterSimulator:
         if request.prompt_tokens + request.output_tokens > engine.max_model_len:
             record.failed = "too_long"
             return
+        record.predicted_ttft_s = decision.predicted_ttft_s
+        record.predicted_tpot_s = decision.predicted_tpot_s
         if decision.prefill_replica is not None:
             self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)
             record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
             prefill = self._replicas[decision.prefill_replica.replica_id]
             router.request_started(prefill.replica_id, record.prefill_tokens, request.arrival_s)
-            router.request_started(replica.replica_id, 0, request.arrival_s)
+            router.request_started(
+                replica.replica_id, 0, request.arrival_s, context_tokens=request.prompt_tokens
+            )
             prefill.engine.add_request(
                 EngineRequest(
                     request.request_id,
@@ -461,7 +471,12 @@ class ClusterSimulator:
         baseline = decision.baseline_replica
         record.baseline_replica_id = baseline.replica_id if baseline is not None else None
         record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
-        router.request_started(replica.replica_id, record.prefill_tokens, request.arrival_s)
+        router.request_started(
+            replica.replica_id,
+            record.prefill_tokens,
+            request.arrival_s,
+            context_tokens=request.prompt_tokens,
+        )
         engine.add_request(
             EngineRequest(
                 request.request_id,

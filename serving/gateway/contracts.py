@@ -74,12 +74,19 @@ class ExchangeServices(Protocol):
         self, tier: str, request: RouteRequest, exclude: frozenset[str]
     ) -> Decision: ...
 
-    def request_started(self, replica_id: str, prefill_tokens: int) -> None: ...
+    def request_started(
+        self, replica_id: str, prefill_tokens: int, context_tokens: int = 0
+    ) -> None: ...
 
     def request_first_token(self, replica_id: str, prefill_tokens: int) -> None: ...
 
     def request_finished(
-        self, replica_id: str, prefill_tokens: int, *, first_token_seen: bool
+        self,
+        replica_id: str,
+        prefill_tokens: int,
+        *,
+        first_token_seen: bool,
+        context_tokens: int = 0,
     ) -> None: ...
 
     # --- circuit breakers ---------------------------------------------------------------------

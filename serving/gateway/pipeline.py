@@ -436,7 +436,9 @@ class Exchange:
             try:
                 kv_params = await self._prefill(prefill) if prefill is not None else None
                 failing = endpoint
-                self.gateway.request_started(replica_id, self.prefill_tokens())
+                self.gateway.request_started(
+                    replica_id, self.prefill_tokens(), self.prompt_estimate
+                )
                 self._started_on = replica_id
                 trace_headers = self._trace_upstream(replica_id) if self.trace is not None else None
                 stream = await open_stream(
@@ -653,7 +655,10 @@ class Exchange:
         """Give back the replica's in-flight count, once per `request_started`."""
         if self._started_on is not None:
             self.gateway.request_finished(
-                self._started_on, self.prefill_tokens(), first_token_seen=first_token_seen
+                self._started_on,
+                self.prefill_tokens(),
+                first_token_seen=first_token_seen,
+                context_tokens=self.prompt_estimate,
             )
             self._started_on = None
 

@@ -57,6 +57,7 @@ FALLBACK_PERF = ReplicaPerf(
 CARRIED_ACROSS_VERSIONS = (
     "inflight",
     "inflight_prompt_tokens",
+    "inflight_context_tokens",
     "prefill_pending_tokens",
     "prompt_rate",
     "prompt_rate_at",

@@ -349,9 +349,13 @@ class Gateway:
             # the queue forgets this waiter, or hands a slot released meanwhile to the next.
             slot.cancel()
 
-    def request_started(self, replica_id: str, prefill_tokens: int) -> None:
+    def request_started(
+        self, replica_id: str, prefill_tokens: int, context_tokens: int = 0
+    ) -> None:
         state = self.routing.snapshot.state
-        state.request_started(replica_id, prefill_tokens, time.monotonic())
+        state.request_started(
+            replica_id, prefill_tokens, time.monotonic(), context_tokens=context_tokens
+        )
         breaker = self.breakers.get(replica_id)
         if breaker is not None and breaker.allow_request():
             # Half-open: this request is the probe; nothing else goes until it reports.
@@ -379,10 +383,18 @@ class Gateway:
         self.routing.snapshot.state.request_first_token(replica_id, prefill_tokens)
 
     def request_finished(
-        self, replica_id: str, prefill_tokens: int, *, first_token_seen: bool
+        self,
+        replica_id: str,
+        prefill_tokens: int,
+        *,
+        first_token_seen: bool,
+        context_tokens: int = 0,
     ) -> None:
         self.routing.snapshot.state.request_finished(
-            replica_id, prefill_tokens, first_token_seen=first_token_seen
+            replica_id,
+            prefill_tokens,
+            first_token_seen=first_token_seen,
+            context_tokens=context_tokens,
         )
         if len(self.queue):
             self.queue.release()

@@ -31,13 +31,18 @@ def coefficients_from_perf(
     and a long prompt, where prefill is compute-bound (attention's growth included on
     average); the intercept is at least a one-token prefill, since a short prompt is bound
     by reading the weights once. Long prompts are then overestimated by at most that
-    floor: on the safe side for an SLO check.
+    floor: on the safe side for an SLO check. KV beyond `typical_context_tokens` a sequence:
+    the mid batch's step with twice the context, less its step, per extra token.
     """
     mid_batch = max(2, min(32, perf.max_batch(typical_context_tokens, max_num_seqs)))
     step_one = perf.decode_step_s(1, typical_context_tokens)
     step_mid = perf.decode_step_s(mid_batch, mid_batch * typical_context_tokens)
     decode_s_per_seq = (step_mid - step_one) / (mid_batch - 1)
     decode_base_s = step_one - decode_s_per_seq
+    # What each KV token beyond the typical context adds to the mid batch's step.
+    extra = mid_batch * typical_context_tokens
+    step_long = perf.decode_step_s(mid_batch, 2 * extra)
+    decode_s_per_kv_token = max(0.0, (step_long - step_mid) / extra)
 
     short = perf.prefill_s(typical_prompt_tokens)
     long = perf.prefill_s(long_prompt_tokens)
@@ -52,4 +57,6 @@ def coefficients_from_perf(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         kv_bytes_per_token=perf.kv_bytes_per_token,
+        decode_s_per_kv_token=decode_s_per_kv_token,
+        typical_context_tokens=typical_context_tokens,
     )

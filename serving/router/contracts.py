@@ -42,6 +42,10 @@ class ReplicaPerf:
 
     prefill time of n new tokens  ~ prefill_base_s + prefill_s_per_token * n
     decode step with b sequences  ~ decode_base_s + decode_s_per_seq * b
+                                  + decode_s_per_kv_token * max(0, kv - b * typical_context)
+
+    The first two terms are the fit at `typical_context_tokens` of KV per sequence; a batch
+    holding more KV than that (long prompts) reads it every step, which the third adds.
     """
 
     prefill_s_per_token: float
@@ -54,6 +58,9 @@ class ReplicaPerf:
     max_num_batched_tokens: int = 8192
     # KV bytes per token of the model as served: what a disaggregated hand-off moves.
     kv_bytes_per_token: int = 0
+    # A decode step's cost of each KV token read beyond the fit's context per sequence.
+    decode_s_per_kv_token: float = 0.0
+    typical_context_tokens: int = 1024
 
 
 # Engine roles (disaggregated serving): prefill-only, decode-only, or both on one replica.
@@ -101,6 +108,9 @@ class ReplicaState:
     # Prompt tokens of those requests, and of the ones among them still waiting for their
     # first token (prefill work queued ahead of the next request, exact for this gateway).
     inflight_prompt_tokens: int = 0
+    # The whole prompts of those requests, cached prefix included: each decode step reads
+    # every sequence's KV, shared blocks once per sequence.
+    inflight_context_tokens: int = 0
     prefill_pending_tokens: int = 0
     # Prompt tokens sent here per second, an exponentially decayed average as of
     # `prompt_rate_at`: the prefill work that will keep interrupting the replica's decodes.

@@ -249,11 +249,17 @@ class RouterState:
             replica.breaker_open_until = open_until
 
     def request_started(
-        self, replica_id: str, prompt_tokens: int = 0, now: float | None = None
+        self,
+        replica_id: str,
+        prompt_tokens: int = 0,
+        now: float | None = None,
+        *,
+        context_tokens: int = 0,
     ) -> None:
         """This gateway sent a request: `prompt_tokens` is the prefill it needs (prompt less
         what the router expects cached, `Decision.cached_tokens`); `now` (monotonic
-        seconds) feeds the replica's prompt-token rate, left alone without it."""
+        seconds) feeds the replica's prompt-token rate, left alone without it;
+        `context_tokens` is its whole prompt, the KV its decode steps read."""
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
@@ -261,6 +267,7 @@ class RouterState:
         if replica.healthy:
             self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens += prompt_tokens
+        replica.inflight_context_tokens += context_tokens
         replica.prefill_pending_tokens += prompt_tokens
         if now is not None and prompt_tokens:
             replica.prompt_rate = decayed_rate(replica, now) + prompt_tokens / PROMPT_RATE_WINDOW_S
@@ -273,10 +280,16 @@ class RouterState:
             replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
 
     def request_finished(
-        self, replica_id: str, prompt_tokens: int = 0, *, first_token_seen: bool = True
+        self,
+        replica_id: str,
+        prompt_tokens: int = 0,
+        *,
+        first_token_seen: bool = True,
+        context_tokens: int = 0,
     ) -> None:
-        """Pass the same `prompt_tokens` as to `request_started`; `first_token_seen=False`
-        for a request that ended (error, abort) before `request_first_token`."""
+        """Pass the same `prompt_tokens` and `context_tokens` as to `request_started`;
+        `first_token_seen=False` for a request that ended (error, abort) before
+        `request_first_token`."""
         replica = self._replicas.get(replica_id)
         if replica is None or replica.inflight <= 0:
             return
@@ -284,6 +297,7 @@ class RouterState:
         if replica.healthy:
             self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens = max(0, replica.inflight_prompt_tokens - prompt_tokens)
+        replica.inflight_context_tokens = max(0, replica.inflight_context_tokens - context_tokens)
         if not first_token_seen:
             replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
 

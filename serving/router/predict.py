@@ -13,7 +13,12 @@ in-flight count is a fresh lower bound on what the replica holds), `B = max_num_
                 + prefill(ahead + prompt_tokens - cached_prefix_tokens)
                 + (adapter_load_s if the adapter is not resident)
     share       = prefill_s_per_token * (prompt-token rate sent here, ours included)
-    TPOT        = (decode_base_s + decode_s_per_seq * (batch + 1)) / (1 - share)
+    kv          = max(kv_usage * kv_capacity_tokens, batch * context per sequence)
+                + prompt_tokens                  (context per sequence: this gateway's
+                                                 in-flight prompts there on average, or ours)
+    step        = decode_base_s + decode_s_per_seq * (batch + 1)
+                + decode_s_per_kv_token * max(0, kv - (batch + 1) * typical_context_tokens)
+    TPOT        = step / (1 - share)
 
 The engine schedules chunked prefill FIFO, so prompts ahead of ours delay our first token,
 and prompts arriving after ours interrupt our decode steps: a step carrying a prefill chunk
@@ -143,6 +148,22 @@ class RequestPredictor:
             load = inflight
         batch = load if load < perf.max_num_seqs else perf.max_num_seqs
         decode_step = perf.decode_base_s + perf.decode_s_per_seq * (batch + 1)
+        per_kv_token = perf.decode_s_per_kv_token
+        if per_kv_token:
+            # The KV the batch reads each step, ours included. Every sequence reads its
+            # whole context, a shared prefix once per sequence, so the scraped KV use
+            # (shared blocks once) is only a floor. The batch's context a sequence is that
+            # of this gateway's own requests in flight there, or, with none, ours.
+            if inflight and replica.inflight_context_tokens:
+                per_sequence = replica.inflight_context_tokens / inflight
+            else:
+                per_sequence = self.prompt_tokens
+            kv_tokens = replica.kv_usage * perf.kv_capacity_tokens
+            if batch * per_sequence > kv_tokens:
+                kv_tokens = batch * per_sequence
+            excess = kv_tokens + self.prompt_tokens - (batch + 1) * perf.typical_context_tokens
+            if excess > 0:
+                decode_step += per_kv_token * excess
         per_token = perf.prefill_s_per_token
         if (
             decode_step > step_limit

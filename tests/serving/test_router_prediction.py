@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from serving.router import CostAware, Reason, RouterConfig, RouterState, predict
-from serving.router.contracts import PROMPT_RATE_WINDOW_S
+from serving.router.contracts import PROMPT_RATE_WINDOW_S, ReplicaState
 from tests.serving.test_router import A100, H100, L40S, NOW, fleet, replica, request
 
 CONFIG = RouterConfig()
@@ -106,3 +106,46 @@ def test_prefix_affinity_fades_on_a_holder_close_to_its_ttft_objective() -> None
         state.request_started("holder", 500, None)
     decision = CostAware(state).choose(ask, NOW)
     assert decision.replica is cheaper
+
+
+def _own_share(target: ReplicaState, prompt_tokens: int) -> float:
+    """The prefill share of the request's own prompt alone (nothing else sent there)."""
+    return target.perf.prefill_s_per_token * prompt_tokens / PROMPT_RATE_WINDOW_S
+
+
+def test_each_sequences_whole_context_lengthens_the_predicted_decode_step() -> None:
+    """A decode step reads every sequence's KV, a shared prefix once per sequence: 30
+    requests of 4,000-token prompts cost more per step than 30 of 500 tokens, though the
+    scraped KV use (shared blocks counted once) says nothing of it."""
+    short, long = replica("short", H100, running=30), replica("long", H100, running=30)
+    state = fleet(short, long)
+    for _ in range(30):
+        state.request_started("short", 0, None, context_tokens=500)
+        state.request_started("long", 0, None, context_tokens=4_000)
+    ask = request(prompt_tokens=4_000)
+    short_tpot = predict(short, ask, NOW, CONFIG).tpot_s
+    long_tpot = predict(long, ask, NOW, CONFIG).tpot_s
+    perf = long.perf
+    typical = perf.typical_context_tokens
+    # Past the fit's context: the short batch reads none, the long one all of this.
+    assert 31 * typical > 30 * 500 + 4_000
+    excess = 30 * 4_000 + 4_000 - 31 * typical
+    read = perf.decode_s_per_kv_token * excess / (1 - _own_share(long, 4_000))
+    assert perf.decode_s_per_kv_token > 0
+    assert long_tpot - short_tpot == pytest.approx(read)
+    # Finished, the requests take their context with them.
+    for _ in range(30):
+        state.request_finished("long", 0, context_tokens=4_000)
+    assert long.inflight_context_tokens == 0
+
+
+def test_a_batch_at_the_fits_context_predicts_what_it_did_before() -> None:
+    """The KV term adds only what a sequence reads beyond the fit's typical context."""
+    busy = replica("busy", H100, running=20)
+    state = fleet(busy)
+    typical = busy.perf.typical_context_tokens
+    for _ in range(20):
+        state.request_started("busy", 0, None, context_tokens=typical)
+    step = busy.perf.decode_base_s + busy.perf.decode_s_per_seq * 21
+    predicted = predict(busy, request(prompt_tokens=typical), NOW, CONFIG).tpot_s
+    assert predicted == pytest.approx(step / (1 - _own_share(busy, typical)))
