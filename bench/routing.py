@@ -804,7 +804,7 @@ def load_family(args: argparse.Namespace, name: str) -> tuple[list[SimRequest], 
     router = RouterConfig()
     if args.no_yield:
         router = replace(router, yield_to_tighter_tiers=False)
-    print(f"\nfamily {spec.describe()}")
+    print(f"\nfamily {name}'s own parameters: {spec.describe()}")
     return requests, router, f"{name} at {rate:g} requests/s, {duration:g} s, seed {seed}"
 
 

@@ -221,12 +221,13 @@ def test_routing_writes_the_homogeneous_search_as_json(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     smallest = json.loads(out.read_text())["smallest"]
+    # Every searched policy by default: ours and the faithful peers.
     assert {(e["policy"], e["gpu_class"]) for e in smallest} == {
-        ("least_load", L40S),
-        ("cost_aware", L40S),
+        (policy, L40S) for policy in routing.DEFAULT_SEARCH_POLICIES
     }
     for entry in smallest:
         assert {"policy", "gpu_class", "replicas", "usd_per_hour", "attainment"} <= set(entry)
+        assert entry["family"] is None
         assert entry["replicas"] == 1
         # The floor no router goes below: here the one replica the search found.
         assert entry["lower_bound_replicas"] == 1
