@@ -680,10 +680,18 @@ def _record(
     )
 
 
-def _set_weights(rollout: Rollout, canary_weight: int) -> None:
+def _set_weights(rollout: Rollout, canary_percent: int) -> None:
+    """Give the canary `canary_percent` of the baseline's share of the model's traffic
+    weight and the baseline the rest. The share is what the two hold together (the
+    baseline's weight when the rollout started: 100 for a model on one deployment), so the
+    model's other deployments, on other pools, keep their weights."""
+    share = rollout.baseline.traffic_weight + rollout.canary.traffic_weight
+    canary_weight = round(share * canary_percent / 100)
+    if canary_percent > 0 and share > 0:
+        canary_weight = max(1, canary_weight)  # a step is never rounded away
     for deployment, weight in (
         (rollout.canary, canary_weight),
-        (rollout.baseline, 100 - canary_weight),
+        (rollout.baseline, share - canary_weight),
     ):
         deployment.traffic_weight = weight
         deployment.save(update_fields=["traffic_weight", "updated_at"])
@@ -789,16 +797,11 @@ def _check_rollout_start(baseline: Deployment, target: ModelVersion, model: Mode
         raise ValidationError({"target_version": ["The baseline already serves this version."]})
     if target.status != ModelVersion.Status.APPROVED:
         raise ValidationError({"target_version": ["Only an approved version can be rolled out."]})
-    if baseline.status != Deployment.Status.ACTIVE or baseline.traffic_weight != 100:
-        raise ValidationError(
-            {"baseline": ["The baseline must be active and take all of its model's traffic."]}
-        )
-    others = Deployment.objects.filter(
-        model_version__model=model, status=Deployment.Status.ACTIVE, traffic_weight__gt=0
-    ).exclude(pk=baseline.pk)
-    if others.exists():
-        # Weights of one served name must sum to 100 across baseline and canary.
-        raise ValidationError({"baseline": ["Another deployment of this model takes traffic."]})
+    if baseline.status != Deployment.Status.ACTIVE or baseline.traffic_weight <= 0:
+        raise ValidationError({"baseline": ["The baseline must be active and take traffic."]})
+    # A model served from several pools rolls out pool by pool: this rollout moves the
+    # baseline's own share of the model's traffic (`_set_weights`); the other pools' keep
+    # theirs until a rollout of their own.
     if Rollout.objects.filter(model=model, state__in=Rollout.LIVE_STATES).exists():
         raise ValidationError({"baseline": [f"{model.name} already has a live rollout."]})
 

@@ -88,8 +88,8 @@ def seed(details: dict[str, Any]) -> None:
         )
     v1 = ModelVersion.objects.get(model__name="llama-3.1-8b", version="v1")
     # A second version to roll out. qwen2.5-7b, because the demo serves it from one
-    # deployment: a rollout starts from the only deployment taking its model's traffic
-    # (llama-3.1-8b runs on two pools in the demo).
+    # deployment, so its rollout moves all of its traffic (llama-3.1-8b runs on two pools in
+    # the demo and would roll out pool by pool).
     qwen = Model.objects.get(name="qwen2.5-7b")
     put_approved_version(qwen, "v2", artifact_uri=ARTIFACTS["qwen2.5-7b"], revision="main")
     if not Adapter.objects.filter(name="llama-3.1-8b-sql").exists():

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.contrib import messages
 from django.core.exceptions import NON_FIELD_ERRORS, ValidationError
+from django.db.models import Sum
 from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
@@ -242,7 +243,7 @@ def rollouts_page(request: HttpRequest) -> HttpResponse:
     rollouts = actions.rollouts_for_user(request.user).select_related("model", "baseline", "canary")
     baselines = (
         actions.visible_deployments_for_user(request.user)
-        .filter(status=Deployment.Status.ACTIVE, traffic_weight=100)
+        .filter(status=Deployment.Status.ACTIVE, traffic_weight__gt=0)
         .select_related("model_version__model", "pool")
     )
     versions = (
@@ -293,17 +294,32 @@ def rollout_detail(request: HttpRequest, rollout_id: int) -> HttpResponse:
     rollout = actions.access_rollout(request.user, rollout_id)
     transitions = rollout.transitions.order_by("-created_at")
     gate = (rollout.last_decision or {}).get("gate") or {}
+    # Shares of the model's whole traffic: a model on several pools has weights summing past
+    # 100, and its other pools keep theirs while this rollout moves the baseline's share.
+    total = (
+        Deployment.objects.filter(
+            model_version__model=rollout.model, status=Deployment.Status.ACTIVE
+        ).aggregate(total=Sum("traffic_weight"))["total"]
+        or 0
+    )
     return render(
         request,
         "console/rollout.html",
         {
             "rollout": rollout,
+            "canary_share": _share(rollout.canary.traffic_weight, total),
+            "baseline_share": _share(rollout.baseline.traffic_weight, total),
             "transitions": transitions,
             "decision": rollout.last_decision,
             "gate": gate,
             "live": rollout.state in Rollout.LIVE_STATES,
         },
     )
+
+
+def _share(weight: int, total: int) -> str:
+    """A deployment's weight as a percentage of its model's, to the nearest whole one."""
+    return f"{round(100 * weight / total)}" if total else "0"
 
 
 @staff_required
