@@ -233,7 +233,12 @@ class RoundRobin:
             deployments = version.deployments
             turn = deployments[0].deployment_id
             live = self.state.live(turn).items if len(deployments) == 1 else self._live(deployments)
-            start = self._next.get(turn, 0)
+            start = self._next.get(turn)
+            if start is None:
+                # A new turn (this gateway's first request, or a new routing-table version)
+                # starts where this state's seed says, not at the first replica: gateways
+                # that all started at replica 0 on every table version would send it a burst.
+                start = self.state.rng.randrange(len(live)) if live else 0
             for step in range(len(live)):
                 replica = live[(start + step) % len(live)]
                 if is_candidate(replica, request, now, self.config):
