@@ -257,7 +257,7 @@ def test_a_key_revoked_while_redis_was_down_is_refused_soon_after_redis_is_back(
     # while the gateway's Redis connections are still being remade; the key must stay refused
     # once its answer is read from Redis again (past the 5 s in-process cache): the gateway
     # rechecked it in PostgreSQL after resubscribing and corrected the record for everyone.
-    assert wait_until(lambda: stream(server.url, key.secret).status_code == 401, timeout_s=8)
+    assert wait_until(lambda: stream(server.url, key.secret).status_code == 401, timeout_s=15)
     time.sleep(5.5)  # the gateway's KeyAuthenticator caches an answer for 5 s
     assert stream(server.url, key.secret).status_code == 401
     assert principal_from_record(client.get(record), hash_key(key.secret)) is None
