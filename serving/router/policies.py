@@ -483,13 +483,15 @@ class CostAware:
     """The cheapest replica whose predicted TTFT and TPOT are within `slo_margin` of the
     request's SLO tier.
 
-    Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x TTFT
-    headroom left on the holder - adapter_bonus if the adapter is loaded). Candidates: every
-    replica holding the prefix, a few holding the adapter, and per group (cheapest first,
+    Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x headroom
+    left on the holder, on the tighter of TTFT and TPOT - adapter_bonus if the adapter is
+    loaded). Candidates: every replica holding the prefix, a few holding the adapter, and
+    per group (cheapest first,
     stopping once a group cannot beat the best price found, and skipping groups too slow to
     meet the SLO even when idle) all members of a small group or `samples_per_group` random
     ones of a large group. Among candidates within `near_tie_fraction` of the cheapest, two
-    are drawn and the lower predicted TTFT wins.
+    are drawn and the one using less of its objective on the clock that binds (TTFT or TPOT)
+    wins.
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
     request of a looser tier than the tightest takes the cheapest replica missing by at
@@ -649,7 +651,7 @@ class CostAware:
                 first = randrange(len(ties))
                 second = (first + 1 + randrange(len(ties) - 1)) % len(ties)
                 a, b = ties[first], ties[second]
-                chosen = a if a[_TTFT] <= b[_TTFT] else b  # type: ignore[operator]
+                chosen = a if candidates.load(a) <= candidates.load(b) else b
             return self._decision(
                 chosen, chosen[_REASON], request, predictor, baseline, queue_advised=False
             )
@@ -820,7 +822,7 @@ class _Candidates:
         ttft *= factor
         tpot *= factor
         if blocks:
-            discount -= self._prefix_discount(ttft, blocks)
+            discount -= self._prefix_discount(ttft, tpot, blocks)
             reason = Reason.PREFIX_AFFINITY
         rank_price = replica.price_per_hour * discount
         meets = ttft <= self.ttft_limit and tpot <= self.tpot_limit
@@ -838,14 +840,21 @@ class _Candidates:
         if adapter is not None and adapter in replica.adapters_loaded:
             discount -= self.config.adapter_bonus
         if blocks:
-            discount -= self._prefix_discount(
-                self.predictor.predict(replica, blocks).ttft_s, blocks
-            )
+            prediction = self.predictor.predict(replica, blocks)
+            discount -= self._prefix_discount(prediction.ttft_s, prediction.tpot_s, blocks)
         return replica.price_per_hour * discount
 
-    def _prefix_discount(self, ttft: float, blocks: int) -> float:
-        """The prefix holder's discount: worth less the closer it is to the objective."""
-        headroom = 1.0 - ttft / self.ttft_limit
+    def load(self, option: _Option) -> float:
+        """How near the option's prediction is to the tighter of its two limits (1: at the
+        limit): the share of the objective it uses on the clock that binds."""
+        ttft, tpot = option[_TTFT], option[_TPOT]
+        assert ttft is not None and tpot is not None  # meeting options are predicted
+        return max(ttft / self.ttft_limit, tpot / self.tpot_limit)
+
+    def _prefix_discount(self, ttft: float, tpot: float, blocks: int) -> float:
+        """The prefix holder's discount: worth less the closer it is to either objective
+        (a holder that meets TTFT by decoding slowly saves nothing)."""
+        headroom = 1.0 - max(ttft / self.ttft_limit, tpot / self.tpot_limit)
         if headroom > 0.0:
             return self.config.prefix_bonus * headroom * blocks / self.total_blocks
         return 0.0

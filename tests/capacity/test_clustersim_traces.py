@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -252,6 +253,53 @@ def test_routing_reports_null_when_no_fleet_up_to_the_limit_meets_the_slo(
         # A floor, not a prediction: the burst's work fits one replica's compute and
         # bandwidth, while queueing and chunked prefill make one replica miss the TPOT.
         assert entry["lower_bound_replicas"] == 1
+
+
+def made_up(attained: float) -> SimpleNamespace:
+    """What the search reads of a summary: failures, and the interactive tier's share
+    within both clocks."""
+    return SimpleNamespace(
+        failed=0, requests=1000, tiers={"interactive": SimpleNamespace(slo_attainment=attained)}
+    )
+
+
+def sized(attained: dict[int, float], ran: list[int]) -> routing.SizeSearch:
+    """The search over a made-up fleet whose attainment at each size is `attained`'s value
+    at the largest key not above it; the sizes it ran go into `ran`."""
+
+    def evaluate(size: int) -> SimpleNamespace:
+        ran.append(size)
+        return made_up(max((v for k, v in attained.items() if k <= size), default=0.0))
+
+    return routing.search_size(
+        evaluate,  # type: ignore[arg-type]
+        routing.meets,
+        routing.attainment,
+        max_size=128,
+    )
+
+
+def test_a_search_keeps_doubling_through_fleets_too_small_to_serve_anything() -> None:
+    ran: list[int] = []
+    found = sized({1: 0.0, 37: 0.995}, ran)
+    assert found.replicas == 37
+    assert ran[:7] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_search_gives_up_when_doubling_stops_helping_and_says_where() -> None:
+    ran: list[int] = []
+    found = sized({1: 0.1, 4: 0.6}, ran)
+    assert found.replicas is None
+    assert ran == [1, 2, 4, 8]
+    assert found.tried == 8
+    said = routing.not_met(found, 128)
+    assert "stopped at 60.0% on 8" in said
+
+
+def test_a_search_that_reached_the_limit_says_so() -> None:
+    found = sized({1: 0.1, 2: 0.2, 4: 0.3, 8: 0.4, 16: 0.5, 32: 0.6, 64: 0.7, 128: 0.8}, [])
+    assert found.replicas is None and found.tried == 128
+    assert routing.not_met(found, 128) == "no fleet up to 128 meets it (80.0% on 128)"
 
 
 @pytest.mark.slow

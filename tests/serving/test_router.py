@@ -301,8 +301,9 @@ def test_cost_aware_finds_cheap_capacity_in_a_large_fleet_by_sampling() -> None:
 
 
 def test_a_tenants_prefix_pulls_its_next_request_to_the_same_replica() -> None:
-    state = fleet(replica("a", L4), replica("b", L4))
-    policy = CostAware(state, NO_MARGIN)
+    # On L40S, with headroom on both clocks: a holder near either objective gets no discount.
+    state = fleet(replica("a", L40S), replica("b", L40S))
+    policy = CostAware(state)
     hashes = (101, 102, 103, 104)
     first = policy.choose(request(prefix_hashes=hashes, request_id="r1"), NOW)
     assert first.replica is not None
@@ -462,3 +463,25 @@ def test_canary_replicas_only_get_their_deployments_traffic() -> None:
     state = RouterState([route], [stable, canary], seed=3)
     picks = {chosen_id(CostAware(state), request(request_id=f"r{n}")) for n in range(50)}
     assert picks == {"stable-1"}
+
+
+def test_a_prefix_holder_near_its_tpot_objective_loses_its_affinity_discount() -> None:
+    # The holder's TTFT is far inside its objective, but its KV is half full and it decodes
+    # near the TPOT objective: sending more there meets TTFT by decoding slowly, so the idle
+    # twin wins.
+    state = fleet(replica("holder", A100), replica("idle", A100))
+    hashes = (1, 2, 3, 4, 5, 6, 7, 8)
+    state.prefix_index.record("acme", hashes, "holder")
+    state.update_telemetry("holder", running=8, waiting=0, kv_usage=0.5, telemetry_at=NOW)
+    policy = CostAware(state)
+    req = request(tier="interactive", prompt_tokens=8 * 128, prefix_hashes=hashes)
+    tier = policy.config.tier("interactive")
+    assert tier.ttft_s is not None and tier.tpot_s is not None
+    holder = predict(state.replica("holder"), req, NOW, policy.config, cached_blocks=8)  # type: ignore[arg-type]
+    idle = predict(state.replica("idle"), req, NOW, policy.config)  # type: ignore[arg-type]
+    margin = policy.config.slo_margin
+    assert holder.ttft_s < 0.15 * tier.ttft_s and idle.tpot_s < 0.5 * holder.tpot_s
+    assert 0.75 * tier.tpot_s * margin < holder.tpot_s <= tier.tpot_s * margin
+    decision = policy.choose(req, NOW)
+    assert decision.meets_slo
+    assert decision.replica is not None and decision.replica.replica_id == "idle"
