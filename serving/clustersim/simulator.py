@@ -387,7 +387,10 @@ class ClusterSimulator:
                 record.finished_s = event.time_s
                 record.output_tokens = event.output_tokens
                 self._router(record).request_finished(
-                    replica.replica_id, prompt, context_tokens=record.request.prompt_tokens
+                    replica.replica_id,
+                    prompt,
+                    context_tokens=record.request.prompt_tokens,
+                    now=event.time_s,
                 )
                 last = event.time_s
             elif kind == PREEMPTED:

@@ -395,6 +395,7 @@ class Gateway:
             prefill_tokens,
             first_token_seen=first_token_seen,
             context_tokens=context_tokens,
+            now=time.monotonic(),
         )
         if len(self.queue):
             self.queue.release()

@@ -116,6 +116,13 @@ class ReplicaState:
     # `prompt_rate_at`: the prefill work that will keep interrupting the replica's decodes.
     prompt_rate: float = 0.0
     prompt_rate_at: float = 0.0
+    # This gateway's requests that finished there per second, decayed alike as of
+    # `finish_rate_at`: how fast a full batch frees slots for the requests queued behind it.
+    # `finish_rate_since`: when this gateway first sent it a request (0: never), for the
+    # average's warm-up (see `predict.decayed_finish_rate`).
+    finish_rate: float = 0.0
+    finish_rate_at: float = 0.0
+    finish_rate_since: float = 0.0
     adapters_loaded: frozenset[str] = frozenset()
     max_loras: int = 0
     healthy: bool = True

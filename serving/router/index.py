@@ -20,7 +20,7 @@ from serving.router.contracts import (
     ReplicaPerf,
     ReplicaState,
 )
-from serving.router.predict import decayed_rate
+from serving.router.predict import decayed_finish_count, decayed_rate
 from serving.router.prefix import PrefixIndex
 
 
@@ -269,6 +269,8 @@ class RouterState:
         replica.inflight_prompt_tokens += prompt_tokens
         replica.inflight_context_tokens += context_tokens
         replica.prefill_pending_tokens += prompt_tokens
+        if now is not None and not replica.finish_rate_since:
+            replica.finish_rate_since = now
         if now is not None and prompt_tokens:
             replica.prompt_rate = decayed_rate(replica, now) + prompt_tokens / PROMPT_RATE_WINDOW_S
             replica.prompt_rate_at = now
@@ -286,10 +288,12 @@ class RouterState:
         *,
         first_token_seen: bool = True,
         context_tokens: int = 0,
+        now: float | None = None,
     ) -> None:
         """Pass the same `prompt_tokens` and `context_tokens` as to `request_started`;
         `first_token_seen=False` for a request that ended (error, abort) before
-        `request_first_token`."""
+        `request_first_token`; `now` (monotonic seconds) feeds the replica's finish rate,
+        left alone without it."""
         replica = self._replicas.get(replica_id)
         if replica is None or replica.inflight <= 0:
             return
@@ -300,6 +304,9 @@ class RouterState:
         replica.inflight_context_tokens = max(0, replica.inflight_context_tokens - context_tokens)
         if not first_token_seen:
             replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
+        elif now is not None:
+            replica.finish_rate = decayed_finish_count(replica, now) + 1.0 / PROMPT_RATE_WINDOW_S
+            replica.finish_rate_at = now
 
     def _join(self, replica: ReplicaState) -> None:
         self._group_of[replica.replica_id].live.add(replica)

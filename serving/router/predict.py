@@ -12,6 +12,7 @@ in-flight count is a fresh lower bound on what the replica holds), `B = max_num_
     TTFT        = (decode step if batch else 0)  wait for the step boundary
                 + prefill(ahead + prompt_tokens - cached_prefix_tokens)
                 + (adapter_load_s if the adapter is not resident)
+                + (load - B + 1) / finish rate   when the batch is full: wait for a slot
     share       = prefill_s_per_token * (prompt-token rate sent here, ours included)
     kv          = max(kv_usage * kv_capacity_tokens, batch * context per sequence)
                 + prompt_tokens                  (context per sequence: this gateway's
@@ -19,6 +20,11 @@ in-flight count is a fresh lower bound on what the replica holds), `B = max_num_
     step        = decode_base_s + decode_s_per_seq * (batch + 1)
                 + decode_s_per_kv_token * max(0, kv - (batch + 1) * typical_context_tokens)
     TPOT        = step / (1 - share)
+
+A full batch (`load >= B`) admits a new sequence only when one finishes: the wait is the
+sequences queued ahead of ours over the rate at which the replica finishes them, this
+gateway's own decayed finish rate there scaled up by `load / inflight` (the share of the
+replica's load that is ours); with no finish seen yet it is left out.
 
 The engine schedules chunked prefill FIFO, so prompts ahead of ours delay our first token,
 and prompts arriving after ours interrupt our decode steps: a step carrying a prefill chunk
@@ -59,6 +65,31 @@ def decayed_rate(replica: ReplicaState, now: float) -> float:
     if elapsed <= 0.0 or not replica.prompt_rate:
         return replica.prompt_rate
     return replica.prompt_rate * math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
+
+
+def decayed_finish_count(replica: ReplicaState, now: float) -> float:
+    """The replica's decayed finish average as stored (no warm-up correction), at `now`."""
+    elapsed = now - replica.finish_rate_at
+    if elapsed <= 0.0 or not replica.finish_rate:
+        return replica.finish_rate
+    return replica.finish_rate * math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
+
+
+def decayed_finish_rate(replica: ReplicaState, now: float) -> float:
+    """This gateway's requests finished per second on the replica, decayed to `now`, and
+    corrected for the average's warm-up: over the `t` seconds since the gateway first sent
+    the replica a request the decayed sum has seen only `1 - exp(-t / window)` of a full
+    window, so it is divided by that (an estimate that would otherwise start near 0 and
+    predict slot waits of minutes)."""
+    rate = decayed_finish_count(replica, now)
+    if not rate:
+        return 0.0
+    observed = now - replica.finish_rate_since
+    if replica.finish_rate_since and observed < 10.0 * PROMPT_RATE_WINDOW_S:
+        seen = 1.0 - math.exp(-observed / PROMPT_RATE_WINDOW_S)
+        if seen > 0.0:
+            rate /= seen
+    return rate
 
 
 def predict(
@@ -182,6 +213,12 @@ class RequestPredictor:
         ttft = steps * perf.prefill_base_s + per_token * to_prefill
         if batch:
             ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
+        if load >= perf.max_num_seqs:
+            finished = decayed_finish_rate(replica, self.now)
+            if finished > 0.0:
+                if inflight:
+                    finished *= load / inflight
+                ttft += (load - perf.max_num_seqs + 1) / finished
         adapter = self.adapter
         if adapter is not None and adapter not in replica.adapters_loaded:
             ttft += self.adapter_load_s

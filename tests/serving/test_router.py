@@ -28,6 +28,7 @@ from serving.router import (
     predict,
 )
 from serving.router.coefficients import coefficients_from_perf
+from serving.router.predict import decayed_finish_rate
 
 MODEL = "llama-3.1-8b"
 NOW = 1_000.0
@@ -485,3 +486,38 @@ def test_a_prefix_holder_near_its_tpot_objective_loses_its_affinity_discount() -
     decision = policy.choose(req, NOW)
     assert decision.meets_slo
     assert decision.replica is not None and decision.replica.replica_id == "idle"
+
+
+def test_a_full_batch_adds_the_wait_for_a_free_slot_to_the_ttft() -> None:
+    # 256 sequences decoding, 20 of ours queued behind them: the 21st slot to free is ours,
+    # and the replica finishes 40 of our requests a second.
+    state = fleet(replica("full", H100))
+    held = state.replica("full")
+    assert held is not None
+    seats = held.perf.max_num_seqs
+    state.update_telemetry("full", running=seats, waiting=20, kv_usage=0.3, telemetry_at=NOW)
+    held.inflight = seats + 20
+    req = request(tier="interactive")
+    unknown = predict(held, req, NOW, RouterConfig())  # no finish seen: no wait predicted
+    held.finish_rate, held.finish_rate_at, held.finish_rate_since = 40.0, NOW, NOW - 1_000.0
+    known = predict(held, req, NOW, RouterConfig())
+    assert known.ttft_s - unknown.ttft_s == pytest.approx(21 / 40.0, rel=1e-6)
+    assert known.tpot_s == unknown.tpot_s
+    state.update_telemetry("full", running=seats - 1, waiting=0, kv_usage=0.3, telemetry_at=NOW)
+    held.inflight = seats - 1
+    assert predict(held, req, NOW, RouterConfig()).ttft_s < unknown.ttft_s  # a seat is free
+
+
+def test_the_finish_rate_counts_finished_requests_and_corrects_for_its_warm_up() -> None:
+    state = fleet(replica("a", H100))
+    for i in range(10):
+        state.request_started("a", 100, NOW + i * 0.1, context_tokens=100)
+    state.request_finished("a", 100, context_tokens=100)  # no clock: the rate is left alone
+    held = state.replica("a")
+    assert held is not None and held.finish_rate == 0.0
+    # Nine finish over 2 s: the estimate is near 4.5 a second, not the 0.4 of a 20 s average
+    # that has seen only 2 s of them.
+    for i in range(9):
+        state.request_finished("a", 100, context_tokens=100, now=NOW + 1.0 + i * 0.25)
+    rate = decayed_finish_rate(held, NOW + 3.0)
+    assert 3.0 < rate < 6.0
