@@ -183,12 +183,12 @@ class RouterConfig:
     # holds the whole prefix ranks as if it were 25% cheaper, one with the adapter loaded
     # 15% cheaper. Enough to beat a small price difference (an A100 pool priced a few
     # percent under an H100 pool), never a large one (an L4 at a quarter of the price).
-    # The prefix bonus shrinks as the holder's predicted TTFT nears the objective, so a hot
-    # prefix does not pile traffic onto its holder.
+    # The prefix bonus shrinks as the holder's predicted TTFT or TPOT nears its objective,
+    # so a hot prefix does not pile traffic onto its holder.
     prefix_bonus: float = 0.25
     adapter_bonus: float = 0.15
     # Candidates within this fraction of the cheapest ranked price are a near tie; two of
-    # them are drawn and the one with the lower predicted TTFT wins.
+    # them are drawn and the one using less of its objective on the clock that binds wins.
     near_tie_fraction: float = 0.05
     # Random replicas examined per homogeneous group when the group is large.
     samples_per_group: int = 2
@@ -203,6 +203,10 @@ class RouterConfig:
     # (when there is one) instead of the least bad: in an overload it leaves the fast
     # replicas to the tier that needs them, rather than queueing its own long prompts there.
     yield_to_tighter_tiers: bool = True
+    # Likewise for a request of any tier predicted to miss its objective on every candidate:
+    # it is lost to the SLO wherever it goes, so it takes the cheapest tolerable replica and
+    # leaves the fast ones to requests that can still meet theirs.
+    yield_when_lost: bool = True
 
     def tier(self, name: str) -> SloTier:
         return self.slo_tiers.get(name) or SloTier(name, None, None)

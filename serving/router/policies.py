@@ -486,16 +486,18 @@ class CostAware:
     Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x headroom
     left on the holder, on the tighter of TTFT and TPOT - adapter_bonus if the adapter is
     loaded). Candidates: every replica holding the prefix, a few holding the adapter, and
-    per group (cheapest first,
-    stopping once a group cannot beat the best price found, and skipping groups too slow to
-    meet the SLO even when idle) all members of a small group or `samples_per_group` random
-    ones of a large group. Among candidates within `near_tie_fraction` of the cheapest, two
-    are drawn and the one using less of its objective on the clock that binds (TTFT or TPOT)
-    wins.
+    per group (cheapest first, stopping once a group cannot beat the best price found, and
+    skipping groups too slow to meet the SLO even when idle) all members of a small group
+    or `samples_per_group` random ones of a large group. Among candidates within
+    `near_tie_fraction` of the cheapest, two are drawn and the one using less of its
+    objective on the clock that binds (TTFT or TPOT) wins.
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
-    request of a looser tier than the tightest takes the cheapest replica missing by at
-    most that factor, when there is one (`yield_to_tighter_tiers`).
+    request of a looser tier than the tightest (`yield_to_tighter_tiers`), or one predicted
+    to miss its objective on every candidate (`yield_when_lost`), takes the cheapest
+    replica missing by at most that factor, when there is one: a request lost to the SLO
+    wherever it goes should not take the fast replicas from requests that can still meet
+    it.
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -666,9 +668,11 @@ class CostAware:
             for option in options
         ]
         tolerable = self.config.queue_over_slo_factor
-        if self._yields(tier):
+        lost = self.config.yield_when_lost and min(triple[0] for triple in scored) > 1.0
+        if lost or self._yields(tier):
             # Overloaded: a looser tier settles for the cheapest replica it can tolerate,
-            # leaving the fast ones to the tighter tiers.
+            # leaving the fast ones to the tighter tiers; and so does a request predicted to
+            # miss its objective wherever it goes, leaving them to requests that still can.
             within = [triple for triple in scored if triple[0] <= tolerable]
             if within:
                 _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))

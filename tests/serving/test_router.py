@@ -206,7 +206,7 @@ def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tie
     # The tightest tier still takes the least bad: the H100.
     assert chosen_id(CostAware(state, config), request(tier="interactive")) == "h100"
     # Switched off, the standard request takes the least bad too.
-    unyielding = replace(config, yield_to_tighter_tiers=False)
+    unyielding = replace(config, yield_to_tighter_tiers=False, yield_when_lost=False)
     assert chosen_id(CostAware(overloaded_pair(), unyielding), request()) == "h100"
 
 
@@ -521,3 +521,19 @@ def test_the_finish_rate_counts_finished_requests_and_corrects_for_its_warm_up()
         state.request_finished("a", 100, context_tokens=100, now=NOW + 1.0 + i * 0.25)
     rate = decayed_finish_rate(held, NOW + 3.0)
     assert 3.0 < rate < 6.0
+
+
+@pytest.mark.parametrize(("queued", "chosen"), [(60, "fast"), (75, "slow")])
+def test_a_request_predicted_to_miss_everywhere_leaves_the_fast_replica_to_others(
+    queued: int, chosen: str
+) -> None:
+    # The slow L40S decodes at about 1.24x the interactive TPOT objective. With 60 prompts
+    # queued the H100's TTFT is about 0.9x its objective: outside the margin, but it may yet
+    # meet, so the least bad wins. With 75 it is about 1.13x: the request misses wherever it
+    # goes, and takes the cheapest replica it can tolerate rather than the one others need.
+    state = fleet(replica("fast", H100), replica("slow", L40S))
+    state.update_telemetry("fast", running=100, waiting=queued, kv_usage=0.5, telemetry_at=NOW)
+    state.update_telemetry("slow", running=50, waiting=0, kv_usage=0.8, telemetry_at=NOW)
+    decision = CostAware(state).choose(request(tier="interactive", prompt_tokens=1000), NOW)
+    assert not decision.meets_slo and decision.reason is Reason.LEAST_BAD
+    assert decision.replica is not None and decision.replica.replica_id == chosen
