@@ -1,4 +1,15 @@
-"""The fleet a simulation runs on: pools of one GPU class each, serving one model."""
+"""The fleet a simulation runs on: pools of one GPU class each, each serving one model.
+
+A pool serves the fleet's `model` unless it names its own (`PoolSpec.model`), so one fleet
+can serve a 70B on H100s, an 8B on L40S and a 1B on L4 side by side; every per-pool figure
+(the engine model, max_model_len, the router's coefficients) is the pool's model's.
+
+Tensor parallelism is the engine model's (serving/engine/perf.py): a TP-n replica has n
+GPUs' bandwidth and FLOPS, communication free, each GPU holding 1/n of the weights and of
+every token's KV; it costs n GPUs. `smallest_tensor_parallel` is the smallest degree whose
+weight shard leaves a GPU room for KV: a bf16 70B (141 GB of weights) needs TP 4 on an
+80 GB GPU under the engine model's memory budget (90 % of memory less 3 GB), TP 2 on an H200.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +38,8 @@ class PoolSpec:
     autoscale: AutoscaleBounds | None = None
     # "colocated", or "prefill" / "decode" for disaggregated serving (engine roles).
     role: str = "colocated"
+    # None: the fleet's `model`.
+    model: str | None = None
 
     @property
     def price_per_gpu_hour(self) -> float:
@@ -70,10 +83,18 @@ class FleetSpec:
     def replicas(self) -> int:
         return sum(pool.replicas for pool in self.pools)
 
+    def pool_model(self, pool: PoolSpec) -> str:
+        return pool.model or self.model
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the pools serve, each once, in pool order."""
+        return tuple(dict.fromkeys(self.pool_model(pool) for pool in self.pools))
+
     def perf(self, pool: PoolSpec) -> PerfModel:
         return PerfModel(
             load_gpu_specs()[pool.gpu_class],
-            load_model_specs()[self.model],
+            load_model_specs()[self.pool_model(pool)],
             quantization=self.quantization,
             tensor_parallel=pool.tensor_parallel,
         )
@@ -83,14 +104,32 @@ class FleetSpec:
         return min(perf.model.max_context, held)
 
     def describe(self) -> str:
+        # A one-model fleet reads as it always did; a multi-model one names each pool's model.
+        several = len(self.models) > 1
         return " + ".join(
-            f"{p.replicas}x {p.gpu_class}" + ("" if p.role == "colocated" else f" {p.role}")
+            f"{p.replicas}x {p.gpu_class}"
+            + ("" if p.role == "colocated" else f" {p.role}")
+            + (f" {self.pool_model(p)}" if several else "")
+            + (f" TP{p.tensor_parallel}" if several and p.tensor_parallel > 1 else "")
             for p in self.pools
         )
 
 
 def pool_name(gpu_class: str) -> str:
     return gpu_class.split("-")[0].lower()
+
+
+TENSOR_PARALLEL_DEGREES = (1, 2, 4, 8)
+
+
+def smallest_tensor_parallel(gpu_class: str, model: str, quantization: str = "bf16") -> int | None:
+    """The smallest TP degree at which `model`'s weight shard leaves each GPU of the class
+    room for KV; None when not even TP 8 does."""
+    gpu, spec = load_gpu_specs()[gpu_class], load_model_specs()[model]
+    for degree in TENSOR_PARALLEL_DEGREES:
+        if PerfModel(gpu, spec, quantization, degree).kv_capacity_tokens > 0:
+            return degree
+    return None
 
 
 def homogeneous(gpu_class: str, replicas: int, model: str = "llama-3.1-8b") -> FleetSpec:

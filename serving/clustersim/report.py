@@ -15,12 +15,16 @@ Disaggregated requests (prefilled on one replica, decoded on another) are left o
 comparison, which is about colocated placement; their GPU time is counted per phase instead
 (`prefill_gpu_hours`, `decode_gpu_hours`: the ready time of the prefill and decode pools),
 and the KV transfer's time from hand-off to landing is reported (`transfer_p50_s`, p99).
+
+A run over several models (a request's `model`, or the pools') is also summarised per model
+(`Summary.models`): its requests, its interactive requests within both clocks, and the cost
+of the pools serving it. A one-model run leaves `models` empty, so its output is unchanged.
 """
 
 from __future__ import annotations
 
 import csv
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +109,24 @@ class Summary:
     transfer_p99_s: float = float("nan")
     # The router's prediction error on the requests it predicted (module docstring).
     prediction: PredictionError | None = None
+    # Per model, where the run has more than one (module docstring); empty otherwise.
+    models: dict[str, ModelFigures] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFigures:
+    """One model's share of a multi-model run."""
+
+    model: str
+    requests: int
+    failed: int
+    interactive_requests: int
+    # Share of its interactive requests within both TTFT and TPOT objectives (failed ones
+    # miss); None when it had no interactive request.
+    interactive_slo_attainment: float | None
+    # The replica time of the pools serving it, at their prices.
+    cost_usd: float
+    cost_per_hour: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,8 +347,41 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
         },
         share_by_gpu={gpu: n / len(served) for gpu, n in sorted(by_gpu.items())} if served else {},
         prediction=prediction_error(served),
+        models=model_figures(
+            result, tiers.get("interactive") or SloTier("interactive", None, None)
+        ),
         **_phase_figures(result, served),
     )
+
+
+def model_figures(result: SimResult, interactive: SloTier) -> dict[str, ModelFigures]:
+    """Per model, when the fleet or the requests name more than one; {} otherwise."""
+    fleet = result.fleet
+    by_model: dict[str, list[RequestRecord]] = {model: [] for model in fleet.models}
+    for record in result.records:
+        by_model.setdefault(record.request.model or fleet.model, []).append(record)
+    if len(by_model) < 2:
+        return {}
+    cost = dict.fromkeys(by_model, 0.0)
+    for replica in result.replicas:
+        hours = ((replica.stopped_s or result.ended_s) - replica.started_s) / 3600
+        cost[fleet.pool_model(replica.pool)] += replica.pool.price_per_replica_hour * hours
+    duration_h = result.ended_s / 3600
+    figures = {}
+    for model, records in by_model.items():
+        asked = [r for r in records if r.request.tier == "interactive"]
+        figures[model] = ModelFigures(
+            model=model,
+            requests=len(records),
+            failed=sum(1 for r in records if r.failed),
+            interactive_requests=len(asked),
+            interactive_slo_attainment=(
+                tier_figures("interactive", asked, interactive).slo_attainment if asked else None
+            ),
+            cost_usd=cost[model],
+            cost_per_hour=cost[model] / duration_h if duration_h else 0.0,
+        )
+    return figures
 
 
 def _phase_figures(result: SimResult, served: list[RequestRecord]) -> dict[str, float]:
@@ -355,15 +410,17 @@ def _phase_figures(result: SimResult, served: list[RequestRecord]) -> dict[str, 
 
 
 def summary_rows(summary: Summary) -> list[dict[str, object]]:
-    """One row for the whole run and one per tier, for a CSV."""
-    head = {
-        k: v for k, v in asdict(summary).items() if k not in ("tiers", "share_by_gpu", "prediction")
-    }
+    """One row for the whole run, one per tier and, in a multi-model run, one per model,
+    for a CSV."""
+    nested = ("tiers", "share_by_gpu", "prediction", "models")
+    head = {k: v for k, v in asdict(summary).items() if k not in nested}
     if summary.prediction is not None:
         head |= {f"prediction_{k}": v for k, v in asdict(summary.prediction).items()}
     rows: list[dict[str, object]] = [{"scope": "all", **head}]
     for figures in summary.tiers.values():
         rows.append({"scope": f"tier:{figures.tier}", **asdict(figures)})
+    for model in summary.models.values():
+        rows.append({"scope": f"model:{model.model}", **asdict(model)})
     return rows
 
 
@@ -520,5 +577,12 @@ def format_summary(summary: Summary) -> str:
         lines.append(
             f"  {t.tier:<12} n={t.requests:<6} TTFT p99 {t.ttft_p99_s:.3f} s  "
             f"TTFT SLO {t.ttft_attainment:.2%}  TTFT+TPOT SLO {t.slo_attainment:.2%}"
+        )
+    for m in summary.models.values():
+        both = m.interactive_slo_attainment
+        lines.append(
+            f"  {m.model:<14} n={m.requests:<6} failed {m.failed:<4} interactive TTFT+TPOT SLO "
+            + (f"{both:.2%}" if both is not None else "-")
+            + f"  cost ${m.cost_usd:.2f} (${m.cost_per_hour:.2f}/h)"
         )
     return "\n".join(lines)

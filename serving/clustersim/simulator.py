@@ -18,6 +18,11 @@ autoscaler sees windowed samples of the same scrapes; a replica it adds pays for
 start before it takes traffic, and one it removes drains (leaves the router at once, stops
 when its engine is empty), paying until then.
 
+A fleet whose pools serve several models (`PoolSpec.model`) publishes one route per model,
+each over its own deployment (the fleet's own model keeps the one deployment a one-model
+fleet has), and a request is routed by its model (`SimRequest.model`, else the fleet's): the
+policy sees only that model's replicas, and a model no pool serves fails as no_candidates.
+
 Disaggregated fleets (pools with role prefill and decode) run through the disaggregated
 policy (`SimConfig(policy="disaggregated")`), which may also pick a colocated pool's
 replica. A disaggregated request is prefilled on its prefill replica (asked for one token,
@@ -226,7 +231,10 @@ class ClusterSimulator:
             )
             for name, perf in self._perf.items()
         }
-        self._route = ModelRoute(fleet.model, (DeploymentRoute(DEPLOYMENT, "v1", 100),))
+        self._routes = [
+            ModelRoute(model, (DeploymentRoute(self._deployment(model), "v1", 100),))
+            for model in fleet.models or (fleet.model,)
+        ]
         self._replicas: dict[str, SimReplica] = {}
         self._serial = 0
         if fleet.disaggregated and self.config.policy != DISAGGREGATED:
@@ -236,7 +244,7 @@ class ClusterSimulator:
             )
         self._link = load_link_specs()[fleet.kv_link]
         self._gateways = [
-            self._gateway(g, RouterState([self._route], [], seed=self._seed(g, 0)))
+            self._gateway(g, RouterState(self._routes, [], seed=self._seed(g, 0)))
             for g in range(self.config.gateways)
         ]
         self._arrivals = 0
@@ -269,10 +277,11 @@ class ClusterSimulator:
             clock_s=now_s,
             role=pool.role,
         )
+        model = self.fleet.pool_model(pool)
         view = ReplicaState(
             replica_id=replica_id,
-            deployment_id=DEPLOYMENT,
-            model=self.fleet.model,
+            deployment_id=self._deployment(model),
+            model=model,
             version="v1",
             pool=pool.name,
             gpu_class=pool.gpu_class,
@@ -291,6 +300,9 @@ class ClusterSimulator:
         self._dirty = True
         return replica
 
+    def _deployment(self, model: str) -> str:
+        return DEPLOYMENT if model == self.fleet.model else f"{DEPLOYMENT}-{model}"
+
     def _routable(self, now_s: float) -> list[SimReplica]:
         return [r for r in self._replicas.values() if r.drain_s is None and r.ready_s <= now_s]
 
@@ -301,7 +313,7 @@ class ClusterSimulator:
         for g, gateway in enumerate(self._gateways):
             version = gateway.state.version + 1
             state = RouterState(
-                [self._route],
+                self._routes,
                 [r.states[g] for r in routable],
                 version=version,
                 prefix_index=gateway.state.prefix_index,
@@ -427,7 +439,7 @@ class ClusterSimulator:
         router = gateway.state
         decision = gateway.policy.choose(
             RouteRequest(
-                model=self.fleet.model,
+                model=request.model or self.fleet.model,
                 tenant=request.tenant,
                 tier=request.tier,  # type: ignore[arg-type]
                 prompt_tokens=request.prompt_tokens,

@@ -14,6 +14,9 @@ any other file in either format (`load_trace`):
   name 512-token prompt blocks; equal ids at the same position mean an equal prefix. Each id
   becomes 32 chained 16-token blocks salted with the tenant.
 
+A multi-model workload is any of these with each request given a model by weight
+(`assign_models`); a request without one asks for the fleet's model.
+
 Tenants are spread by weight over every trace (`assign_tenants`): requests that share a first
 block keep one tenant while some tenant has room for all of them, so a tenant's prefix hits
 stay its own; a root shared by more requests than any tenant's share (a trace whose requests
@@ -28,9 +31,9 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import IO
@@ -57,6 +60,8 @@ class SimRequest:
     tenant: str
     tier: str
     block_hashes: tuple[int, ...] = ()
+    # None: the fleet's model.
+    model: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +133,19 @@ def assign_tenants(
         for index in rest:
             chosen[index] = by_name[picker.draw(rng).name]
     return [tenant for tenant in chosen if tenant is not None]
+
+
+def assign_models(
+    requests: Sequence[SimRequest], shares: Mapping[str, float], seed: int = 0
+) -> list[SimRequest]:
+    """The same requests, each asking for a model drawn by `shares` (weights, any scale).
+    The draws have their own random stream, so the arrivals and lengths stay the workload's."""
+    if not shares or min(shares.values()) < 0 or sum(shares.values()) <= 0:
+        raise ValueError(f"model shares must be non-negative weights with a positive sum: {shares}")
+    # TenantPicker's weighted draw, with the models in the tenants' place.
+    picker = TenantPicker([Tenant(model, "", weight) for model, weight in shares.items()])
+    rng = random.Random(seed)
+    return [replace(request, model=picker.draw(rng).name) for request in requests]
 
 
 def tenant_salt(tenant: str) -> int:
