@@ -2,8 +2,17 @@
 router and the real autoscaler policy. Imports nothing from Django."""
 
 from serving.clustersim.families import FAMILIES, FamilySpec
-from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, homogeneous, with_budget
+from serving.clustersim.fleet import (
+    TENSOR_PARALLEL_DEGREES,
+    AutoscaleBounds,
+    FleetSpec,
+    PoolSpec,
+    homogeneous,
+    smallest_tensor_parallel,
+    with_budget,
+)
 from serving.clustersim.report import (
+    ModelFigures,
     Summary,
     TierFigures,
     WorkCost,
@@ -20,6 +29,7 @@ from serving.clustersim.workloads import (
     LengthMix,
     SimRequest,
     Tenant,
+    assign_models,
     bursty,
     diurnal,
     load_azure_conversation,
@@ -30,12 +40,14 @@ from serving.clustersim.workloads import (
 __all__ = [
     "DEFAULT_TENANTS",
     "FAMILIES",
+    "TENSOR_PARALLEL_DEGREES",
     "AutoscaleBounds",
     "ClusterSimulator",
     "FamilySpec",
     "FleetSpec",
     "LengthClass",
     "LengthMix",
+    "ModelFigures",
     "PoolSpec",
     "SimConfig",
     "SimRequest",
@@ -44,6 +56,7 @@ __all__ = [
     "Tenant",
     "TierFigures",
     "WorkCost",
+    "assign_models",
     "bursty",
     "diurnal",
     "format_summary",
@@ -53,6 +66,7 @@ __all__ = [
     "plot",
     "poisson",
     "simulate",
+    "smallest_tensor_parallel",
     "summarize",
     "with_budget",
     "work_costs",

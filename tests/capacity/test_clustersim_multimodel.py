@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import multimodel
+from bench.multimodel import ClassFit, Row
 from serving.clustersim.fleet import FleetSpec, PoolSpec, homogeneous, smallest_tensor_parallel
 from serving.clustersim.report import summarize, summary_rows
 from serving.clustersim.simulator import SimConfig, SimResult, simulate
@@ -151,6 +153,56 @@ def test_model_shares_are_drawn_by_weight_and_keep_the_arrivals() -> None:
         assign_models(arrivals, {})
 
 
+def test_the_searched_mix_puts_each_model_on_its_cheapest_class_in_the_table() -> None:
+    table: dict[str, dict[str, ClassFit | None]] = {
+        "H200-SXM-141GB": {B70: ClassFit(1, 2, 7.98), B8: ClassFit(1, 1, 3.99), B1: None},
+        H100: {B70: ClassFit(2, 4, 27.92), B8: ClassFit(1, 1, 3.49), B1: ClassFit(1, 1, 3.49)},
+        L40S: {B70: None, B8: ClassFit(2, 2, 3.96), B1: ClassFit(1, 1, 0.99)},
+        # As cheap as the L40S for the 1B: the first class of the table keeps it.
+        "L4-24GB": {B70: None, B8: None, B1: ClassFit(1, 2, 0.99)},
+    }
+    mix = multimodel.searched_mix(table)
+    assert mix == {
+        B70: ("H200-SXM-141GB", ClassFit(1, 2, 7.98)),
+        B8: (H100, ClassFit(1, 1, 3.49)),
+        B1: (L40S, ClassFit(1, 1, 0.99)),
+    }
+    fleet = multimodel.combined_fleet(mix)
+    pools = {fleet.pool_model(p): (p.gpu_class, p.replicas, p.tensor_parallel) for p in fleet.pools}
+    assert pools == {B70: ("H200-SXM-141GB", 1, 2), B8: (H100, 1, 1), B1: (L40S, 1, 1)}
+    assert len({p.name for p in fleet.pools}) == 3
+
+
+def test_there_is_no_searched_mix_when_a_model_fits_no_class() -> None:
+    table: dict[str, dict[str, ClassFit | None]] = {
+        H100: {B70: None, B8: ClassFit(1, 1, 3.49)},
+        L40S: {B70: None, B8: ClassFit(2, 2, 3.96)},
+    }
+    assert multimodel.searched_mix(table) is None
+
+
+def fleet_row(policy: str, overall: float) -> Row:
+    return Row("searched", policy, "", 64.75, {B70: overall}, overall, 0)
+
+
+def test_the_policy_verdict_names_the_best_and_cost_aware_against_the_best_other() -> None:
+    rows = [
+        fleet_row("cost_aware", 0.97),
+        fleet_row("least_load", 0.95),
+        fleet_row("llm_d_epp", 0.98),
+        fleet_row("dynamo_kv", 0.98),
+    ]
+    assert multimodel.best_policies(rows) == ["llm_d_epp", "dynamo_kv"]
+    line = multimodel.policy_verdict("searched mix", rows)
+    assert line.startswith("best policy on the searched mix: llm_d_epp, dynamo_kv (98.00%)")
+    assert "cost_aware 97.00% vs the best other, llm_d_epp/dynamo_kv 98.00%: -1.00 points" in line
+
+
+def test_a_mixed_fleets_shortfall_names_only_the_models_under_the_slo() -> None:
+    short_row = Row("searched", "cost_aware", "", 1.0, {B70: 0.985, B8: 1.0, B1: None}, 0.995, 0)
+    assert multimodel.shortfalls(short_row) == {B70: 0.985}
+
+
 @pytest.mark.slow
 def test_the_multimodel_bench_runs_quick_at_a_tiny_scale(tmp_path: Path) -> None:
     out = tmp_path / "multimodel.json"
@@ -181,3 +233,28 @@ def test_the_multimodel_bench_runs_quick_at_a_tiny_scale(tmp_path: Path) -> None
     for row in planner:
         assert set(row["by_model"]) == {B70, B8, B1}
         assert row["usd_per_hour"] > 0
+
+    # The searched mix: each model on the cheapest class of the table the bench printed.
+    fits = report["single_class_fits"]
+    mix = report["searched_mix"]
+    for model in (B70, B8, B1):
+        cheapest = min(f["usd_per_hour"] for by_model in fits.values() if (f := by_model[model]))
+        chosen = mix[model]
+        assert chosen["usd_per_hour"] == cheapest
+        assert fits[chosen["gpu_class"]][model] == {
+            k: v for k, v in chosen.items() if k != "gpu_class"
+        }
+    searched = [row for row in report["rows"] if row["label"] == "searched"]
+    assert [row["policy"] for row in searched] == list(POLICIES)
+    hourly = sum(chosen["usd_per_hour"] for chosen in mix.values())
+    for row in searched:
+        assert set(row["by_model"]) == {B70, B8, B1}
+        assert row["usd_per_hour"] == pytest.approx(hourly)
+        assert mix[B70]["gpu_class"] in row["fleet"]
+    assert "verdict: searched mix under cost_aware" in done.stdout
+    assert set(report["best_policies"]) == {"planner", "searched"}
+    best = max(row["overall"] for row in searched)
+    assert report["best_policies"]["searched"] == [
+        row["policy"] for row in searched if row["overall"] == best
+    ]
+    assert "best policy on the searched mix: " in done.stdout
