@@ -16,9 +16,11 @@ Tier = Literal["interactive", "standard", "batch"]
 # Lower rank is served first by the admission queue; also the order tiers are listed in.
 TIER_RANK: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
 
-# Time constant of each replica's prompt-token rate: about one request's decode lifetime,
-# the span over which other requests' prefills interrupt its decode steps.
-PROMPT_RATE_WINDOW_S = 20.0
+# Time constant of each replica's prompt-token rate: about one request's decode lifetime
+# (a few hundred tokens at 20-40 ms a step), the span over which other requests' prefills
+# interrupt its decode steps. It was 20 s, which let a burst of prefills onto a prefix
+# holder go unseen for most of the decodes it slowed.
+PROMPT_RATE_WINDOW_S = 5.0
 
 
 @dataclass(slots=True, frozen=True)

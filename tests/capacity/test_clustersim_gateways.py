@@ -60,13 +60,14 @@ def digest(result: SimResult) -> str:
 # Digests of these runs taken from the simulator before it had gateways (one router state).
 # cost_aware's was taken again when its TPOT prediction learned the KV each decode step
 # reads (serving/router/predict.py), after the gateways had been checked against the old one,
-# and again when its prefix discount and near-tie choice learned to weigh TPOT too.
+# and again when its prefix discount and near-tie choice learned to weigh TPOT too, and when
+# the prompt-rate time constant fell from 20 s to 5 s.
 SINGLE_GATEWAY_RUNS = {
     "cost_aware": (
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "10e2b30cb728d398",
+        "7536edd5f07090a1",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

@@ -31,9 +31,13 @@ NOW = 1_000.0
 HASHES = (101, 102, 103, 104)
 # Every group scanned in full and no near-tie draw: the answer is unique, no sampling.
 EXHAUSTIVE = RouterConfig(near_tie_fraction=0.0, full_scan_max=1_000)
-# The same without a looser tier giving way to tighter ones when nothing meets.
+# The same without giving way when nothing meets (neither a looser tier to tighter ones
+# nor a request that misses everywhere to those that can still meet).
 EXHAUSTIVE_NO_YIELD = RouterConfig(
-    near_tie_fraction=0.0, full_scan_max=1_000, yield_to_tighter_tiers=False
+    near_tie_fraction=0.0,
+    full_scan_max=1_000,
+    yield_to_tighter_tiers=False,
+    yield_when_lost=False,
 )
 
 
@@ -119,9 +123,10 @@ def exhaustive_choice(
     state: RouterState, request: RouteRequest, config: RouterConfig
 ) -> tuple[set[str], bool]:
     """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
-    looser than the tightest objective (`yield_to_tighter_tiers`), the cheapest one missing
-    by at most `queue_over_slo_factor`; else the least bad (the smallest miss, the cheaper
-    between equal misses). Returns every replica tied for it."""
+    looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
+    on every candidate (`yield_when_lost`), the cheapest one missing by at most
+    `queue_over_slo_factor`; else the least bad (the smallest miss, the cheaper between
+    equal misses). Returns every replica tied for it."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
     tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
@@ -142,7 +147,7 @@ def exhaustive_choice(
             if request.adapter is not None and request.adapter in replica.adapters_loaded:
                 discount -= config.adapter_bonus
             if blocks:
-                headroom = 1.0 - prediction.ttft_s / ttft_limit
+                headroom = 1.0 - max(prediction.ttft_s / ttft_limit, prediction.tpot_s / tpot_limit)
                 if headroom > 0.0:
                     discount -= config.prefix_bonus * headroom * blocks / len(HASHES)
             if prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit:
@@ -160,6 +165,10 @@ def exhaustive_choice(
         config.yield_to_tighter_tiers
         and bool(objectives)
         and (tier.ttft_s is None or tier.ttft_s > min(objectives))
+    ) or (
+        config.yield_when_lost
+        and bool(missing)
+        and min(violation for (violation, _), _ in missing) > 1.0
     )
     tolerable = [
         ((price, violation), replica_id)

@@ -56,8 +56,8 @@ def test_prompts_queued_for_prefill_delay_the_predicted_first_token() -> None:
 def test_prompts_sent_to_a_replica_stretch_its_predicted_time_per_token() -> None:
     quiet, busy = replica("quiet", L40S), replica("busy", L40S)
     state = fleet(quiet, busy)
-    for n in range(10):
-        state.request_started("busy", 2_000, NOW - n)
+    for n in range(10):  # within a tenth of the rate's time constant: barely decayed
+        state.request_started("busy", 2_000, NOW - n * PROMPT_RATE_WINDOW_S / 100)
     ask = request()
     quiet_tpot = predict(quiet, ask, NOW, CONFIG).tpot_s
     busy_tpot = predict(busy, ask, NOW, CONFIG).tpot_s
