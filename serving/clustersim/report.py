@@ -284,6 +284,11 @@ def work_costs(result: SimResult) -> list[WorkCost]:
     return costs
 
 
+def alive_s(replica: SimReplica, result: SimResult) -> float:
+    """Seconds the replica was paid for: from its start to its stop, or the run's end."""
+    return (replica.stopped_s or result.ended_s) - replica.started_s
+
+
 def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) -> Summary:
     tiers = slo_tiers or result.config.router.slo_tiers or DEFAULT_SLO_TIERS
     records = result.records
@@ -293,12 +298,9 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
     served = [r for r in records if r.finished_s is not None]
     prompt = sum(r.request.prompt_tokens for r in served)
     output = sum(r.output_tokens for r in served)
-    replica_s = sum((r.stopped_s or result.ended_s) - r.started_s for r in result.replicas)
-    gpu_s = sum(r.gpus * ((r.stopped_s or result.ended_s) - r.started_s) for r in result.replicas)
-    cost = sum(
-        r.pool.price_per_replica_hour * ((r.stopped_s or result.ended_s) - r.started_s) / 3600
-        for r in result.replicas
-    )
+    replica_s = sum(alive_s(r, result) for r in result.replicas)
+    gpu_s = sum(r.gpus * alive_s(r, result) for r in result.replicas)
+    cost = sum(r.pool.price_per_replica_hour * alive_s(r, result) / 3600 for r in result.replicas)
     busy = sum(r.busy_s for r in result.replicas)
     by_gpu: dict[str, int] = {}
     for record in served:
@@ -364,7 +366,7 @@ def model_figures(result: SimResult, interactive: SloTier) -> dict[str, ModelFig
         return {}
     cost = dict.fromkeys(by_model, 0.0)
     for replica in result.replicas:
-        hours = ((replica.stopped_s or result.ended_s) - replica.started_s) / 3600
+        hours = alive_s(replica, result) / 3600
         cost[fleet.pool_model(replica.pool)] += replica.pool.price_per_replica_hour * hours
     duration_h = result.ended_s / 3600
     figures = {}
@@ -392,8 +394,7 @@ def _phase_figures(result: SimResult, served: list[RequestRecord]) -> dict[str, 
     hours = {"prefill": 0.0, "decode": 0.0}
     for replica in result.replicas:
         if replica.pool.role in hours:
-            stopped = replica.stopped_s or result.ended_s
-            hours[replica.pool.role] += replica.gpus * (stopped - replica.started_s) / 3600
+            hours[replica.pool.role] += replica.gpus * alive_s(replica, result) / 3600
     transfers = [
         r.kv_ready_s - r.handoff_s
         for r in split

@@ -853,12 +853,15 @@ class _Candidates:
         limit): the share of the objective it uses on the clock that binds."""
         ttft, tpot = option[_TTFT], option[_TPOT]
         assert ttft is not None and tpot is not None  # meeting options are predicted
+        return self._used(ttft, tpot)
+
+    def _used(self, ttft: float, tpot: float) -> float:
         return max(ttft / self.ttft_limit, tpot / self.tpot_limit)
 
     def _prefix_discount(self, ttft: float, tpot: float, blocks: int) -> float:
         """The prefix holder's discount: worth less the closer it is to either objective
         (a holder that meets TTFT by decoding slowly saves nothing)."""
-        headroom = 1.0 - max(ttft / self.ttft_limit, tpot / self.tpot_limit)
+        headroom = 1.0 - self._used(ttft, tpot)
         if headroom > 0.0:
             return self.config.prefix_bonus * headroom * blocks / self.total_blocks
         return 0.0

@@ -59,20 +59,22 @@ class Prediction(NamedTuple):
     cost_usd: float
 
 
+def _decayed(value: float, at: float, now: float) -> float:
+    """An exponentially decayed average last updated at `at`, as of `now`."""
+    elapsed = now - at
+    if elapsed <= 0.0 or not value:
+        return value
+    return value * math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
+
+
 def decayed_rate(replica: ReplicaState, now: float) -> float:
     """The replica's prompt tokens per second, decayed from its last update to `now`."""
-    elapsed = now - replica.prompt_rate_at
-    if elapsed <= 0.0 or not replica.prompt_rate:
-        return replica.prompt_rate
-    return replica.prompt_rate * math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
+    return _decayed(replica.prompt_rate, replica.prompt_rate_at, now)
 
 
 def decayed_finish_count(replica: ReplicaState, now: float) -> float:
     """The replica's decayed finish average as stored (no warm-up correction), at `now`."""
-    elapsed = now - replica.finish_rate_at
-    if elapsed <= 0.0 or not replica.finish_rate:
-        return replica.finish_rate
-    return replica.finish_rate * math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
+    return _decayed(replica.finish_rate, replica.finish_rate_at, now)
 
 
 def decayed_finish_rate(replica: ReplicaState, now: float) -> float:
