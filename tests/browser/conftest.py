@@ -84,6 +84,21 @@ def log_in(page: Page, base_url: str, username: str) -> None:
     page.wait_for_load_state()
 
 
+def widths(page: Page) -> tuple[int, int]:
+    """The page's scroll width and its viewport's width, once the document has loaded: a
+    click that navigates leaves no document for a moment, and a check then reads nothing."""
+    page.wait_for_load_state()
+    scroll_width, client_width = page.evaluate(
+        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
+    )
+    return int(scroll_width), int(client_width)
+
+
+def assert_fits(page: Page, what: str) -> None:
+    scroll_width, client_width = widths(page)
+    assert scroll_width <= client_width, f"the {what} page scrolls sideways ({scroll_width} px)"
+
+
 def screenshot(page: Page, name: str) -> Path:
     SCREENSHOTS.mkdir(exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"

@@ -17,7 +17,7 @@ from playwright.sync_api import Page, expect
 from metering.models import PriceSheet, UsageEvent
 from tenants.actions import do_create_tenant
 from tenants.models import Quota, Tenant
-from tests.browser.conftest import log_in, make_user, screenshot
+from tests.browser.conftest import assert_fits, log_in, make_user, screenshot
 from tests.gateway.conftest import GatewayServer
 from tests.registry.conftest import make_model
 
@@ -52,13 +52,6 @@ def billing_data(transactional_db: None, redis_client: redis.Redis) -> Tenant:
             ended_at=at,
         )
     return acme
-
-
-def assert_fits(page: Page, what: str) -> None:
-    scroll_width, client_width = page.evaluate(
-        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
-    )
-    assert scroll_width <= client_width, f"the {what} page scrolls sideways"
 
 
 @pytest.mark.parametrize("width", [1280, 390])

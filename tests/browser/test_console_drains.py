@@ -6,7 +6,6 @@ force or cancel it; forcing stops the replica and the node ends drained. The pag
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import redis
@@ -18,7 +17,7 @@ from registry.models import Deployment
 from serving.actions.nodes import do_drain_node
 from serving.actions.reconcile import do_reconcile
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
-from tests.browser.conftest import in_thread, log_in, make_user, screenshot
+from tests.browser.conftest import assert_fits, in_thread, log_in, make_user, screenshot
 from tests.gateway.conftest import GatewayServer
 from tests.registry.conftest import approved_version, make_model
 
@@ -56,12 +55,6 @@ def blocked_drain(gpu_classes: None, redis_client: redis.Redis) -> Replica:
     return replica
 
 
-def _overflow(page: Page) -> Any:
-    return page.evaluate(
-        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
-    )
-
-
 @pytest.mark.parametrize("width", [1280, 390])
 def test_a_blocked_drain_asks_to_force_or_cancel_and_force_drains_the_node(
     gateway_server: GatewayServer, blocked_drain: Replica, page: Page, width: int
@@ -81,8 +74,7 @@ def test_a_blocked_drain_asks_to_force_or_cancel_and_force_drains_the_node(
     )
     expect(drain.locator("button:has-text('Force drain')")).to_be_visible()
     expect(drain.locator("button:has-text('Cancel drain')")).to_be_visible()
-    scroll_width, client_width = _overflow(page)
-    assert scroll_width <= client_width, "the fleet page scrolls sideways"
+    assert_fits(page, "fleet")
     screenshot(page, f"console-drain-blocked-{width}")
 
     page.once("dialog", lambda dialog: dialog.accept())
@@ -98,6 +90,5 @@ def test_a_blocked_drain_asks_to_force_or_cancel_and_force_drains_the_node(
     page.goto(f"{gateway_server.url}/console/fleet/")
     expect(page.locator(f"#node-{node_id} .badge")).to_have_text("Drained")
     expect(page.locator(f"#drain-{node_id}")).to_contain_text("no replicas left on it")
-    scroll_width, client_width = _overflow(page)
-    assert scroll_width <= client_width, "the fleet page scrolls sideways"
+    assert_fits(page, "fleet")
     screenshot(page, f"console-drain-done-{width}")

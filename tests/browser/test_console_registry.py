@@ -5,8 +5,6 @@ fits a 390 px screen."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import redis
 from playwright.sync_api import Page, expect
@@ -14,7 +12,7 @@ from playwright.sync_api import Page, expect
 from registry.actions import do_create_deployment
 from registry.models import Deployment, ModelVersion
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
-from tests.browser.conftest import log_in, make_user, screenshot
+from tests.browser.conftest import assert_fits, log_in, make_user, screenshot
 from tests.gateway.conftest import GatewayServer
 from tests.registry.conftest import approved_version, make_model
 
@@ -52,17 +50,6 @@ def fleet_rows(gpu_classes: None, redis_client: redis.Redis) -> dict[str, Deploy
     return {"small": small, "big": big}
 
 
-def _overflow(page: Page) -> Any:
-    return page.evaluate(
-        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
-    )
-
-
-def _fits(page: Page, what: str) -> None:
-    scroll_width, client_width = _overflow(page)
-    assert scroll_width <= client_width, f"the models page scrolls sideways ({what})"
-
-
 @pytest.mark.parametrize("width", [1280, 390])
 def test_the_models_page_registers_versions_shows_capacity_and_removes_deployments(
     gateway_server: GatewayServer, fleet_rows: dict[str, Deployment], page: Page, width: int
@@ -80,7 +67,7 @@ def test_the_models_page_registers_versions_shows_capacity_and_removes_deploymen
     expect(big_row.locator(".deployment-status")).to_contain_text("since ")
     expect(big_row.locator(".ready-desired")).to_have_text("0 / 1")
     expect(page.locator(f"#deployment-{small.pk} .ready-desired")).to_have_text("1 / 1")
-    _fits(page, "deployments")
+    assert_fits(page, "models (deployments)")
 
     # The live check says the same before anything is saved.
     form = page.locator("form[hx-post]")
@@ -88,7 +75,7 @@ def test_the_models_page_registers_versions_shows_capacity_and_removes_deploymen
     form.locator("select[name=tensor_parallel]").select_option("4")
     expect(page.locator("#placement")).to_contain_text("Pending capacity")
     expect(page.locator("#placement")).to_contain_text("no node has 4 free GPUs")
-    _fits(page, "placement check")
+    assert_fits(page, "models (placement check)")
 
     # A refused version says why on the form and keeps what was typed.
     versions = page.locator("#version-form")
@@ -102,7 +89,7 @@ def test_the_models_page_registers_versions_shows_capacity_and_removes_deploymen
         "ftp://nowhere/llama"
     )
     assert not ModelVersion.objects.filter(version="v2").exists()
-    _fits(page, "refused version")
+    assert_fits(page, "models (refused version)")
 
     versions.locator("input[name=artifact_uri]").fill("hf://meta-llama/Llama-3.1-70B-Instruct")
     versions.locator("button[type=submit]").click()
@@ -115,4 +102,4 @@ def test_the_models_page_registers_versions_shows_capacity_and_removes_deploymen
     expect(page.locator(".messages")).to_contain_text("llama-70b-h100 removed")
     expect(page.locator(f"#deployment-{big.pk} .deployment-status")).to_have_text("draining")
     assert Deployment.objects.get(pk=big.pk).status == Deployment.Status.DRAINING
-    _fits(page, "after removal")
+    assert_fits(page, "models (after removal)")

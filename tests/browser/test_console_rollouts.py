@@ -3,8 +3,6 @@ weight is held at 0 %, why and since when, and fits a 390 px screen."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import redis
 from playwright.sync_api import Page, expect
@@ -14,7 +12,7 @@ from registry.models import Rollout
 from registry.tasks import rollout_tick
 from serving.actions.reconcile import do_reconcile
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
-from tests.browser.conftest import in_thread, log_in, make_user, screenshot
+from tests.browser.conftest import assert_fits, in_thread, log_in, make_user, screenshot
 from tests.gateway.conftest import GatewayServer
 from tests.registry.conftest import approved_version, make_model
 
@@ -48,12 +46,6 @@ def held_rollout(gpu_classes: None, redis_client: redis.Redis) -> Rollout:
     return rollout
 
 
-def _overflow(page: Page) -> Any:
-    return page.evaluate(
-        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
-    )
-
-
 @pytest.mark.parametrize("width", [1280, 390])
 def test_a_held_rollout_shows_its_hold_and_reason_and_fits_the_screen(
     gateway_server: GatewayServer, held_rollout: Rollout, page: Page, width: int
@@ -62,8 +54,7 @@ def test_a_held_rollout_shows_its_hold_and_reason_and_fits_the_screen(
     log_in(page, gateway_server.url, "ops")
     page.goto(f"{gateway_server.url}/console/rollouts/")
     expect(page.locator("#gate-minimum")).to_contain_text("before 50 canary requests")
-    scroll_width, client_width = _overflow(page)
-    assert scroll_width <= client_width, "the rollouts page scrolls sideways"
+    assert_fits(page, "rollouts")
 
     page.goto(f"{gateway_server.url}/console/rollouts/{held_rollout.pk}/")
     expect(page.locator("#rollout-state")).to_have_text("running")
@@ -75,8 +66,7 @@ def test_a_held_rollout_shows_its_hold_and_reason_and_fits_the_screen(
         "no room for a canary replica: needs 1 free GPU on one node; its pool has 0 free on 1 node"
     )
     expect(page.locator("#gate-minimum")).to_contain_text("No verdict before 50 canary requests")
-    scroll_width, client_width = _overflow(page)
-    assert scroll_width <= client_width, "the rollout page scrolls sideways"
+    assert_fits(page, "rollout")
     screenshot(page, f"console-rollout-held-{width}")
 
     page.once("dialog", lambda dialog: dialog.accept())

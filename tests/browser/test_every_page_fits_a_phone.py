@@ -22,7 +22,7 @@ from pytest_django import Settings
 
 from registry.models import Rollout
 from tenants.models import ApiKey
-from tests.browser.conftest import PASSWORD, in_thread, log_in
+from tests.browser.conftest import PASSWORD, in_thread, log_in, widths
 from tests.gateway.conftest import GatewayServer
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -53,12 +53,6 @@ def page_paths(tenant: str) -> list[str]:
             continue
         paths.append("/" + filled)
     return sorted(set(paths))
-
-
-def _overflow(page: Page) -> Any:
-    return page.evaluate(
-        "[document.documentElement.scrollWidth, document.documentElement.clientWidth]"
-    )
 
 
 @pytest.fixture
@@ -92,7 +86,7 @@ def test_every_console_and_portal_page_fits_a_390_px_screen(
             assert probe.status == 200, f"{path} answered {probe.status}"
             page.goto(f"{gateway_server.url}{path}")
             page.wait_for_load_state()
-            scroll_width, client_width = _overflow(page)
+            scroll_width, client_width = widths(page)
             checked.append(path)
             if scroll_width > client_width:
                 too_wide.append(f"{path} ({scroll_width} px wide)")
