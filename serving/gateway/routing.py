@@ -61,6 +61,7 @@ CARRIED_ACROSS_VERSIONS = (
     "prefill_pending_tokens",
     "prompt_rate",
     "prompt_rate_at",
+    "prefill_rate",
     "finish_rate",
     "finish_rate_at",
     "finish_rate_since",

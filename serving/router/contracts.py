@@ -118,6 +118,9 @@ class ReplicaState:
     # `prompt_rate_at`: the prefill work that will keep interrupting the replica's decodes.
     prompt_rate: float = 0.0
     prompt_rate_at: float = 0.0
+    # The prefills sent here per second, decayed alike as of `prompt_rate_at`: with
+    # `prompt_rate`, the mean prompt, which sizes the prefill chunks that ride with decodes.
+    prefill_rate: float = 0.0
     # This gateway's requests that finished there per second, decayed alike as of
     # `finish_rate_at`: how fast a full batch frees slots for the requests queued behind it.
     # `finish_rate_since`: when this gateway first sent it a request (0: never), for the
@@ -174,8 +177,8 @@ class RouterConfig:
     # A replica is accepted only when its predicted TTFT and TPOT are within this fraction
     # of the objective: the prediction is a linear fit and future arrivals are estimated.
     slo_margin: float = 0.8
-    # Prefill work above this fraction of a replica's time is treated as this fraction, so
-    # the TPOT estimate decode_step / (1 - prefill share) stays finite.
+    # Prefill work above this fraction of a replica's time is treated as this fraction:
+    # the rest of its steps are taken to decode alone.
     max_prefill_share: float = 0.95
     # Tokens per prefix-hash block (vLLM's default KV block size).
     prefix_block_tokens: int = 16

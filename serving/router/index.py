@@ -20,7 +20,7 @@ from serving.router.contracts import (
     ReplicaPerf,
     ReplicaState,
 )
-from serving.router.predict import decayed_finish_count, decayed_rate
+from serving.router.predict import decay_factor, decayed_finish_count
 from serving.router.prefix import PrefixIndex
 
 
@@ -272,7 +272,10 @@ class RouterState:
         if now is not None and not replica.finish_rate_since:
             replica.finish_rate_since = now
         if now is not None and prompt_tokens:
-            replica.prompt_rate = decayed_rate(replica, now) + prompt_tokens / PROMPT_RATE_WINDOW_S
+            # Both averages decay from `prompt_rate_at`, so their ratio is the mean prompt.
+            decay = decay_factor(replica.prompt_rate_at, now)
+            replica.prompt_rate = replica.prompt_rate * decay + prompt_tokens / PROMPT_RATE_WINDOW_S
+            replica.prefill_rate = replica.prefill_rate * decay + 1.0 / PROMPT_RATE_WINDOW_S
             replica.prompt_rate_at = now
 
     def request_first_token(self, replica_id: str, prompt_tokens: int) -> None:

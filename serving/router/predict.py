@@ -13,13 +13,16 @@ in-flight count is a fresh lower bound on what the replica holds), `B = max_num_
                 + prefill(ahead + prompt_tokens - cached_prefix_tokens)
                 + (adapter_load_s if the adapter is not resident)
                 + (load - B + 1) / finish rate   when the batch is full: wait for a slot
-    share       = prefill_s_per_token * (prompt-token rate sent here, ours included)
+    rate        = prompt tokens sent here per second, ours included (see below)
+    chunk       = min(K, max(rate / prefills sent per second, prefill queued now + ours))
+    mixed       = max(step, prefill_base_s + prefill_s_per_token * chunk)
+    share       = min(max_prefill_share, rate / chunk * mixed)   time in mixed steps
     kv          = max(kv_usage * kv_capacity_tokens, batch * context per sequence)
                 + prompt_tokens                  (context per sequence: this gateway's
                                                  in-flight prompts there on average, or ours)
     step        = decode_base_s + decode_s_per_seq * (batch + 1)
                 + decode_s_per_kv_token * max(0, kv - (batch + 1) * typical_context_tokens)
-    TPOT        = step / (1 - share)
+    TPOT        = 1 / (share / mixed + (1 - share) / step)     (step when mixed = step)
 
 A full batch (`load >= B`) admits a new sequence only when one finishes: the wait is the
 sequences queued ahead of ours over the rate at which the replica finishes them, this
@@ -27,10 +30,15 @@ gateway's own decayed finish rate there scaled up by `load / inflight` (the shar
 replica's load that is ours); with no finish seen yet it is left out.
 
 The engine schedules chunked prefill FIFO, so prompts ahead of ours delay our first token,
-and prompts arriving after ours interrupt our decode steps: a step carrying a prefill chunk
-of up to K tokens takes that chunk's compute time, so decodes advance only in the
-`1 - share` of the replica's time left over by prefill. The rate is the gateway's own
-exponentially decayed count of prompt tokens sent (see `RouterState.request_started`).
+and prompts arriving after ours share our decode steps. vLLM schedules the running decodes
+first and fills the step's token budget K with prefill, so a mixed step advances every
+decode by a token and takes the longer of the decode's memory time and the chunk's
+compute: a prompt whose chunk computes within the decode step costs nothing per token,
+and a long one stretches the steps it rides in. A chunk is the mean prompt sent here, or
+the prefill queued now when more (queued prompts go in together), at most K. The rates
+are the gateway's own exponentially decayed counts of prompt tokens and of prefills sent
+(see `RouterState.request_started`), corrected for their warm-up like the finish rate:
+a first burst is a burst, not a fifth of one.
 
 Both are multiplied by `1 + kv_inflation * (kv_usage - kv_high_watermark) / (1 - watermark)`
 above the watermark (preemptions recompute and stall), and by `stale_penalty` when the
@@ -59,17 +67,19 @@ class Prediction(NamedTuple):
     cost_usd: float
 
 
+def decay_factor(at: float, now: float) -> float:
+    """What an exponentially decayed average last updated at `at` keeps of itself at `now`."""
+    elapsed = now - at
+    if elapsed <= 0.0:
+        return 1.0
+    return math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
+
+
 def _decayed(value: float, at: float, now: float) -> float:
     """An exponentially decayed average last updated at `at`, as of `now`."""
-    elapsed = now - at
-    if elapsed <= 0.0 or not value:
+    if not value:
         return value
-    return value * math.exp(-elapsed / PROMPT_RATE_WINDOW_S)
-
-
-def decayed_rate(replica: ReplicaState, now: float) -> float:
-    """The replica's prompt tokens per second, decayed from its last update to `now`."""
-    return _decayed(replica.prompt_rate, replica.prompt_rate_at, now)
+    return value * decay_factor(at, now)
 
 
 def decayed_finish_count(replica: ReplicaState, now: float) -> float:
@@ -77,21 +87,29 @@ def decayed_finish_count(replica: ReplicaState, now: float) -> float:
     return _decayed(replica.finish_rate, replica.finish_rate_at, now)
 
 
+def warm_up(replica: ReplicaState, now: float) -> float:
+    """The correction of the replica's decayed averages for their warm-up: over the `t`
+    seconds since this gateway first sent it a request a decayed sum has seen only
+    `1 - exp(-t / window)` of a full window, so it is divided by that. Uncorrected, the
+    finish rate would start near 0 and predict slot waits of minutes, and the prompt rate
+    would start near 0 and predict no prefill in the decodes of the first burst."""
+    since = replica.finish_rate_since
+    if not since:
+        return 1.0
+    observed = now - since
+    if observed >= 10.0 * PROMPT_RATE_WINDOW_S:
+        return 1.0
+    seen = 1.0 - math.exp(-observed / PROMPT_RATE_WINDOW_S)
+    return 1.0 / seen if seen > 0.0 else 1.0
+
+
 def decayed_finish_rate(replica: ReplicaState, now: float) -> float:
-    """This gateway's requests finished per second on the replica, decayed to `now`, and
-    corrected for the average's warm-up: over the `t` seconds since the gateway first sent
-    the replica a request the decayed sum has seen only `1 - exp(-t / window)` of a full
-    window, so it is divided by that (an estimate that would otherwise start near 0 and
-    predict slot waits of minutes)."""
+    """This gateway's requests finished per second on the replica, decayed to `now` and
+    corrected for the average's warm-up (`warm_up`)."""
     rate = decayed_finish_count(replica, now)
     if not rate:
         return 0.0
-    observed = now - replica.finish_rate_since
-    if replica.finish_rate_since and observed < 10.0 * PROMPT_RATE_WINDOW_S:
-        seen = 1.0 - math.exp(-observed / PROMPT_RATE_WINDOW_S)
-        if seen > 0.0:
-            rate /= seen
-    return rate
+    return rate * warm_up(replica, now)
 
 
 def predict(
@@ -225,10 +243,26 @@ class RequestPredictor:
         if adapter is not None and adapter not in replica.adapters_loaded:
             ttft += self.adapter_load_s
 
-        share = per_token * (decayed_rate(replica, self.now) + new_tokens / PROMPT_RATE_WINDOW_S)
-        if share > self.max_share:
-            share = self.max_share
-        tpot = decode_step / (1.0 - share)
+        # Prefill rides in mixed steps: each carries every running decode, ours included,
+        # and one chunk of the prompts sent here (their mean size, ours counted, at most K),
+        # and takes at least the decode step. Such steps fill the share `s` of the time
+        # their compute needs; ours advances one token a step either way.
+        decay = decay_factor(replica.prompt_rate_at, self.now) * warm_up(replica, self.now)
+        prompts = replica.prompt_rate * decay + new_tokens / PROMPT_RATE_WINDOW_S
+        prefills = replica.prefill_rate * decay + 1.0 / PROMPT_RATE_WINDOW_S
+        chunk = prompts / prefills
+        if chunk < to_prefill:
+            chunk = to_prefill  # prompts queued now go in together
+        if chunk > perf.max_num_batched_tokens:
+            chunk = perf.max_num_batched_tokens
+        mixed_step = perf.prefill_base_s + per_token * chunk
+        if mixed_step > decode_step:
+            share = prompts / chunk * mixed_step
+            if share > self.max_share:
+                share = self.max_share
+            tpot = 1.0 / (share / mixed_step + (1.0 - share) / decode_step)
+        else:
+            tpot = decode_step
 
         factor = 1.0
         kv_usage, watermark = replica.kv_usage, self.watermark

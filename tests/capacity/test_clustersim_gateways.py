@@ -61,13 +61,14 @@ def digest(result: SimResult) -> str:
 # cost_aware's was taken again when its TPOT prediction learned the KV each decode step
 # reads (serving/router/predict.py), after the gateways had been checked against the old one,
 # and again when its prefix discount and near-tie choice learned to weigh TPOT too, and when
-# the prompt-rate time constant fell from 20 s to 5 s.
+# the prompt-rate time constant fell from 20 s to 5 s, and when the TPOT prediction learned
+# that decodes ride in mixed steps.
 SINGLE_GATEWAY_RUNS = {
     "cost_aware": (
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "7536edd5f07090a1",
+        "4c354766f01dea16",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

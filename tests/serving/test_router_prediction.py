@@ -108,9 +108,16 @@ def test_prefix_affinity_fades_on_a_holder_close_to_its_ttft_objective() -> None
     assert decision.replica is cheaper
 
 
-def _own_share(target: ReplicaState, prompt_tokens: int) -> float:
-    """The prefill share of the request's own prompt alone (nothing else sent there)."""
-    return target.perf.prefill_s_per_token * prompt_tokens / PROMPT_RATE_WINDOW_S
+def _tpot_with_own_prefill(target: ReplicaState, step: float, prompt_tokens: int) -> float:
+    """The TPOT of decode steps of `step` seconds when the request's own prompt is the only
+    prefill sent there: its one mixed step, of the prompt's compute or the decode step,
+    whichever is longer, fills `share` of the time; every step advances a token."""
+    perf = target.perf
+    mixed = perf.prefill_base_s + perf.prefill_s_per_token * prompt_tokens
+    if mixed <= step:
+        return step
+    share = mixed / PROMPT_RATE_WINDOW_S  # one prompt per window, in one mixed step
+    return 1.0 / (share / mixed + (1.0 - share) / step)
 
 
 def test_each_sequences_whole_context_lengthens_the_predicted_decode_step() -> None:
@@ -130,9 +137,12 @@ def test_each_sequences_whole_context_lengthens_the_predicted_decode_step() -> N
     # Past the fit's context: the short batch reads none, the long one all of this.
     assert 31 * typical > 30 * 500 + 4_000
     excess = 30 * 4_000 + 4_000 - 31 * typical
-    read = perf.decode_s_per_kv_token * excess / (1 - _own_share(long, 4_000))
+    step = perf.decode_base_s + perf.decode_s_per_seq * 31
     assert perf.decode_s_per_kv_token > 0
-    assert long_tpot - short_tpot == pytest.approx(read)
+    assert short_tpot == pytest.approx(_tpot_with_own_prefill(short, step, 4_000))
+    long_step = step + perf.decode_s_per_kv_token * excess
+    assert long_tpot == pytest.approx(_tpot_with_own_prefill(long, long_step, 4_000))
+    assert long_tpot > short_tpot
     # Finished, the requests take their context with them.
     for _ in range(30):
         state.request_finished("long", 0, context_tokens=4_000)
@@ -148,4 +158,73 @@ def test_a_batch_at_the_fits_context_predicts_what_it_did_before() -> None:
         state.request_started("busy", 0, None, context_tokens=typical)
     step = busy.perf.decode_base_s + busy.perf.decode_s_per_seq * 21
     predicted = predict(busy, request(prompt_tokens=typical), NOW, CONFIG).tpot_s
-    assert predicted == pytest.approx(step / (1 - _own_share(busy, typical)))
+    assert predicted == pytest.approx(_tpot_with_own_prefill(busy, step, typical))
+
+
+def _step(target: ReplicaState, batch: int) -> float:
+    """The decode step of `batch` sequences at the fit's context, ours among them."""
+    return target.perf.decode_base_s + target.perf.decode_s_per_seq * batch
+
+
+def test_short_prompts_ride_in_the_decode_step_and_cost_no_time_per_token() -> None:
+    """A mixed step takes the longer of its decode and its prefill chunk: prompts whose
+    chunk computes within the decode step leave TPOT at the step, however many arrive."""
+    target, quiet = replica("a", H100, running=40), replica("quiet", H100, running=40)
+    state = fleet(target, quiet)
+    for n in range(200):
+        state.request_started("a", 8, NOW - n * 0.01)
+        state.request_first_token("a", 8)
+        state.request_finished("a", 8)  # served: only their rate stays
+    assert target.prompt_rate > 0.0
+    ask = request(prompt_tokens=8)
+    perf = target.perf
+    assert perf.prefill_base_s + perf.prefill_s_per_token * 8 < _step(target, 41)
+    tpot = predict(target, ask, NOW, CONFIG).tpot_s
+    assert tpot == pytest.approx(predict(quiet, ask, NOW, CONFIG).tpot_s)
+    assert tpot < 1.01 * _step(target, 41)
+
+
+def test_every_mixed_step_advances_the_decode_so_time_per_token_stays_below_a_mixed_step() -> None:
+    """Prompts sent faster than the replica can prefill them fill nearly all its time with
+    mixed steps; decodes ride in each (vLLM schedules running requests first), so TPOT
+    approaches the mixed step, not an unbounded stall."""
+    target = replica("a", L40S, running=10)
+    state = fleet(target)
+    for n in range(200):
+        state.request_started("a", 4_000, NOW - n * 0.005)
+    state.request_first_token("a", 200 * 4_000)  # all prefilled: no queue to batch together
+    perf = target.perf
+    mixed = perf.prefill_base_s + perf.prefill_s_per_token * 4_000
+    tpot = predict(target, request(prompt_tokens=4_000), NOW, CONFIG).tpot_s
+    assert _step(target, 11) < tpot <= mixed
+    assert tpot > 0.9 * mixed  # the share is capped at 95 %: nearly every step is mixed
+
+
+def test_prompts_queued_now_are_prefilled_together_in_a_longer_mixed_step() -> None:
+    """The engine packs queued prompts into one step of up to K tokens, so a replica with
+    prefill queued decodes in longer steps than one that sent the same rate of prompts
+    already prefilled."""
+    prefilled, queued = replica("prefilled", H100, running=10), replica("queued", H100, running=10)
+    state = fleet(prefilled, queued)
+    for name in ("prefilled", "queued"):
+        for n in range(20):
+            state.request_started(name, 1_000, NOW - n * 0.05)
+    state.request_first_token("prefilled", 20 * 1_000)
+    ask = request(prompt_tokens=1_000)
+    assert predict(queued, ask, NOW, CONFIG).tpot_s > predict(prefilled, ask, NOW, CONFIG).tpot_s
+
+
+def test_the_prompt_rate_is_corrected_for_its_warm_up() -> None:
+    """A burst in the first second this gateway sends a replica anything is a burst: the
+    decayed average, having seen a fifth of a window, is scaled up to a full window's
+    rate, so the first requests' decodes expect the prefills they will meet."""
+    fresh, steady = replica("fresh", H100, running=10), replica("steady", H100, running=10)
+    state = fleet(fresh, steady)
+    state.request_started("steady", 1, NOW - 100 * PROMPT_RATE_WINDOW_S)  # long known
+    state.request_finished("steady", 1)
+    for name in ("fresh", "steady"):
+        for n in range(10):
+            state.request_started(name, 3_000, NOW - 1.0 + n * 0.1)
+        state.request_first_token(name, 10 * 3_000)
+    ask = request(prompt_tokens=3_000)
+    assert predict(fresh, ask, NOW, CONFIG).tpot_s > predict(steady, ask, NOW, CONFIG).tpot_s
