@@ -31,14 +31,15 @@ replica's load that is ours); with no finish seen yet it is left out.
 
 The engine schedules chunked prefill FIFO, so prompts ahead of ours delay our first token,
 and prompts arriving after ours share our decode steps. vLLM schedules the running decodes
-first and fills the step's token budget K with prefill, so a mixed step advances every
-decode by a token and takes the longer of the decode's memory time and the chunk's
-compute: a prompt whose chunk computes within the decode step costs nothing per token,
-and a long one stretches the steps it rides in. A chunk is the mean prompt sent here, or
-the prefill queued now when more (queued prompts go in together), at most K. The rates
-are the gateway's own exponentially decayed counts of prompt tokens and of prefills sent
-(see `RouterState.request_started`), corrected for their warm-up like the finish rate:
-a first burst is a burst, not a fifth of one.
+first and fills the step's token budget K with prefill ("First, schedule the RUNNING
+requests", then the waiting ones: `Scheduler.schedule` in vllm/v1/core/sched/scheduler.py,
+vLLM 0.32), so a mixed step advances every decode by a token and takes the longer of the
+decode's memory time and the chunk's compute: a prompt whose chunk computes within the
+decode step costs nothing per token, and a long one stretches the steps it rides in. A
+chunk is the mean prompt sent here, or the prefill queued now when more (queued prompts go
+in together), at most K. The rates are the gateway's own exponentially decayed counts of
+prompt tokens and of prefills sent (see `RouterState.request_started`), corrected for
+their warm-up like the finish rate: a first burst is a burst, not a fifth of one.
 
 Both are multiplied by `1 + kv_inflation * (kv_usage - kv_high_watermark) / (1 - watermark)`
 above the watermark (preemptions recompute and stall), and by `stale_penalty` when the
