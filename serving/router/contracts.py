@@ -124,7 +124,7 @@ class ReplicaState:
     # This gateway's requests that finished there per second, decayed alike as of
     # `finish_rate_at`: how fast a full batch frees slots for the requests queued behind it.
     # `finish_rate_since`: when this gateway first sent it a request (0: never), for the
-    # average's warm-up (see `predict.decayed_finish_rate`).
+    # warm-up of this average and of the prompt and prefill rates (see `predict.warm_up`).
     finish_rate: float = 0.0
     finish_rate_at: float = 0.0
     finish_rate_since: float = 0.0

@@ -108,6 +108,11 @@ def test_prefix_affinity_fades_on_a_holder_close_to_its_ttft_objective() -> None
     assert decision.replica is cheaper
 
 
+def _step(target: ReplicaState, batch: int) -> float:
+    """The decode step of `batch` sequences at the fit's context, ours among them."""
+    return target.perf.decode_base_s + target.perf.decode_s_per_seq * batch
+
+
 def _tpot_with_own_prefill(target: ReplicaState, step: float, prompt_tokens: int) -> float:
     """The TPOT of decode steps of `step` seconds when the request's own prompt is the only
     prefill sent there: its one mixed step, of the prompt's compute or the decode step,
@@ -137,7 +142,7 @@ def test_each_sequences_whole_context_lengthens_the_predicted_decode_step() -> N
     # Past the fit's context: the short batch reads none, the long one all of this.
     assert 31 * typical > 30 * 500 + 4_000
     excess = 30 * 4_000 + 4_000 - 31 * typical
-    step = perf.decode_base_s + perf.decode_s_per_seq * 31
+    step = _step(long, 31)
     assert perf.decode_s_per_kv_token > 0
     assert short_tpot == pytest.approx(_tpot_with_own_prefill(short, step, 4_000))
     long_step = step + perf.decode_s_per_kv_token * excess
@@ -156,14 +161,9 @@ def test_a_batch_at_the_fits_context_predicts_what_it_did_before() -> None:
     typical = busy.perf.typical_context_tokens
     for _ in range(20):
         state.request_started("busy", 0, None, context_tokens=typical)
-    step = busy.perf.decode_base_s + busy.perf.decode_s_per_seq * 21
+    step = _step(busy, 21)
     predicted = predict(busy, request(prompt_tokens=typical), NOW, CONFIG).tpot_s
     assert predicted == pytest.approx(_tpot_with_own_prefill(busy, step, typical))
-
-
-def _step(target: ReplicaState, batch: int) -> float:
-    """The decode step of `batch` sequences at the fit's context, ours among them."""
-    return target.perf.decode_base_s + target.perf.decode_s_per_seq * batch
 
 
 def test_short_prompts_ride_in_the_decode_step_and_cost_no_time_per_token() -> None:
