@@ -205,12 +205,13 @@ class RouterConfig:
     queue_over_slo_factor: float = 1.5
     # When nothing meets the SLO, a request of a looser tier than the tightest configured
     # takes the cheapest replica missing its objective by at most `queue_over_slo_factor`
-    # (when there is one) instead of the least bad: in an overload it leaves the fast
-    # replicas to the tier that needs them, rather than queueing its own long prompts there.
+    # instead of the least bad: in an overload it leaves the fast replicas to the tier that
+    # needs them, rather than queueing its own long prompts there.
     yield_to_tighter_tiers: bool = True
     # Likewise for a request of any tier predicted to miss its objective on every candidate:
-    # it is lost to the SLO wherever it goes, so it takes the cheapest tolerable replica and
-    # leaves the fast ones to requests that can still meet theirs.
+    # it is lost to the SLO wherever it goes, so it takes the cheapest replica missing by at
+    # most `queue_over_slo_factor` times the least bad's miss, and leaves the fast ones to
+    # requests that can still meet theirs (its prefill there would push them over too).
     yield_when_lost: bool = True
 
     def tier(self, name: str) -> SloTier:

@@ -495,9 +495,9 @@ class CostAware:
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
     request of a looser tier than the tightest (`yield_to_tighter_tiers`), or one predicted
     to miss its objective on every candidate (`yield_when_lost`), takes the cheapest
-    replica missing by at most that factor, when there is one: a request lost to the SLO
-    wherever it goes should not take the fast replicas from requests that can still meet
-    it.
+    replica missing by at most that factor times the least bad's miss (times the objective
+    when the least bad meets it): a request lost to the SLO wherever it goes should not
+    take the fast replicas from requests that can still meet it.
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -668,16 +668,27 @@ class CostAware:
             for option in options
         ]
         tolerable = self.config.queue_over_slo_factor
-        lost = self.config.yield_when_lost and min(triple[0] for triple in scored) > 1.0
+        least = min(triple[0] for triple in scored)
+        lost = self.config.yield_when_lost and least > 1.0
         if lost or self._yields(tier):
             # Overloaded: a looser tier settles for the cheapest replica it can tolerate,
             # leaving the fast ones to the tighter tiers; and so does a request predicted to
             # miss its objective wherever it goes, leaving them to requests that still can.
-            within = [triple for triple in scored if triple[0] <= tolerable]
+            # Tolerable is relative to the least bad miss: a lost request's prefill on a fast
+            # replica pushes the sequences there over the objective too, so capping it at a
+            # fixed multiple of the objective would let the fast replicas fill up to the
+            # objective and past it whenever the cheap ones miss by more than that.
+            cap = tolerable * least if least > 1.0 else tolerable
+            within = [triple for triple in scored if triple[0] <= cap]
             if within:
                 _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))
                 return self._decision(
-                    chosen, Reason.LEAST_BAD, request, predictor, baseline, queue_advised=False
+                    chosen,
+                    Reason.LEAST_BAD,
+                    request,
+                    predictor,
+                    baseline,
+                    queue_advised=least > tolerable,
                 )
         # The smallest miss; between equal misses, the cheaper replica.
         violation, _, chosen = min(scored, key=lambda triple: (triple[0], triple[1]))

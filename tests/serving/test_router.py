@@ -203,8 +203,10 @@ def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tie
     decision = CostAware(state, config).choose(request(), NOW)
     assert decision.replica is not None and decision.replica.replica_id == "l40s"
     assert decision.reason is Reason.LEAST_BAD and not decision.queue_advised
-    # The tightest tier still takes the least bad: the H100.
-    assert chosen_id(CostAware(state, config), request(tier="interactive")) == "h100"
+    # The tightest tier does not yield for its tier: it takes the least bad, the H100 (it
+    # misses everywhere, so the rule for lost requests is off to see the tier rule alone).
+    own_tier = replace(config, yield_when_lost=False)
+    assert chosen_id(CostAware(state, own_tier), request(tier="interactive")) == "h100"
     # Switched off, the standard request takes the least bad too.
     unyielding = replace(config, yield_to_tighter_tiers=False, yield_when_lost=False)
     assert chosen_id(CostAware(overloaded_pair(), unyielding), request()) == "h100"
@@ -219,6 +221,29 @@ def test_a_looser_tier_does_not_yield_onto_a_replica_it_cannot_tolerate() -> Non
     )
     decision = CostAware(state).choose(request(), NOW)
     assert decision.replica is not None and decision.replica.replica_id == "h100"
+
+
+def test_a_request_lost_everywhere_yields_to_a_cheaper_replica_missing_by_a_little_more() -> None:
+    # An interactive request misses its 1 s TTFT by 1.2x on the H100 and by 1.65x on the
+    # L40S: past the 1.5x tolerated of the objective, but within 1.5x of its least miss.
+    # Lost either way, it leaves the H100 to requests that can still meet theirs.
+    config = RouterConfig()
+    h100_perf, _ = gpu(H100)
+    l40s_perf, _ = gpu(L40S)
+    state = fleet(
+        replica("h100", H100, prefill_pending_tokens=int(1.2 / h100_perf.prefill_s_per_token)),
+        replica("l40s", L40S, prefill_pending_tokens=int(1.6 / l40s_perf.prefill_s_per_token)),
+    )
+    interactive = request(tier="interactive")
+    misses = {
+        name: predict(state.replica(name), interactive, NOW, config).ttft_s  # type: ignore[arg-type]
+        for name in ("h100", "l40s")
+    }
+    factor = config.queue_over_slo_factor
+    assert 1.0 < misses["h100"] < factor < misses["l40s"] <= factor * misses["h100"]
+    decision = CostAware(state, config).choose(interactive, NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "l40s"
+    assert decision.reason is Reason.LEAST_BAD and not decision.queue_advised
 
 
 def test_batch_requests_have_no_slo_and_go_to_the_cheapest_replica() -> None:

@@ -125,7 +125,8 @@ def exhaustive_choice(
     """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
     looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
     on every candidate (`yield_when_lost`), the cheapest one missing by at most
-    `queue_over_slo_factor`; else the least bad (the smallest miss, the cheaper between
+    `queue_over_slo_factor` times the least bad's miss (or the objective, when the least bad
+    meets it); else the least bad (the smallest miss, the cheaper between
     equal misses). Returns every replica tied for it."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
@@ -170,10 +171,12 @@ def exhaustive_choice(
         and bool(missing)
         and min(violation for (violation, _), _ in missing) > 1.0
     )
+    least = min((violation for (violation, _), _ in missing), default=0.0)
+    cap = config.queue_over_slo_factor * max(1.0, least)
     tolerable = [
         ((price, violation), replica_id)
         for (violation, price), replica_id in missing
-        if violation <= config.queue_over_slo_factor
+        if violation <= cap
     ]
     if yields and tolerable:
         best_tolerable = min(key for key, _ in tolerable)
