@@ -9,51 +9,80 @@ spare time and constrains nothing. `counted_tiers=("interactive",)` bounds the l
 criterion of interactive alone.
 
 Derivation. Every term is optimistic for the fleet, so the bound never exceeds what the best
-possible router achieves on the engine model (`serving.engine.perf.PerfModel`):
+possible router achieves on the engine model (`serving.engine.perf.PerfModel` steps run by
+`serving.engine.core.Engine`, no LoRA adapters). Notation: a step takes at least
+`t0 + max(W + K x context, F x tokens)` (overhead, weights read, every scheduled sequence's KV
+read, 2 x params FLOPs a token; attention FLOPs are left out, chunking can shrink them); a
+decode step reading a sequence of context `x` takes at least `a + K x`, `a = t0 + W`.
 
-1. **Feasibility.** A request whose prompt cannot prefill within its TTFT objective on an idle
-   replica (`PerfModel.ttft_s` of its new tokens), or whose tier's TPOT is below a lone
-   sequence's decode step (`decode_step_s(1, prompt)`), misses on any fleet. When more than
+1. **Feasibility.** A request whose new tokens (2) cannot prefill within its TTFT objective on
+   an idle replica (`t0 + max(W, F x new)`), or (two output tokens or more) whose tier's TPOT
+   is below a lone decode step at its prompt, misses on any fleet. When more than
    `(1 - share)` of the counted requests do, no fleet of this class meets the SLO: None.
-2. **New tokens.** Only prompt tokens in KV blocks no earlier request had are prefilled: the
-   best router sends every repeat of a block where it is cached (block hashes of the workload,
-   salted per tenant as the gateway salts them). A request without hashes is all new.
-3. **A replica's rates.** Prefill: one new token costs `compute_time_s(1)` (2 x params FLOPs at
-   the model's efficiency; no attention term, no step overhead). Decode: a step costs at least
-   its overhead plus the weights read once plus every sequence's KV read
-   (`step_overhead_s + memory_time_s`), so a decoded token costs at least the fixed part over
-   the batch plus its own context's KV (prompt plus half its output, on average over its
-   tokens). The batch is at most the largest whose step meets the tier's TPOT with every
-   sequence at the window's smallest prompt, whose KV fits and that `max_num_seqs` allows; a
-   replica that holds a stricter tier's request runs shorter steps, so a token never costs
-   less than its own tier's share. A step costs the larger of its memory and compute time, so prefill computed alongside a
-   decode can hide under it: a window's replica-seconds are at least the larger of the prefill
-   seconds and the decode seconds, never their sum.
-4. **KV.** A request holds at least its prompt's KV for its whole decode, which lasts at least
-   `output x decode_step_s(1, prompt)`: by Little's law the KV in use over a window is at least
-   the sum of `prompt x that time` over the window, which `N x kv_capacity_tokens x T` must hold.
-5. **Windows.** In a window `[t, t + T)` the requests that arrive in it and whose SLO deadline
-   (arrival + TTFT objective + output x TPOT objective) falls in it must have all their work done
-   in it, less the `floor((1 - share) x counted)` requests with the most work, which may be the
-   ones that miss. `N >= max(prefill, decode, kv) / T`; the bound is the largest over windows of
-   length `window_s` (sliding by a quarter of it) and over the whole workload.
+   Otherwise `k = floor((1 - share) x counted)` less those may miss, anywhere: every sum
+   below drops, term by term, its own `k` largest summands (each sum only grows with them).
+2. **New tokens.** A prompt block no earlier request had (hashes salted per tenant, as the
+   gateway salts them) is in no cache when the request arrives, and a later arrival on its
+   replica is admitted after it (FIFO), so the request computes it itself; a repeat may be
+   free (the best router sends it where the block is). A request without hashes is all new.
+3. **Prefill, in short windows.** A counted request arriving at `a >= L` with
+   `a + TTFT <= H` computes its new tokens within `[L, H]`, at `F` a token: over windows of
+   1 s to `window_s`, `N x (H - L) >= F x new tokens`. Short windows show bursts.
+4. **Slots.** The engine schedules every running decode in every step (only the newest
+   admitted sequence can be mid-prefill), and a preempted sequence goes back to the front of
+   the FIFO queue, so no request is admitted while one waits: the requests admitted and not
+   finished on a replica never exceed `max_num_seqs` (B), preempted ones included. A
+   counted request is admitted at some `s` in `[a, a + TTFT - p]` (p: its idle prefill, 1)
+   and finishes after `s + p + D`, D its output less one times its lone decode step (contexts
+   prompt, prompt + 1, ...): its overlap with a window is at least the smaller of the two
+   ends' (the overlap rises, stays, then falls with `s`), whether it arrived in the window or
+   before. For the requests whose whole life lies inside (`a >= L`, deadline
+   `a + TTFT + (out - 1) x TPOT <= H`), the step grows with the batch: their decode steps
+   lie inside, so with n of them on a replica, `n a + sum K x <= T`, and their decode time is
+   `sum_steps c s >= a D + sum_steps c K sum_batch x >= a D + (sum sqrt(K x))^2 / n`
+   (Cauchy-Schwarz twice), summed over replicas by the convexity of `y^2 / z`:
+   `overlaps + prefills + a D + a S1^2 / (N T - S2) <= N B T` (S1 = sum sqrt(K x),
+   S2 = sum K x over their decode tokens, D their count).
+5. **TPOT.** For requests meeting TPOT tau whose decode steps lie in the window (as in 4),
+   with contexts at least theta (`k = K theta`) and `b = (tau - a) / k`:
+   `(c - b) s <= mu c (s - tau)` for every step with `s >= a + k c`, `mu = tau / (tau - a)`
+   (check c below and above b), and each request's steps sum to at most `(out - 1) tau`, so
+   `sum c s <= min(b, B) x (their steps' time)`. With 4's lower bound on `sum c s` this gives
+   each replica's time S: `min(b, B) S >= a D + a S1^2 / (S - S2)`, the same over the fleet,
+   and `N T >= S`. Theta runs over quantiles of the window's prompts (a subset is valid).
+   This is the old "decode tokens at the TPOT-sized batch" term, with the step's fixed part
+   shared over the batch TPOT allows at the window's own contexts.
 
-The bound is loose where the engine model's step overhead, chunking and queueing matter (they
-cost every router something) and tight where a workload is bandwidth- or compute-bound in its
-peak minute, which is where fleets are sized.
+Windows slide by a quarter of their length from the first arrival to the last deadline, plus
+the whole span. Still loose: requests outside the counted tiers cost nothing (a router could
+park them); a step's prefill hides under its decode's memory time, so the terms are taken
+as a maximum, never added; 4's D uses lone steps for requests that run past the window, and
+5 only sees requests whose deadline (at the TPOT objective, not the likely pace) falls
+inside it; attention and queueing are left out; KV capacity is left out (shared prefixes are
+held once and preempted sequences hold none, so the old per-request Little's-law term did not
+hold). Not proven: a preempted request's recompute step samples a token without reading its
+KV, which 4's inside part and 5 count as a read (D still holds: the request first waits out a
+whole step, at least `a`, more than that read).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from serving.engine.perf import PerfModel
 from serving.router.contracts import DEFAULT_SLO_TIERS, SloTier
 
 BLOCK_TOKENS = 16  # the gateway's and the simulator's prefix block
+SHORT_WINDOWS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0)  # with window_s: bursts show in these
+CONTEXT_QUANTILES = (0.0, 0.25, 0.5, 0.75, 0.9)  # the thetas of term 5
+
+Floats = npt.NDArray[np.float64]
 
 
 class BoundRequest(Protocol):
@@ -73,12 +102,70 @@ class BoundRequest(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class _Work:
+    """What one counted request asks of the fleet, at least."""
+
     arrival_s: float
-    deadline_s: float
-    new_tokens: int
+    ttft_s: float  # objective; inf: none
+    tpot_s: float  # objective; inf: none
     prompt_tokens: int
-    output_tokens: int
-    tpot_s: float
+    prefill_s: float  # its own prefill on an idle replica (term 1)
+    compute_s: float  # its new tokens' FLOPs (term 3)
+    decode_tokens: int  # output less the first token
+    kv_s: float  # S2: K x the contexts of its decode steps
+    kv_root_s: float  # S1: sum of sqrt(K x context) over its decode steps, from below
+    lone_decode_s: float  # D: its decode steps run alone
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """The counted work as arrays, in arrival order."""
+
+    arrival: Floats
+    ttft: Floats
+    tpot: Floats
+    deadline: Floats
+    prompt: Floats
+    prefill: Floats
+    compute: Floats
+    tokens: Floats
+    kv: Floats
+    kv_root: Floats
+    lone: Floats
+
+    @classmethod
+    def of(cls, works: list[_Work]) -> _Columns:
+        def column(name: str) -> Floats:
+            return np.array([getattr(w, name) for w in works], dtype=np.float64)
+
+        ttft, tpot, tokens = column("ttft_s"), column("tpot_s"), column("decode_tokens")
+        arrival = column("arrival_s")
+        return cls(
+            arrival=arrival,
+            ttft=ttft,
+            tpot=tpot,
+            deadline=arrival + ttft + tokens * tpot,
+            prompt=column("prompt_tokens"),
+            prefill=column("prefill_s"),
+            compute=column("compute_s"),
+            tokens=tokens,
+            kv=column("kv_s"),
+            kv_root=column("kv_root_s"),
+            lone=column("lone_decode_s"),
+        )
+
+    def arriving(self, low: float, high: float) -> _Columns:
+        """The requests arriving in [low, high) (views, not copies)."""
+        rows = slice(*np.searchsorted(self.arrival, (low, high), side="left"))
+        return _Columns(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+
+@dataclass(frozen=True, slots=True)
+class _Engine:
+    """The step-time constants the terms use, and the batch cap."""
+
+    fixed_s: float  # a = t0 + W: a decode step's least part without KV
+    kv_token_s: float  # K: one context token's KV read
+    max_num_seqs: int
 
 
 def lower_bound_replicas(
@@ -102,20 +189,27 @@ def lower_bound_replicas(
     may_miss = math.floor((1.0 - share) * counted + 1e-9)
     if infeasible > may_miss:
         return None
+    if not works:
+        return 0
     may_miss -= infeasible
-    start = min(w.arrival_s for w in works) if works else 0.0
-    end = max(w.deadline_s for w in works) if works else 0.0
-    windows = [(start, max(end, start + window_s))]
-    step = window_s / 4
-    t = start
-    while t + window_s <= end:
-        windows.append((t, t + window_s))
-        t += step
-    replicas = 1 if works else 0
-    for low, high in windows:
-        inside = [w for w in works if w.arrival_s >= low and w.deadline_s <= high]
-        seconds = _replica_seconds(inside, perf, may_miss, max_num_seqs)
-        replicas = max(replicas, math.ceil(seconds / (high - low) - 1e-9))
+    work = _Columns.of(works)
+    engine = _Engine(
+        fixed_s=perf.step_overhead_s + perf.memory_time_s(0),
+        kv_token_s=perf.memory_time_s(1) - perf.memory_time_s(0),
+        max_num_seqs=max_num_seqs,
+    )
+    # A request arriving this long before a window holds no slot in it (term 4).
+    held = work.ttft + work.lone
+    lookback = float(held[np.isfinite(held)].max(initial=0.0))
+    replicas = 1
+    for low, high in _windows(work, window_s):
+        arrived = work.arriving(low, high)
+        replicas = max(
+            replicas,
+            _prefill_replicas(arrived, low, high, may_miss),
+            _slot_replicas(work.arriving(low - lookback, high), engine, low, high, may_miss),
+            _tpot_replicas(arrived, engine, low, high, may_miss),
+        )
     return replicas
 
 
@@ -129,8 +223,10 @@ def _counted_work(
     seen: set[int] = set()
     works: list[_Work] = []
     infeasible = 0
+    t0, weights_s = perf.step_overhead_s, perf.memory_time_s(0)
+    kv_token_s = perf.memory_time_s(1) - weights_s
     for request in sorted(requests, key=lambda r: r.arrival_s):
-        new_tokens = _new_tokens(request, seen)
+        new_tokens = max(1, _new_tokens(request, seen))  # the last token is always computed
         tier = tiers.get(request.tier)
         has_objective = tier is not None and (tier.ttft_s is not None or tier.tpot_s is not None)
         if (request.tier not in counted_tiers) if counted_tiers is not None else not has_objective:
@@ -138,15 +234,31 @@ def _counted_work(
         ttft = tier.ttft_s if tier is not None and tier.ttft_s is not None else math.inf
         tpot = tier.tpot_s if tier is not None and tier.tpot_s is not None else math.inf
         prompt = max(1, request.prompt_tokens)
-        lone_step = perf.decode_step_s(1, prompt)
-        if perf.ttft_s(prompt, prompt - max(1, new_tokens)) > ttft or lone_step > tpot:
+        decode_tokens = max(0, request.output_tokens - 1)
+        compute_s = perf.compute_time_s(new_tokens)
+        prefill_s = t0 + max(weights_s, compute_s)
+        lone_step_s = perf.decode_step_s(1, prompt)
+        if prefill_s > ttft or (decode_tokens and lone_step_s > tpot):
             infeasible += 1
             continue
-        deadline = request.arrival_s + ttft + request.output_tokens * tpot
-        if math.isinf(deadline):
-            deadline = request.arrival_s + perf.ttft_s(prompt) + request.output_tokens * lone_step
+        # Decode step i (0-based) reads prompt + i tokens of KV; sqrt's sum from below by
+        # its integral over [i - 1, i].
+        kv_s = kv_token_s * (decode_tokens * prompt + decode_tokens * (decode_tokens - 1) / 2)
+        top, bottom = prompt + decode_tokens - 1, prompt - 1
+        kv_root_s = math.sqrt(kv_token_s) * 2 / 3 * (top**1.5 - bottom**1.5)
         works.append(
-            _Work(request.arrival_s, deadline, new_tokens, prompt, request.output_tokens, tpot)
+            _Work(
+                arrival_s=request.arrival_s,
+                ttft_s=ttft,
+                tpot_s=tpot,
+                prompt_tokens=prompt,
+                prefill_s=prefill_s,
+                compute_s=compute_s,
+                decode_tokens=decode_tokens,
+                kv_s=kv_s,
+                kv_root_s=kv_root_s if decode_tokens else 0.0,
+                lone_decode_s=decode_tokens * (t0 + weights_s) + kv_s,
+            )
         )
     return works, infeasible
 
@@ -164,47 +276,99 @@ def _new_tokens(request: BoundRequest, seen: set[int]) -> int:
     return fresh * BLOCK_TOKENS + max(0, request.prompt_tokens - hashed)
 
 
-def _replica_seconds(
-    works: list[_Work], perf: PerfModel, may_miss: int, max_num_seqs: int
-) -> float:
-    """Replica-seconds the window's work needs at least, its `may_miss` heaviest requests
-    left out: the largest of its prefill, decode and KV terms."""
-    if not works:
+def _windows(work: _Columns, window_s: float) -> Iterator[tuple[float, float]]:
+    """Windows of each length up to `window_s`, sliding by a quarter of it from the first
+    arrival to the last deadline, then the whole span."""
+    start = float(work.arrival[0])
+    ends = np.concatenate([work.deadline, work.arrival + work.ttft, work.arrival + work.prefill])
+    end = float(np.max(ends[np.isfinite(ends)]))
+    for length in sorted({*(s for s in SHORT_WINDOWS_S if s < window_s), window_s}):
+        low = start
+        while low + length <= end:
+            yield low, low + length
+            low += length / 4
+    yield start, max(end, start + window_s)
+
+
+def _less_heaviest(values: Floats, may_miss: int) -> float:
+    """The sum of `values` without its `may_miss` largest (they may be the ones that miss)."""
+    if may_miss <= 0 or values.size == 0:
+        return float(values.sum())
+    if may_miss >= values.size:
         return 0.0
-    smallest_prompt = min(w.prompt_tokens for w in works)
-    per_token = perf.compute_time_s(1)
-    # A step's fixed part (overhead and the weights read) shared by the largest batch the
-    # tier's TPOT allows; each token then reads its own context's KV.
-    fixed = perf.step_overhead_s + perf.memory_time_s(0)
-    batch = {
-        tpot: _largest_batch(perf, tpot, smallest_prompt, max_num_seqs)
-        for tpot in {w.tpot_s for w in works}
-    }
-    kv_s_per_token = perf.memory_time_s(1) - perf.memory_time_s(0)
-    capacity = max(1, perf.kv_capacity_tokens)
-    terms = []
-    for w in works:
-        prefill = w.new_tokens * per_token
-        mean_context = w.prompt_tokens + w.output_tokens / 2
-        decode = w.output_tokens * (fixed / batch[w.tpot_s] + mean_context * kv_s_per_token)
-        held = w.prompt_tokens * w.output_tokens * perf.decode_step_s(1, w.prompt_tokens)
-        terms.append((prefill, decode, held / capacity))
-    if may_miss:
-        # The requests that may miss are taken to be the ones that would cost the most.
-        terms.sort(key=lambda term: max(term), reverse=True)
-        terms = terms[may_miss:]
-    return max(sum(term[i] for term in terms) for i in range(3))
+    return float(np.partition(values, values.size - may_miss)[: values.size - may_miss].sum())
 
 
-def _largest_batch(perf: PerfModel, tpot_s: float, context: int, max_num_seqs: int) -> int:
-    """The largest decode batch whose step meets `tpot_s` with every sequence at `context`
-    tokens (the fewest any of them has), whose KV fits, within max_num_seqs."""
-    context = max(1, context)
-    low, high = 1, max(1, min(max_num_seqs, perf.kv_capacity_tokens // context))
-    while low < high:  # the step grows with the batch: bisect for the largest within TPOT
-        middle = (low + high + 1) // 2
-        if perf.decode_step_s(middle, middle * context) <= tpot_s:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+def _prefill_replicas(work: _Columns, low: float, high: float, may_miss: int) -> int:
+    """Term 3: the new tokens of the requests whose TTFT window lies inside."""
+    inside = (work.arrival >= low) & (work.arrival + work.ttft <= high)
+    return _ceil(_less_heaviest(work.compute[inside], may_miss) / (high - low))
+
+
+def _inside(work: _Columns, low: float, high: float) -> npt.NDArray[np.bool_]:
+    """Requests whose whole life, prefill and decode at the TPOT objective, lies inside."""
+    return (work.arrival >= low) & (work.deadline <= high)
+
+
+def _slot_replicas(work: _Columns, engine: _Engine, low: float, high: float, may_miss: int) -> int:
+    """Term 4: slot-seconds held in the window against max_num_seqs per replica."""
+    span = high - low
+    held = work.prefill + work.lone
+    latest = work.arrival + work.ttft - work.prefill  # the latest admission meeting TTFT
+
+    def overlap(admitted: Floats) -> Floats:
+        return np.minimum(admitted + held, high) - np.maximum(admitted, low)
+
+    with np.errstate(invalid="ignore"):  # no TTFT objective: inf - inf, no overlap known
+        overlaps = np.nan_to_num(np.minimum(overlap(work.arrival), overlap(latest)), nan=0.0)
+    overlaps = np.maximum(overlaps, 0.0)
+    inside = _inside(work, low, high)
+    outside = _less_heaviest(overlaps[~inside], may_miss)
+    prefills = _less_heaviest(work.prefill[inside], may_miss)
+    tokens = _less_heaviest(work.tokens[inside], may_miss)
+    kv = _less_heaviest(work.kv[inside], may_miss)
+    kv_root = _less_heaviest(work.kv_root[inside], may_miss)
+    a, slots = engine.fixed_s, engine.max_num_seqs
+    base = outside + prefills + a * tokens
+    replicas = max(1, _ceil((base + kv) / (slots * span)), _ceil(kv / span))
+    while True:
+        free = replicas * span - kv  # the steps' time left for the fixed parts
+        if free > 0 and base + max(kv, a * kv_root**2 / free) <= replicas * slots * span:
+            return replicas
+        replicas += 1
+
+
+def _tpot_replicas(work: _Columns, engine: _Engine, low: float, high: float, may_miss: int) -> int:
+    """Term 5: the decode steps of the requests inside, at the batch their TPOT allows."""
+    inside = _inside(work, low, high) & (work.tokens > 0)
+    if not inside.any():
+        return 0
+    a = engine.fixed_s
+    replicas = 0
+    for tpot in np.unique(work.tpot[inside]):
+        tier = inside & (work.tpot == tpot)
+        for theta in np.quantile(work.prompt[tier], CONTEXT_QUANTILES):
+            chosen = tier & (work.prompt >= theta)
+            batch = min(engine.max_num_seqs, (tpot - a) / (engine.kv_token_s * theta))
+            seconds = _decode_seconds(
+                batch,
+                a,
+                _less_heaviest(work.tokens[chosen], may_miss),
+                _less_heaviest(work.kv[chosen], may_miss),
+                _less_heaviest(work.kv_root[chosen], may_miss),
+            )
+            replicas = max(replicas, _ceil(seconds / (high - low)))
+    return replicas
+
+
+def _decode_seconds(batch: float, a: float, tokens: float, kv: float, kv_root: float) -> float:
+    """The least S with `batch x S >= a x tokens + a x kv_root^2 / (S - kv)` and
+    `batch x S >= a x tokens + kv` (term 5): the larger root of the quadratic."""
+    middle = batch * kv + a * tokens
+    constant = a * (tokens * kv - kv_root**2)
+    root = (middle + math.sqrt(max(0.0, middle**2 - 4 * batch * constant))) / (2 * batch)
+    return max(root, (a * tokens + kv) / batch)
+
+
+def _ceil(value: float) -> int:
+    return math.ceil(value - 1e-9)
