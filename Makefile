@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test test-vllm bench lint clean
+.PHONY: run test test-vllm bench lint clean router
 
 # The lock files pin every package with its hashes: requirements.txt the runtime dependencies of
 # pyproject.toml, requirements-dev.txt those at the same versions plus the dev and sim extras.
@@ -42,14 +42,19 @@ $(VLLM_STAMP): requirements-cpu-node.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $@
 
-run: $(STAMP) $(if $(filter vllm,$(PLATFORM_DEMO_ENGINE)),$(VLLM_STAMP))
+# The router's hot path compiled with mypyc (serving/router/native.py); a no-op while the
+# build matches the sources, and the router runs as Python where it cannot be built.
+router: $(STAMP)
+	$(VENV)/bin/python scripts/build_router.py
+
+run: $(STAMP) router $(if $(filter vllm,$(PLATFORM_DEMO_ENGINE)),$(VLLM_STAMP))
 	$(VENV)/bin/python scripts/run.py
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) router $(VLLM_STAMP)
 	$(VENV)/bin/python scripts/test.py $(ARGS)
 
 # The real-engine tests alone (marker real_vllm); ARGS go to pytest as with `make test`.
-test-vllm: $(STAMP) $(VLLM_STAMP)
+test-vllm: $(STAMP) router $(VLLM_STAMP)
 	$(VENV)/bin/python scripts/test.py -m real_vllm $(ARGS)
 
 lint: $(STAMP)

@@ -15,7 +15,11 @@ the timed section, as they would in the gateway.
 
 `--baseline REV` loads serving/router/policies.py and serving/router/prefix.py as of git
 revision REV beside the current ones and runs the two interleaved (alternating which goes first), each cell `--rounds`
-times, showing the median p50 and median p99 of each: before/after under the same noise.
+times, showing the median p50 and median p99 of each: before/after under the same noise. The
+baseline runs as Python: compare with `PLATFORM_ROUTER_PURE=1` for like against like.
+
+The router runs compiled when `make router` has built it (`serving/router/native.py`); the
+first line printed says which.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from serving.router import (
     ReplicaState,
     RouteRequest,
     RouterState,
+    native,
 )
 from serving.router.coefficients import coefficients_from_perf
 from serving.router.contracts import Tier
@@ -211,6 +216,7 @@ def compare(args: argparse.Namespace, sizes: list[int]) -> int:
         ),
         "current": (POLICIES, PrefixIndex),
     }
+    print(f"router: {'compiled (mypyc)' if native.active() else 'Python'}; the baseline: Python")
     print(
         f"{'policy':<16} {'replicas':>8} {'variant':<12} {'p50 us':>9} {'p99 us':>9}"
         f"  per-round p99 (median of {args.rounds} interleaved rounds)"
@@ -263,6 +269,9 @@ def main() -> int:
     if args.baseline:
         return compare(args, sizes)
 
+    print(
+        f"router: {'compiled (mypyc)' if native.active() else 'Python (make router compiles it)'}"
+    )
     print(f"{'policy':<16} {'replicas':>8} {'decisions':>9} {'p50 us':>9} {'p99 us':>9}  target")
     for policy_name in args.policies.split(","):
         for size in sizes:

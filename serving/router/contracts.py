@@ -7,9 +7,13 @@ does arithmetic on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copyreg
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 Tier = Literal["interactive", "standard", "batch"]
 
@@ -321,3 +325,25 @@ class ModelRoute:
         object.__setattr__(
             self, "versions_by_weight", tuple(sorted(versions, key=lambda v: -v.weight))
         )
+
+
+def _by_constructor(contract: object) -> tuple[type, tuple[object, ...]]:
+    """Pickle a frozen contract as a call of its constructor: the gateway's and the benchmark
+    pools' workers receive them, and a compiled build's class (`serving/router/native.py`)
+    cannot be restored field by field past its frozen `__setattr__`."""
+    init = (f.name for f in fields(cast("DataclassInstance", contract)) if f.init)
+    values = tuple(getattr(contract, name) for name in init)
+    return type(contract), values
+
+
+for _frozen in (
+    RouteRequest,
+    ReplicaPerf,
+    KvLink,
+    SloTier,
+    RouterConfig,
+    DeploymentRoute,
+    VersionRoute,
+    ModelRoute,
+):
+    copyreg.pickle(_frozen, _by_constructor)

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
-from typing import Final, Protocol
+from typing import ClassVar, Final, Protocol
 
 from serving.router.canary import versions_in_order
 from serving.router.contracts import (
@@ -38,8 +38,10 @@ from serving.router.predict import Prediction, RequestPredictor, is_candidate, p
 
 
 class Policy(Protocol):
-    name: str
     state: RouterState
+
+    @property
+    def name(self) -> str: ...  # a class constant in each policy
 
     def choose(self, request: RouteRequest, now: float) -> Decision: ...
 
@@ -216,7 +218,7 @@ def least_load_pick(
 
 
 class RoundRobin:
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
 
     def __init__(self, state: RouterState, config: RouterConfig | None = None) -> None:
         self.state = state
@@ -279,7 +281,7 @@ class LeastLoad:
     baseline is its own pick.
     """
 
-    name = "least_load"
+    name: ClassVar[str] = "least_load"
 
     def __init__(self, state: RouterState, config: RouterConfig | None = None) -> None:
         self.state = state
@@ -332,7 +334,7 @@ class WeightedScorer:
     against that one.
     """
 
-    name = "weighted_scorer"
+    name: ClassVar[str] = "weighted_scorer"
 
     def __init__(
         self,
@@ -506,7 +508,7 @@ class CostAware:
     The decision itself carries `predict`'s figures for the chosen replica.
     """
 
-    name = "cost_aware"
+    name: ClassVar[str] = "cost_aware"
 
     def __init__(self, state: RouterState, config: RouterConfig | None = None) -> None:
         self.state = state

@@ -209,7 +209,7 @@ class RequestPredictor:
             if inflight and replica.inflight_context_tokens:
                 per_sequence = replica.inflight_context_tokens / inflight
             else:
-                per_sequence = self.prompt_tokens
+                per_sequence = float(self.prompt_tokens)
             kv_tokens = replica.kv_usage * perf.kv_capacity_tokens
             if batch * per_sequence > kv_tokens:
                 kv_tokens = batch * per_sequence
@@ -253,9 +253,9 @@ class RequestPredictor:
         prefills = replica.prefill_rate * decay + 1.0 / PROMPT_RATE_WINDOW_S
         chunk = prompts / prefills
         if chunk < to_prefill:
-            chunk = to_prefill  # prompts queued now go in together
+            chunk = float(to_prefill)  # prompts queued now go in together
         if chunk > perf.max_num_batched_tokens:
-            chunk = perf.max_num_batched_tokens
+            chunk = float(perf.max_num_batched_tokens)
         mixed_step = perf.prefill_base_s + per_token * chunk
         if mixed_step > decode_step:
             share = prompts / chunk * mixed_step

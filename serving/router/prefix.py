@@ -41,6 +41,8 @@ class PrefixIndex:
         # _later[i] only if it is in _later[i - 1], so a block's holders are contiguous.
         # Most blocks have one holder and appear in none of these.
         self._later: tuple[dict[int, str], ...] = tuple({} for _ in range(replicas_per_block - 1))
+        # What a peer policy keeps beside the index, carried over with it (peers/_carry.py).
+        self.carried: dict[str, object] = {}
 
     def __len__(self) -> int:
         return len(self._blocks)
