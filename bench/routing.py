@@ -232,7 +232,8 @@ def search_size(
     start: int = 1,
 ) -> SizeSearch:
     """The smallest size on which `meets` holds: doubling from `start` (every smaller size
-    is known to miss) up to a size that meets it, then bisecting (attainment grows with the
+    is known to miss, and the last double is `max_size` itself) up to a size that meets it,
+    then bisecting (attainment grows with the
     size). It gives up early when doubling from at least 8 replicas brought no gain over a
     fleet that already served some requests within the SLO: more replicas stopped helping.
     A fleet that served none is overloaded, so the search goes on doubling."""
@@ -248,7 +249,9 @@ def search_size(
         attained = attainment(summary)
         if hopeless(summary) or (size >= 8 and previous > 0.0 and attained <= previous):
             break  # more replicas stopped helping
-        failing, size, previous = size, size * 2, attained
+        # Doubling past the limit tries the limit itself (from 80 of 128: 128, not stop).
+        following = size * 2 if size * 2 <= max_size or size >= max_size else max_size
+        failing, size, previous = size, following, attained
     if found is None:
         return SizeSearch(None, *largest)
     while meeting - failing > 1:
@@ -347,6 +350,7 @@ def lower_bounds(router: RouterConfig, gpus: list[str]) -> dict[str, int | None]
             tiers=router.slo_tiers,
             counted_tiers=("interactive",),
             share=SLO_SHARE,
+            max_num_seqs=fleet.max_num_seqs,
         )
     return bounds
 

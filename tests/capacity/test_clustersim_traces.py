@@ -263,7 +263,7 @@ def made_up(attained: float) -> SimpleNamespace:
     )
 
 
-def sized(attained: dict[int, float], ran: list[int]) -> routing.SizeSearch:
+def sized(attained: dict[int, float], ran: list[int], start: int = 1) -> routing.SizeSearch:
     """The search over a made-up fleet whose attainment at each size is `attained`'s value
     at the largest key not above it; the sizes it ran go into `ran`."""
 
@@ -276,6 +276,7 @@ def sized(attained: dict[int, float], ran: list[int]) -> routing.SizeSearch:
         routing.meets,
         routing.attainment,
         max_size=128,
+        start=start,
     )
 
 
@@ -284,6 +285,13 @@ def test_a_search_keeps_doubling_through_fleets_too_small_to_serve_anything() ->
     found = sized({1: 0.0, 37: 0.995}, ran)
     assert found.replicas == 37
     assert ran[:7] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_search_whose_doubling_passes_the_limit_tries_the_limit_itself() -> None:
+    ran: list[int] = []
+    found = sized({1: 0.1, 10: 0.5, 20: 0.6, 40: 0.8, 80: 0.98, 100: 0.995}, ran, start=10)
+    assert ran[:5] == [10, 20, 40, 80, 128]
+    assert found.replicas == 100
 
 
 def test_a_search_gives_up_when_doubling_stops_helping_and_says_where() -> None:
