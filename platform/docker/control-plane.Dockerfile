@@ -58,6 +58,8 @@ COPY templates/ templates/
 RUN DEBUG=false SECRET_KEY=collectstatic-at-image-build-time-only-never-used-to-sign-anything \
         python manage.py collectstatic --noinput \
     && python -m compileall -q config metering registry serving tenants
+# The compiled router loads (where no build loads, serving/router/native.py runs it as Python).
+RUN python -c "import serving.router.native as n; assert n.active(), 'router build not loaded'"
 USER 10001:10001
 EXPOSE 8000
 # The gateway; Celery and the migrate Job set their own command.

@@ -328,15 +328,20 @@ class ModelRoute:
 
 
 def _by_constructor(contract: object) -> tuple[type, tuple[object, ...]]:
-    """Pickle a frozen contract as a call of its constructor: the gateway's and the benchmark
-    pools' workers receive them, and a compiled build's class (`serving/router/native.py`)
-    cannot be restored field by field past its frozen `__setattr__`."""
     init = (f.name for f in fields(cast("DataclassInstance", contract)) if f.init)
-    values = tuple(getattr(contract, name) for name in init)
-    return type(contract), values
+    return type(contract), tuple(getattr(contract, name) for name in init)
 
 
-for _frozen in (
+def pickle_by_constructor(*frozen: type) -> None:
+    """Pickle these frozen dataclasses as calls of their constructors: the benchmark pools'
+    workers receive them, and a compiled build's class (`serving/router/native.py`) cannot be
+    restored field by field past its frozen `__setattr__`. Every frozen dataclass of the
+    compiled modules is registered (tests/serving/test_router_native.py checks it)."""
+    for cls in frozen:
+        copyreg.pickle(cls, _by_constructor)
+
+
+pickle_by_constructor(
     RouteRequest,
     ReplicaPerf,
     KvLink,
@@ -345,5 +350,4 @@ for _frozen in (
     DeploymentRoute,
     VersionRoute,
     ModelRoute,
-):
-    copyreg.pickle(_frozen, _by_constructor)
+)

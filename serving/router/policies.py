@@ -32,6 +32,7 @@ from serving.router.contracts import (
     RouteRequest,
     SloTier,
     VersionRoute,
+    pickle_by_constructor,
 )
 from serving.router.index import LoadBuckets, ReplicaGroup, RouterState, queue_load
 from serving.router.predict import Prediction, RequestPredictor, is_candidate, predict
@@ -318,6 +319,9 @@ class ScorerWeights:
     prefix: float = 3.0
 
 
+pickle_by_constructor(ScorerWeights)
+
+
 class WeightedScorer:
     """Queue + KV-cache utilisation + prefix scorers, weighted, highest total wins.
 
@@ -497,9 +501,9 @@ class CostAware:
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
     request of a looser tier than the tightest (`yield_to_tighter_tiers`), or one predicted
     to miss its objective on every candidate (`yield_when_lost`), takes the cheapest
-    replica missing by at most that factor times the least bad's miss (times the objective
-    when the least bad meets it): a request lost to the SLO wherever it goes should not
-    take the fast replicas from requests that can still meet it.
+    replica missing by at most that factor (a lost request: that factor times the least bad's
+    miss): a request lost to the SLO wherever it goes should not take the fast replicas from
+    requests that can still meet it.
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -680,7 +684,7 @@ class CostAware:
             # replica pushes the sequences there over the objective too, so capping it at a
             # fixed multiple of the objective would let the fast replicas fill up to the
             # objective and past it whenever the cheap ones miss by more than that.
-            cap = tolerable * least if least > 1.0 else tolerable
+            cap = tolerable * least if lost else tolerable
             within = [triple for triple in scored if triple[0] <= cap]
             if within:
                 _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))

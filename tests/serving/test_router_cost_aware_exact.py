@@ -125,8 +125,8 @@ def exhaustive_choice(
     """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
     looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
     on every candidate (`yield_when_lost`), the cheapest one missing by at most
-    `queue_over_slo_factor` times the least bad's miss (or the objective, when the least bad
-    meets it); else the least bad (the smallest miss, the cheaper between
+    `queue_over_slo_factor` (times the least bad's miss, for a request missing everywhere);
+    else the least bad (the smallest miss, the cheaper between
     equal misses). Returns every replica tied for it."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
@@ -162,17 +162,14 @@ def exhaustive_choice(
     if meeting:
         return {min(meeting)[1]}, True
     objectives = [t.ttft_s for t in config.slo_tiers.values() if t.ttft_s is not None]
-    yields = (
+    least = min((violation for (violation, _), _ in missing), default=0.0)
+    lost = config.yield_when_lost and bool(missing) and least > 1.0
+    yields = lost or (
         config.yield_to_tighter_tiers
         and bool(objectives)
         and (tier.ttft_s is None or tier.ttft_s > min(objectives))
-    ) or (
-        config.yield_when_lost
-        and bool(missing)
-        and min(violation for (violation, _), _ in missing) > 1.0
     )
-    least = min((violation for (violation, _), _ in missing), default=0.0)
-    cap = config.queue_over_slo_factor * max(1.0, least)
+    cap = config.queue_over_slo_factor * (least if lost else 1.0)
     tolerable = [
         ((price, violation), replica_id)
         for (violation, price), replica_id in missing
