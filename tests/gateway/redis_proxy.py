@@ -47,6 +47,9 @@ class RedisProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 
+    async def _drop(self) -> None:
+        self._drop_all()
+
     async def _shut(self) -> None:
         if self._server is not None:
             self._server.close()
@@ -57,8 +60,9 @@ class RedisProxy:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def go_down(self) -> None:
+        """Redis unreachable from now: every connection dropped before this returns."""
         self.down = True
-        self._loop.call_soon_threadsafe(self._drop_all)
+        asyncio.run_coroutine_threadsafe(self._drop(), self._loop).result(5)
 
     def come_back(self) -> None:
         self.down = False
@@ -87,6 +91,10 @@ class RedisProxy:
             upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
         except OSError:
             writer.close()
+            return
+        if self.down:  # it went down while this connection was being made: drop it too
+            writer.close()
+            upstream_writer.close()
             return
         self._writers.update((writer, upstream_writer))
         slow_answer = False
