@@ -179,6 +179,11 @@ def measure(
     return len(timings), p50, p99
 
 
+def router_build() -> str:
+    """Which router the benchmark runs: `serving/router/native.py`'s build, or Python."""
+    return "compiled (mypyc)" if native.active() else "Python (make router compiles it)"
+
+
 def state_replicas(state: RouterState, size: int) -> list[ReplicaState]:
     replicas = (state.replica(f"r{index}") for index in range(size))
     return [replica for replica in replicas if replica is not None]
@@ -216,7 +221,7 @@ def compare(args: argparse.Namespace, sizes: list[int]) -> int:
         ),
         "current": (POLICIES, PrefixIndex),
     }
-    print(f"router: {'compiled (mypyc)' if native.active() else 'Python'}; the baseline: Python")
+    print(f"router: {router_build()}; the baseline: Python")
     print(
         f"{'policy':<16} {'replicas':>8} {'variant':<12} {'p50 us':>9} {'p99 us':>9}"
         f"  per-round p99 (median of {args.rounds} interleaved rounds)"
@@ -269,9 +274,7 @@ def main() -> int:
     if args.baseline:
         return compare(args, sizes)
 
-    print(
-        f"router: {'compiled (mypyc)' if native.active() else 'Python (make router compiles it)'}"
-    )
+    print(f"router: {router_build()}")
     print(f"{'policy':<16} {'replicas':>8} {'decisions':>9} {'p50 us':>9} {'p99 us':>9}  target")
     for policy_name in args.policies.split(","):
         for size in sizes:

@@ -233,8 +233,7 @@ def search_size(
 ) -> SizeSearch:
     """The smallest size on which `meets` holds: doubling from `start` (every smaller size
     is known to miss, and the last double is `max_size` itself) up to a size that meets it,
-    then bisecting (attainment grows with the
-    size). It gives up early when doubling from at least 8 replicas brought no gain over a
+    then bisecting (attainment grows with the size). It gives up early when doubling from at least 8 replicas brought no gain over a
     fleet that already served some requests within the SLO: more replicas stopped helping.
     A fleet that served none is overloaded, so the search goes on doubling."""
     failing, meeting, found = start - 1, 0, None
@@ -250,7 +249,7 @@ def search_size(
         if hopeless(summary) or (size >= 8 and previous > 0.0 and attained <= previous):
             break  # more replicas stopped helping
         # Doubling past the limit tries the limit itself (from 80 of 128: 128, not stop).
-        following = size * 2 if size * 2 <= max_size or size >= max_size else max_size
+        following = min(size * 2, max_size) if size < max_size else size * 2
         failing, size, previous = size, following, attained
     if found is None:
         return SizeSearch(None, *largest)

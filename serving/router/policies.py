@@ -680,7 +680,7 @@ class CostAware:
             # Overloaded: a looser tier settles for the cheapest replica it can tolerate,
             # leaving the fast ones to the tighter tiers; and so does a request predicted to
             # miss its objective wherever it goes, leaving them to requests that still can.
-            # Tolerable is relative to the least bad miss: a lost request's prefill on a fast
+            # For a lost request tolerable is relative to its least miss: its prefill on a fast
             # replica pushes the sequences there over the objective too, so capping it at a
             # fixed multiple of the objective would let the fast replicas fill up to the
             # objective and past it whenever the cheap ones miss by more than that.

@@ -126,8 +126,8 @@ def exhaustive_choice(
     looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
     on every candidate (`yield_when_lost`), the cheapest one missing by at most
     `queue_over_slo_factor` (times the least bad's miss, for a request missing everywhere);
-    else the least bad (the smallest miss, the cheaper between
-    equal misses). Returns every replica tied for it."""
+    else the least bad (the smallest miss, the cheaper between equal misses). Returns every
+    replica tied for it."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
     tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
