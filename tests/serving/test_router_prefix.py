@@ -1,4 +1,4 @@
-"""The prefix index: int keys and holder slots behave exactly like a plain LRU of
+"""The prefix index: int keys and holders in one string behave exactly like a plain LRU of
 (tenant, block hash) -> holders, keep tenants apart, and allocate nothing the garbage
 collector tracks on the routing path."""
 
@@ -8,6 +8,7 @@ import gc
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,3 +157,12 @@ def test_recording_new_blocks_allocates_nothing_the_garbage_collector_tracks() -
         gc.enable()
     # 4,000 new blocks; the old index allocated two tracked objects for each.
     assert grown < 50
+
+
+def test_a_replica_id_holding_the_holder_separator_is_refused_and_records_nothing() -> None:
+    index = PrefixIndex()
+    index.record("acme", (1,), "a")
+    with pytest.raises(ValueError, match="replica id"):
+        index.record("acme", (1, 2), "b\x1fa")
+    assert len(index) == 1
+    assert index.longest_matches("acme", (1, 2)) == {"a": 1}
