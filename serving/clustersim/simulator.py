@@ -142,6 +142,8 @@ class RequestRecord:
     # nothing, as round robin); the report compares them with what the engine model did.
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    # The objective the router protects its decode with (`Decision.tpot_objective_s`).
+    tpot_objective_s: float | None = None
     # Disaggregated: where it was prefilled (replica_id then decoded it), when the prefill
     # handed its KV off, and when the KV landed on the decode replica.
     prefill_replica_id: str | None = None
@@ -403,6 +405,7 @@ class ClusterSimulator:
                     prompt,
                     context_tokens=record.request.prompt_tokens,
                     now=event.time_s,
+                    tpot_objective_s=record.tpot_objective_s,
                 )
                 last = event.time_s
             elif kind == PREEMPTED:
@@ -463,13 +466,18 @@ class ClusterSimulator:
             return
         record.predicted_ttft_s = decision.predicted_ttft_s
         record.predicted_tpot_s = decision.predicted_tpot_s
+        record.tpot_objective_s = decision.tpot_objective_s
         if decision.prefill_replica is not None:
             self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)
             record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
             prefill = self._replicas[decision.prefill_replica.replica_id]
             router.request_started(prefill.replica_id, record.prefill_tokens, request.arrival_s)
             router.request_started(
-                replica.replica_id, 0, request.arrival_s, context_tokens=request.prompt_tokens
+                replica.replica_id,
+                0,
+                request.arrival_s,
+                context_tokens=request.prompt_tokens,
+                tpot_objective_s=decision.tpot_objective_s,
             )
             prefill.engine.add_request(
                 EngineRequest(
@@ -491,6 +499,7 @@ class ClusterSimulator:
             record.prefill_tokens,
             request.arrival_s,
             context_tokens=request.prompt_tokens,
+            tpot_objective_s=decision.tpot_objective_s,
         )
         engine.add_request(
             EngineRequest(

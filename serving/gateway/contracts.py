@@ -75,7 +75,12 @@ class ExchangeServices(Protocol):
     ) -> Decision: ...
 
     def request_started(
-        self, replica_id: str, prefill_tokens: int, context_tokens: int = 0
+        self,
+        replica_id: str,
+        prefill_tokens: int,
+        context_tokens: int = 0,
+        *,
+        tpot_objective_s: float | None = None,
     ) -> None: ...
 
     def request_first_token(self, replica_id: str, prefill_tokens: int) -> None: ...
@@ -87,6 +92,7 @@ class ExchangeServices(Protocol):
         *,
         first_token_seen: bool,
         context_tokens: int = 0,
+        tpot_objective_s: float | None = None,
     ) -> None: ...
 
     # --- circuit breakers ---------------------------------------------------------------------

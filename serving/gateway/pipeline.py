@@ -155,6 +155,8 @@ class Exchange:
     _complete: bool = False
     # The replica whose in-flight count this request holds (between started and finished).
     _started_on: str | None = None
+    # The TPOT objective it decodes under there, as the router was told (Decision's).
+    _started_objective: float | None = None
     # True once a replica accepted the request and produced its first chunk.
     _accepted: bool = False
     # Whether the replica's breaker got a verdict (success or failure) from this request.
@@ -436,10 +438,15 @@ class Exchange:
             try:
                 kv_params = await self._prefill(prefill) if prefill is not None else None
                 failing = endpoint
+                objective = self.decision.tpot_objective_s if self.decision is not None else None
                 self.gateway.request_started(
-                    replica_id, self.prefill_tokens(), self.prompt_estimate
+                    replica_id,
+                    self.prefill_tokens(),
+                    self.prompt_estimate,
+                    tpot_objective_s=objective,
                 )
                 self._started_on = replica_id
+                self._started_objective = objective
                 trace_headers = self._trace_upstream(replica_id) if self.trace is not None else None
                 stream = await open_stream(
                     self.gateway.session,
@@ -659,6 +666,7 @@ class Exchange:
                 self.prefill_tokens(),
                 first_token_seen=first_token_seen,
                 context_tokens=self.prompt_estimate,
+                tpot_objective_s=self._started_objective,
             )
             self._started_on = None
 

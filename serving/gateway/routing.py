@@ -65,6 +65,8 @@ CARRIED_ACROSS_VERSIONS = (
     "finish_rate",
     "finish_rate_at",
     "finish_rate_since",
+    "inflight_tpot_objectives",
+    "tightest_tpot_s",
     "breaker_open_until",
 )
 

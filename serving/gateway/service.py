@@ -350,11 +350,20 @@ class Gateway:
             slot.cancel()
 
     def request_started(
-        self, replica_id: str, prefill_tokens: int, context_tokens: int = 0
+        self,
+        replica_id: str,
+        prefill_tokens: int,
+        context_tokens: int = 0,
+        *,
+        tpot_objective_s: float | None = None,
     ) -> None:
         state = self.routing.snapshot.state
         state.request_started(
-            replica_id, prefill_tokens, time.monotonic(), context_tokens=context_tokens
+            replica_id,
+            prefill_tokens,
+            time.monotonic(),
+            context_tokens=context_tokens,
+            tpot_objective_s=tpot_objective_s,
         )
         breaker = self.breakers.get(replica_id)
         if breaker is not None and breaker.allow_request():
@@ -389,6 +398,7 @@ class Gateway:
         *,
         first_token_seen: bool,
         context_tokens: int = 0,
+        tpot_objective_s: float | None = None,
     ) -> None:
         self.routing.snapshot.state.request_finished(
             replica_id,
@@ -396,6 +406,7 @@ class Gateway:
             first_token_seen=first_token_seen,
             context_tokens=context_tokens,
             now=time.monotonic(),
+            tpot_objective_s=tpot_objective_s,
         )
         if len(self.queue):
             self.queue.release()

@@ -8,6 +8,7 @@ does arithmetic on them.
 from __future__ import annotations
 
 import copyreg
+import math
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING, Literal, cast
@@ -132,6 +133,11 @@ class ReplicaState:
     finish_rate: float = 0.0
     finish_rate_at: float = 0.0
     finish_rate_since: float = 0.0
+    # The TPOT objectives of this gateway's requests decoding there -> how many, and the
+    # tightest of them (inf: none): every sequence there decodes in the same steps, so a
+    # request sent there must keep the step within it, whatever its own tier allows.
+    inflight_tpot_objectives: dict[float, int] = field(default_factory=dict)
+    tightest_tpot_s: float = math.inf
     adapters_loaded: frozenset[str] = frozenset()
     max_loras: int = 0
     healthy: bool = True
@@ -250,6 +256,10 @@ class Decision:
     # prompt_tokens minus this to RouterState.request_started as the prefill to do.
     cached_tokens: int = 0
     meets_slo: bool = True
+    # The TPOT objective that requests sent there later must keep this one's decode within
+    # (its tier's; None: none, or a policy that does not weigh it): pass it to
+    # RouterState.request_started and request_finished.
+    tpot_objective_s: float | None = None
     # True when nothing meets the SLO by a wide margin: the gateway should hold the request
     # in the admission queue, or refuse it with Retry-After, rather than send it now.
     queue_advised: bool = False

@@ -9,6 +9,7 @@ groups, sorted by price, are few.
 
 from __future__ import annotations
 
+import math
 import random
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
@@ -255,15 +256,23 @@ class RouterState:
         now: float | None = None,
         *,
         context_tokens: int = 0,
+        tpot_objective_s: float | None = None,
     ) -> None:
         """This gateway sent a request: `prompt_tokens` is the prefill it needs (prompt less
         what the router expects cached, `Decision.cached_tokens`); `now` (monotonic
         seconds) feeds the replica's prompt-token rate, left alone without it;
-        `context_tokens` is its whole prompt, the KV its decode steps read."""
+        `context_tokens` is its whole prompt, the KV its decode steps read;
+        `tpot_objective_s` its tier's TPOT objective, which requests sent there later
+        must not push the replica's decode steps past (None: it has none)."""
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
         replica.inflight += 1
+        if tpot_objective_s is not None:
+            objectives = replica.inflight_tpot_objectives
+            objectives[tpot_objective_s] = objectives.get(tpot_objective_s, 0) + 1
+            if tpot_objective_s < replica.tightest_tpot_s:
+                replica.tightest_tpot_s = tpot_objective_s
         if replica.healthy:
             self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens += prompt_tokens
@@ -292,15 +301,25 @@ class RouterState:
         first_token_seen: bool = True,
         context_tokens: int = 0,
         now: float | None = None,
+        tpot_objective_s: float | None = None,
     ) -> None:
-        """Pass the same `prompt_tokens` and `context_tokens` as to `request_started`;
-        `first_token_seen=False` for a request that ended (error, abort) before
-        `request_first_token`; `now` (monotonic seconds) feeds the replica's finish rate,
-        left alone without it."""
+        """Pass the same `prompt_tokens`, `context_tokens` and `tpot_objective_s` as to
+        `request_started`; `first_token_seen=False` for a request that ended (error, abort)
+        before `request_first_token`; `now` (monotonic seconds) feeds the replica's finish
+        rate, left alone without it."""
         replica = self._replicas.get(replica_id)
         if replica is None or replica.inflight <= 0:
             return
         replica.inflight -= 1
+        if tpot_objective_s is not None:
+            objectives = replica.inflight_tpot_objectives
+            left = objectives.get(tpot_objective_s, 0) - 1
+            if left > 0:
+                objectives[tpot_objective_s] = left
+            elif left == 0:
+                del objectives[tpot_objective_s]
+                if tpot_objective_s == replica.tightest_tpot_s:
+                    replica.tightest_tpot_s = min(objectives, default=math.inf)
         if replica.healthy:
             self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens = max(0, replica.inflight_prompt_tokens - prompt_tokens)

@@ -497,13 +497,25 @@ class CostAware:
     or `samples_per_group` random ones of a large group. Among candidates within
     `near_tie_fraction` of the cheapest, two are drawn and the one using less of its
     objective on the clock that binds (TTFT or TPOT) wins.
+
+    Every sequence on a replica decodes in the same steps, so a request's predicted TPOT
+    there is what it brings every sequence there to. The router knows the TPOT objectives
+    of its own requests in flight on each replica (`ReplicaState.tightest_tpot_s`); a
+    candidate whose predicted TPOT passes the tightest of them (times `slo_margin`) is
+    harmful. The draw is among the harmless near ties when there are any. When all are
+    harmful, a request of the tightest tier draws among them anyway, and one of a looser
+    tier takes the path below, as if nothing met: a batch request decoding at leisure
+    must not push the chat requests beside it past 50 ms a token, nor take a replica
+    they need just because it alone is fast enough to carry it harmlessly.
+
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
     request of a looser tier than the tightest (`yield_to_tighter_tiers`), or one predicted
     to miss its objective on every candidate (`yield_when_lost`), takes the cheapest
     replica missing by at most that factor (a lost request: that factor times the least bad's
     miss): a request lost to the SLO wherever it goes should not take the fast replicas from
-    requests that can still meet it.
+    requests that can still meet it. Between equal prices the least harmful wins there, and
+    the least-bad one is judged on its harm as well as its own miss.
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -649,9 +661,8 @@ class CostAware:
     ) -> Decision:
         options, best_meeting = candidates.options, candidates.best_meeting
         predictor = candidates.predictor
-        if best_meeting != math.inf:
-            limit = best_meeting * (1.0 + self.config.near_tie_fraction)
-            ties = [option for option in options if option[_MEETS] and option[_RANK] <= limit]
+        ties = self._ties(candidates, tier) if best_meeting != math.inf else []
+        if ties:
             chosen = ties[0]
             if len(ties) > 1:
                 # Power of two choices; randrange twice is a fraction of rng.sample's cost.
@@ -663,18 +674,19 @@ class CostAware:
             return self._decision(
                 chosen, chosen[_REASON], request, predictor, baseline, queue_advised=False
             )
-        # A deferred option's rank is a placeholder (infinity): predicted now, it is ranked
-        # with the same discounts as the others.
+        # (miss of its own objectives, harm, rank, option): the harm is its TPOT over the
+        # tightest TPOT objective decoding there. A deferred option's rank is a placeholder
+        # (infinity): predicted now, it is ranked with the same discounts as the others.
         scored = [
             (
-                self._violation(option, predictor, tier),
+                *self._violation(option, predictor, tier),
                 option[_RANK] if option[_TTFT] is not None else candidates.deferred_rank(option),
                 option,
             )
             for option in options
         ]
         tolerable = self.config.queue_over_slo_factor
-        least = min(triple[0] for triple in scored)
+        least = min(scored_option[0] for scored_option in scored)
         lost = self.config.yield_when_lost and least > 1.0
         if lost or self._yields(tier):
             # Overloaded: a looser tier settles for the cheapest replica it can tolerate,
@@ -684,10 +696,11 @@ class CostAware:
             # replica pushes the sequences there over the objective too, so capping it at a
             # fixed multiple of the objective would let the fast replicas fill up to the
             # objective and past it whenever the cheap ones miss by more than that.
+            # Between equal prices, the least harm (so a homogeneous fleet spreads them).
             cap = tolerable * least if lost else tolerable
-            within = [triple for triple in scored if triple[0] <= cap]
+            within = [option for option in scored if option[0] <= cap]
             if within:
-                _, _, chosen = min(within, key=lambda triple: (triple[1], triple[0]))
+                chosen = min(within, key=lambda option: (option[2], max(option[0], option[1])))[3]
                 return self._decision(
                     chosen,
                     Reason.LEAST_BAD,
@@ -696,8 +709,11 @@ class CostAware:
                     baseline,
                     queue_advised=least > tolerable,
                 )
-        # The smallest miss; between equal misses, the cheaper replica.
-        violation, _, chosen = min(scored, key=lambda triple: (triple[0], triple[1]))
+        # The smallest miss, its own or that it causes; between equal misses, the cheaper.
+        own, harm, _, chosen = min(
+            scored, key=lambda option: (max(option[0], option[1]), option[2])
+        )
+        violation = max(own, harm)
         return self._decision(
             chosen,
             Reason.LEAST_BAD,
@@ -707,6 +723,21 @@ class CostAware:
             queue_advised=violation > tolerable,
         )
 
+    def _ties(self, candidates: _Candidates, tier: SloTier) -> list[_Option]:
+        """The options to draw two from: those meeting the SLO within the near tie of the
+        cheapest, and of them those keeping the sequences already decoding there within
+        their objectives (harmless). Where none is harmless, a request of the tightest tier
+        takes its pick of them all; one of a looser tier none, so that it takes the
+        least-bad path: the cheapest replica it tolerates, the least harmful of equals."""
+        limit = candidates.best_meeting * (1.0 + self.config.near_tie_fraction)
+        ties = [
+            option for option in candidates.options if option[_MEETS] and option[_RANK] <= limit
+        ]
+        harmless = [option for option in ties if candidates.harmless(option)]
+        if harmless:
+            return harmless
+        return [] if self._yields(tier) else ties
+
     def _yields(self, tier: SloTier) -> bool:
         """Whether a request of this tier gives way to tighter tiers when nothing meets."""
         if not self.config.yield_to_tighter_tiers or self._tightest_ttft_s is None:
@@ -714,12 +745,17 @@ class CostAware:
         return tier.ttft_s is None or tier.ttft_s > self._tightest_ttft_s
 
     @staticmethod
-    def _violation(option: _Option, predictor: RequestPredictor, tier: SloTier) -> float:
+    def _violation(
+        option: _Option, predictor: RequestPredictor, tier: SloTier
+    ) -> tuple[float, float]:
+        """How many times over its own objectives the option is, and its harm: how many
+        times over the tightest TPOT objective of the requests decoding there (both <= 1
+        when within them)."""
         ttft, tpot = option[_TTFT], option[_TPOT]
         if ttft is None or tpot is None:  # deferred: it misses, but by how much?
             prediction = predictor.predict(option[_REPLICA], option[_BLOCKS])
             ttft, tpot = prediction.ttft_s, prediction.tpot_s
-        return _slo_violation(ttft, tpot, tier)
+        return _slo_violation(ttft, tpot, tier), tpot / option[_REPLICA].tightest_tpot_s
 
     def _decision(
         self,
@@ -748,6 +784,7 @@ class CostAware:
             predicted_cost_usd=prediction.cost_usd,
             cached_tokens=blocks * self.config.prefix_block_tokens,
             meets_slo=option[_MEETS],
+            tpot_objective_s=self.config.tier(request.tier).tpot_s,
             queue_advised=queue_advised,
             baseline_replica=baseline,
         )
@@ -772,6 +809,7 @@ class _Candidates:
         "adapter",
         "best_meeting",
         "config",
+        "margin",
         "matches",
         "near_tie",
         "now",
@@ -803,7 +841,7 @@ class _Candidates:
         self.adapter = request.adapter
         self.total_blocks = len(request.prefix_hashes)
         # Accept only predictions inside the safety margin of the objective.
-        margin = config.slo_margin
+        self.margin = margin = config.slo_margin
         self.ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * margin
         self.tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
         self.near_tie = 1.0 + config.near_tie_fraction
@@ -843,7 +881,7 @@ class _Candidates:
         ttft *= factor
         tpot *= factor
         if blocks:
-            discount -= self._prefix_discount(ttft, tpot, blocks)
+            discount -= self._prefix_discount(ttft, tpot, blocks, self.tpot_limit_on(replica))
             reason = Reason.PREFIX_AFFINITY
         rank_price = replica.price_per_hour * discount
         meets = ttft <= self.ttft_limit and tpot <= self.tpot_limit
@@ -862,7 +900,9 @@ class _Candidates:
             discount -= self.config.adapter_bonus
         if blocks:
             prediction = self.predictor.predict(replica, blocks)
-            discount -= self._prefix_discount(prediction.ttft_s, prediction.tpot_s, blocks)
+            discount -= self._prefix_discount(
+                prediction.ttft_s, prediction.tpot_s, blocks, self.tpot_limit_on(replica)
+            )
         return replica.price_per_hour * discount
 
     def load(self, option: _Option) -> float:
@@ -870,15 +910,28 @@ class _Candidates:
         limit): the share of the objective it uses on the clock that binds."""
         ttft, tpot = option[_TTFT], option[_TPOT]
         assert ttft is not None and tpot is not None  # meeting options are predicted
-        return self._used(ttft, tpot)
+        return self._used(ttft, tpot, self.tpot_limit_on(option[_REPLICA]))
 
-    def _used(self, ttft: float, tpot: float) -> float:
-        return max(ttft / self.ttft_limit, tpot / self.tpot_limit)
+    def harmless(self, option: _Option) -> bool:
+        """Whether a predicted option keeps the replica's decode step within the limit of
+        the tightest TPOT objective decoding there (`tpot_limit_on`)."""
+        tpot = option[_TPOT]
+        assert tpot is not None  # meeting options are predicted
+        return tpot <= self.tpot_limit_on(option[_REPLICA])
 
-    def _prefix_discount(self, ttft: float, tpot: float, blocks: int) -> float:
-        """The prefix holder's discount: worth less the closer it is to either objective
+    def tpot_limit_on(self, replica: ReplicaState) -> float:
+        """The TPOT a request may bring the replica to: its own objective's limit, or the
+        tightest of the requests decoding there, whichever is lower (times the margin)."""
+        guard = replica.tightest_tpot_s * self.margin
+        return guard if guard < self.tpot_limit else self.tpot_limit
+
+    def _used(self, ttft: float, tpot: float, tpot_limit: float) -> float:
+        return max(ttft / self.ttft_limit, tpot / tpot_limit)
+
+    def _prefix_discount(self, ttft: float, tpot: float, blocks: int, tpot_limit: float) -> float:
+        """The prefix holder's discount: worth less the closer it is to either limit
         (a holder that meets TTFT by decoding slowly saves nothing)."""
-        headroom = 1.0 - self._used(ttft, tpot)
+        headroom = 1.0 - self._used(ttft, tpot, tpot_limit)
         if headroom > 0.0:
             return self.config.prefix_bonus * headroom * blocks / self.total_blocks
         return 0.0

@@ -88,18 +88,19 @@ def test_a_fleet_with_prefill_and_decode_pools_needs_the_disaggregated_policy() 
 # reads (serving/router/predict.py), and both cost-aware rows again when its prefix discount
 # and its near-tie choice learned to weigh TPOT as well as TTFT, and once more when the
 # prompt-rate time constant fell from 20 s to 5 s, and when the TPOT prediction learned
-# that decodes ride in mixed steps (and the prompt rate's warm-up): router changes, not the
-# engine's roles, moved them.
+# that decodes ride in mixed steps (and the prompt rate's warm-up), and when cost-aware
+# learned to keep the decode of the requests already on a replica within their TPOT
+# objectives: router changes, not the engine's roles, moved them.
 COLOCATED_BEFORE = [
     (
         homogeneous("H100-SXM-80GB", 2),
         "cost_aware",
-        (0.45955776390140685, 0.017374066891388252, 0.13184444444444446, 0.133731),
+        (0.45784912930943755, 0.017480725355336714, 0.13184444444444446, 0.132941),
     ),
     (
         with_budget({"H100-SXM-80GB": 1, "L40S-48GB": 1}, 9.0),
         "cost_aware",
-        (0.9151452647422831, 0.050280234509269495, 0.19693333333333338, 0.198892),
+        (0.9006318036423202, 0.04885998722971037, 0.19693333333333338, 0.19837),
     ),
     (
         homogeneous("A100-SXM-80GB", 2),

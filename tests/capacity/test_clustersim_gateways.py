@@ -61,14 +61,15 @@ def digest(result: SimResult) -> str:
 # cost_aware's was taken again when its TPOT prediction learned the KV each decode step
 # reads (serving/router/predict.py), after the gateways had been checked against the old one,
 # and again when its prefix discount and near-tie choice learned to weigh TPOT too, and when
-# the prompt-rate time constant fell from 20 s to 5 s, and when the TPOT prediction learned
-# that decodes ride in mixed steps.
+# the prompt-rate time constant fell from 20 s to 5 s, when the TPOT prediction learned
+# that decodes ride in mixed steps, and when cost-aware learned to keep the decode of the
+# requests already on a replica within their TPOT objectives.
 SINGLE_GATEWAY_RUNS = {
     "cost_aware": (
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "4c354766f01dea16",
+        "6145c8bd3be8aeec",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

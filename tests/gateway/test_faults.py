@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import httpx
 import openai
@@ -16,6 +18,7 @@ import pytest
 import redis
 
 from metering.usage import UsageEvent
+from serving.gateway.service import Gateway
 from serving.router import ReplicaState
 from tenants.limiter import tenant_tag
 from tests.gateway.conftest import (
@@ -202,14 +205,29 @@ def test_content_that_fails_on_every_replica_ejects_none_of_them(setup, make_key
         assert chat(server.url, other.secret, max_tokens=2).status_code == 200
 
 
-def test_in_flight_accounting_returns_to_zero_after_successes_failures_and_aborts(setup) -> None:
+def test_in_flight_accounting_returns_to_zero_after_successes_failures_and_aborts(
+    setup, monkeypatch
+) -> None:
     server, fleet, key, _ = setup
     fleet.start(extra=("--sim-error-rate", "0.5"))
     fleet.start()
     fleet.publish()
+    objectives: list[float | None] = []
+    started = Gateway.request_started
+
+    def spy(self: Gateway, *args: Any, **kwargs: Any) -> None:
+        objectives.append(kwargs.get("tpot_objective_s"))
+        started(self, *args, **kwargs)
+
+    monkeypatch.setattr(Gateway, "request_started", spy)
     for stream in (False, True) * 5:
         assert chat(server.url, key.secret, max_tokens=3, stream=stream).status_code == 200
-    state = server.gateway().routing.snapshot.state
+    gateway = server.gateway()
+    # Each request told the router the TPOT objective its decode runs under (its tier's):
+    # what later requests must not push the replica past.
+    standard = gateway.router_config.tier("standard").tpot_s
+    assert len(objectives) >= 10 and set(objectives) == {standard}
+    state = gateway.routing.snapshot.state
     for sim in fleet.sims:
         replica = state.replica(sim.replica_id)
         assert replica is not None
@@ -219,7 +237,8 @@ def test_in_flight_accounting_returns_to_zero_after_successes_failures_and_abort
 
 def _settled_on(replica: ReplicaState) -> bool:
     counts = (replica.inflight, replica.inflight_prompt_tokens, replica.prefill_pending_tokens)
-    return counts == (0, 0, 0)
+    objectives = (replica.inflight_tpot_objectives, replica.tightest_tpot_s)
+    return counts == (0, 0, 0) and objectives == ({}, math.inf)
 
 
 def test_a_stream_longer_than_its_lease_renews_it(setup, settings) -> None:

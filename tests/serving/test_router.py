@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -321,6 +322,74 @@ def test_cost_aware_finds_cheap_capacity_in_a_large_fleet_by_sampling() -> None:
     decision = CostAware(state, NO_MARGIN).choose(request(tier="standard"), NOW)
     assert decision.replica is not None and decision.replica.gpu_class == L4
     assert decision.meets_slo
+
+
+# The decode step a request brings its neighbours to
+
+INTERACTIVE_TPOT_S = 0.05
+
+
+def test_the_tightest_tpot_objective_in_flight_follows_starts_and_finishes() -> None:
+    state = fleet(replica("a"))
+    target = state.replica("a")
+    assert target is not None and target.tightest_tpot_s == math.inf
+    state.request_started("a", 100, NOW, tpot_objective_s=0.1)
+    state.request_started("a", 100, NOW, tpot_objective_s=INTERACTIVE_TPOT_S)
+    state.request_started("a", 100, NOW, tpot_objective_s=INTERACTIVE_TPOT_S)
+    state.request_started("a", 100, NOW)  # a batch request: no objective
+    assert target.tightest_tpot_s == INTERACTIVE_TPOT_S
+    state.request_finished("a", 100, tpot_objective_s=INTERACTIVE_TPOT_S)
+    assert target.tightest_tpot_s == INTERACTIVE_TPOT_S  # one interactive request is left
+    state.request_finished("a", 100, tpot_objective_s=INTERACTIVE_TPOT_S)
+    assert target.tightest_tpot_s == 0.1
+    state.request_finished("a", 100, tpot_objective_s=0.1)
+    state.request_finished("a", 100)
+    assert (target.inflight_tpot_objectives, target.tightest_tpot_s) == ({}, math.inf)
+    state.request_finished("a", 100, tpot_objective_s=0.1)  # one finish too many: ignored
+    assert (target.inflight, target.inflight_tpot_objectives) == (0, {})
+
+
+def batch_picks(state: RouterState, prompt_tokens: int = 2_000) -> set[str | None]:
+    policy = CostAware(state)
+    return {
+        chosen_id(policy, request(tier="batch", prompt_tokens=prompt_tokens, request_id=f"b{n}"))
+        for n in range(30)
+    }
+
+
+def test_a_batch_prompt_goes_where_it_pushes_no_chat_request_past_its_tpot_objective() -> None:
+    # On either replica the 2,000-token prompt brings the decode to about 44 ms a token,
+    # over the 40 ms the interactive request decoding on "chat" may be brought to.
+    def two_equal(protected: bool) -> RouterState:
+        state = fleet(replica("chat", running=30), replica("spare", running=30), seed=3)
+        objective = INTERACTIVE_TPOT_S if protected else None
+        state.request_started("chat", 300, None, tpot_objective_s=objective)
+        state.request_started("spare", 300, None)  # a batch request there: no objective
+        return state
+
+    assert batch_picks(two_equal(protected=True)) == {"spare"}
+    # The same fleet without the objective: the two are a near tie, drawn at random.
+    assert batch_picks(two_equal(protected=False)) == {"chat", "spare"}
+
+
+def test_a_looser_tier_harmful_everywhere_takes_the_least_harmful_of_equal_prices() -> None:
+    # The busier one first: a tie broken by order alone would take it.
+    state = fleet(replica("busier", running=40), replica("lighter", running=30), seed=3)
+    for name in ("lighter", "busier"):
+        state.request_started(name, 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+    decision = CostAware(state).choose(request(tier="batch", prompt_tokens=2_000), NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "lighter"
+    assert decision.reason == Reason.LEAST_BAD
+    assert batch_picks(state) == {"lighter"}  # 44 ms there, 48 ms on the busier one
+
+
+def test_a_cost_aware_decision_names_the_objective_its_decode_runs_under() -> None:
+    state = fleet(replica("a"))
+    policy = CostAware(state)
+    interactive = policy.choose(request(tier="interactive"), NOW)
+    batch = policy.choose(request(tier="batch", request_id="b"), NOW)
+    assert interactive.tpot_objective_s == INTERACTIVE_TPOT_S
+    assert batch.tpot_objective_s is None
 
 
 # Affinity
