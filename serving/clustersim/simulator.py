@@ -88,8 +88,12 @@ class SimConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     # None: the policy class's own `refresh_interval_s` (DEFAULT_REFRESH_INTERVAL_S if none).
     telemetry_interval_s: float | None = 2.0
-    # Gateway processes, each with only its own in-flight counts and prefix index.
+    # Gateway processes, each with only its own in-flight counts and prefix index ...
     gateways: int = 1
+    # ... each told how many they are (RouterConfig.gateways), as a deployment's gateways
+    # count each other through Redis (serving/gateway/peers.py); False: each routes as if
+    # it were the only one.
+    count_gateways: bool = True
     autoscaler: AutoscalerConfig | None = None
     autoscale_interval_s: float = 15.0
     cold_start_s: float = 90.0
@@ -329,7 +333,10 @@ class ClusterSimulator:
         return self.config.seed + version + gateway * 1_000_003
 
     def _gateway(self, index: int, state: RouterState) -> Gateway:
-        return Gateway(index, state, self.config.policy_class(state, self.config.router))
+        router = self.config.router
+        if self.config.count_gateways:
+            router = replace(router, gateways=self.config.gateways)
+        return Gateway(index, state, self.config.policy_class(state, router))
 
     def _router(self, record: RequestRecord) -> RouterState:
         return self._gateways[record.gateway].state

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import redis.asyncio as aioredis
@@ -32,6 +32,7 @@ from serving.gateway import metrics
 from serving.gateway.catalog import Catalog, load_catalog
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import DEFAULT_CHAIN, Guardrail, load_chain
+from serving.gateway.peers import GatewayPeers
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
 from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
@@ -110,6 +111,8 @@ class Gateway:
         self.price_book = PriceBook([])
         self.guardrails: list[Guardrail] = load_chain(config.guardrails)
         self.router_config = RouterConfig()
+        # The gateways sharing the traffic: the router scales this one's counts by them.
+        self.peers = GatewayPeers(self.redis)
         self.queue = AdmissionQueue(config.queue_max, config.queue_aging_s)
         self.breakers: dict[str, CircuitBreaker] = {}
         # (replica id, adapter) -> monotonic time until which the replica is not sent it
@@ -139,6 +142,8 @@ class Gateway:
             await self.refresh_reference_data()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.limiter.load_scripts()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.count_gateways()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
 
     async def close(self) -> None:
@@ -148,6 +153,8 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await task
         await self.routing.close()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.peers.leave()
         # Releases of admissions whose answer was lost are in flight: let them land.
         await self.limiter.close()
         with contextlib.suppress(Exception):
@@ -168,10 +175,19 @@ class Gateway:
         if raw:
             self.price_book = PriceBook.from_json(raw)
 
+    async def count_gateways(self) -> None:
+        """Stamp this gateway alive and take the number alive into the router's config."""
+        gateways = await self.peers.beat()
+        if gateways != self.router_config.gateways:
+            log.info("%d gateway processes share the traffic", gateways)
+            self.router_config = replace(self.router_config, gateways=gateways)
+            self._policy = None  # built again over the new config on the next request
+
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self.config.refresh_s * 2)
             try:
+                await self.count_gateways()
                 if self.limiter.deferred:
                     sent = await self.limiter.retry_deferred()
                     if sent:

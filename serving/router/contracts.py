@@ -223,6 +223,11 @@ class RouterConfig:
     # most `queue_over_slo_factor` times the least bad's miss, and leaves the fast ones to
     # requests that can still meet theirs (its prefill there would push them over too).
     yield_when_lost: bool = True
+    # Gateway processes sharing the traffic, each counting only the requests it sent. The
+    # load balancer in front deals requests to them alike, so each multiplies its own
+    # in-flight requests, queued prefill and prompt rate on a replica by this to estimate
+    # everyone's (the telemetry holds the truth, as of its last scrape).
+    gateways: int = 1
 
     def tier(self, name: str) -> SloTier:
         return self.slo_tiers.get(name) or SloTier(name, None, None)

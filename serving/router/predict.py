@@ -2,7 +2,10 @@
 
 With `load = max(running + waiting, inflight)` (telemetry lags; this gateway's own
 in-flight count is a fresh lower bound on what the replica holds), `B = max_num_seqs` and
-`K = max_num_batched_tokens`:
+`K = max_num_batched_tokens`. With `RouterConfig.gateways` = G gateway processes dealt the
+traffic alike, each knowing only what it sent, this gateway's in-flight count, its queued
+prefill and its prompt and prefill rates below are taken G times: an estimate of all of
+theirs until the telemetry shows it (each sends where the others do, on the same view).
 
     batch       = min(load, B)                   sequences decoding when we arrive
     ahead       = prefill_pending_tokens         this gateway's prompts not yet prefilled
@@ -133,6 +136,7 @@ class RequestPredictor:
         "adapter",
         "adapter_load_s",
         "block_tokens",
+        "gateways",
         "kv_inflation",
         "max_share",
         "max_tokens",
@@ -160,6 +164,7 @@ class RequestPredictor:
         self.kv_inflation = config.kv_inflation
         self.stale_after_s = config.stale_after_s
         self.stale_penalty = config.stale_penalty
+        self.gateways = config.gateways
         # TPOT is at least the decode step while the prefill share stays in [0, 1) and the
         # KV and staleness factors are at least 1 (the replica's part is checked per replica).
         self.step_bounds_tpot = (
@@ -193,7 +198,8 @@ class RequestPredictor:
         predicting no further, when the decode step it joins is over `step_limit`, and so,
         provably, is its TPOT."""
         perf = replica.perf
-        inflight = replica.inflight
+        gateways = self.gateways
+        inflight = replica.inflight * gateways  # ours, and as many from each other gateway
         waiting = replica.waiting
         load = replica.running + waiting
         if inflight > load:
@@ -207,7 +213,7 @@ class RequestPredictor:
             # (shared blocks once) is only a floor. The batch's context a sequence is that
             # of this gateway's own requests in flight there, or, with none, ours.
             if inflight and replica.inflight_context_tokens:
-                per_sequence = replica.inflight_context_tokens / inflight
+                per_sequence = replica.inflight_context_tokens / replica.inflight
             else:
                 per_sequence = float(self.prompt_tokens)
             kv_tokens = replica.kv_usage * perf.kv_capacity_tokens
@@ -225,7 +231,7 @@ class RequestPredictor:
         ):
             return None
 
-        ahead = replica.prefill_pending_tokens
+        ahead = replica.prefill_pending_tokens * gateways
         if waiting > inflight:
             ahead += (waiting - inflight) * self.queued_tokens
         to_prefill = ahead + new_tokens
@@ -237,8 +243,8 @@ class RequestPredictor:
         if load >= perf.max_num_seqs:
             finished = decayed_finish_rate(replica, self.now)
             if finished > 0.0:
-                if inflight:
-                    finished *= load / inflight
+                if replica.inflight:
+                    finished *= load / replica.inflight  # our share of the load is ours
                 ttft += (load - perf.max_num_seqs + 1) / finished
         adapter = self.adapter
         if adapter is not None and adapter not in replica.adapters_loaded:
@@ -249,6 +255,7 @@ class RequestPredictor:
         # and takes at least the decode step. Such steps fill the share `s` of the time
         # their compute needs; ours advances one token a step either way.
         decay = decay_factor(replica.prompt_rate_at, self.now) * warm_up(replica, self.now)
+        decay *= gateways
         prompts = replica.prompt_rate * decay + new_tokens / PROMPT_RATE_WINDOW_S
         prefills = replica.prefill_rate * decay + 1.0 / PROMPT_RATE_WINDOW_S
         chunk = prompts / prefills

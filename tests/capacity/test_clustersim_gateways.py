@@ -133,6 +133,27 @@ def test_sixteen_gateways_on_stale_telemetry_balance_a_burst_worse_than_one() ->
     assert sixteen.tiers["interactive"].slo_attainment < one.tiers["interactive"].slo_attainment
 
 
+def test_cost_aware_gateways_that_count_each_other_keep_a_burst_within_the_slo() -> None:
+    fleet = homogeneous("H100-SXM-80GB", 4)
+    requests = burst()
+    one, unaware, counting = (
+        summarize(
+            simulate(
+                fleet,
+                requests,
+                SimConfig(gateways=n, telemetry_interval_s=2, count_gateways=count),
+            )
+        )
+        .tiers["interactive"]
+        .slo_attainment
+        for n, count in ((1, True), (16, False), (16, True))
+    )
+    # Each of sixteen sees a sixteenth of what it sent there (99.8 % -> 93.1 %); taking it
+    # sixteen times, it stops packing a replica the others are packing too (97.3 %).
+    assert unaware < one - 0.05
+    assert counting > one - 0.05 and counting > unaware + 0.03
+
+
 def test_fresh_telemetry_hides_most_of_what_the_gateways_do_not_know() -> None:
     fleet = homogeneous("H100-SXM-80GB", 4)
     requests = burst()

@@ -228,3 +228,21 @@ def test_the_prompt_rate_is_corrected_for_its_warm_up() -> None:
         state.request_first_token(name, 10 * 3_000)
     ask = request(prompt_tokens=3_000)
     assert predict(fresh, ask, NOW, CONFIG).tpot_s > predict(steady, ask, NOW, CONFIG).tpot_s
+
+
+def test_one_of_four_gateways_takes_its_own_requests_four_times_for_everyone_s() -> None:
+    def predicted(sent: int, gateways: int) -> tuple[float, float]:
+        state = fleet(replica("a", H100))
+        for _ in range(sent):
+            state.request_started("a", 600, NOW, context_tokens=900)
+        config = RouterConfig(gateways=gateways)
+        target = state.replica("a")
+        assert target is not None
+        prediction = predict(target, request(tier="interactive", prompt_tokens=800), NOW, config)
+        return prediction.ttft_s, prediction.tpot_s
+
+    # The telemetry shows nothing yet: each of four gateways that sent 12 prompts there
+    # expects the 48 of them all, as one gateway that sent them all knows them.
+    alone = predicted(12, 1)
+    assert predicted(12, 4) == pytest.approx(predicted(48, 1))
+    assert predicted(12, 4)[0] > alone[0] and predicted(12, 4)[1] > alone[1]
