@@ -63,10 +63,12 @@ from serving.engine.core import (
 )
 from serving.engine.link import LinkPort, load_link_specs, schedule_transfer
 from serving.router import (
+    OWN_POLICIES,
     POLICIES,
     DeploymentRoute,
     ModelRoute,
     Policy,
+    PrefixIndex,
     ReplicaState,
     RouterConfig,
     RouteRequest,
@@ -94,6 +96,10 @@ class SimConfig:
     # count each other through Redis (serving/gateway/peers.py); False: each routes as if
     # it were the only one.
     count_gateways: bool = True
+    # Whether the gateways' prefix indexes are one: None, as the product does it (our
+    # gateways keep theirs in step through Redis, serving/gateway/prefix_sync.py, modelled
+    # as instant; the peers' routers each keep their own, as they ship).
+    share_prefix_index: bool | None = None
     autoscaler: AutoscalerConfig | None = None
     autoscale_interval_s: float = 15.0
     cold_start_s: float = 90.0
@@ -115,6 +121,12 @@ class SimConfig:
     @property
     def policy_class(self) -> Callable[[RouterState, RouterConfig], Policy]:
         return Disaggregated if self.policy == DISAGGREGATED else POLICIES[self.policy]
+
+    @property
+    def shares_prefix_index(self) -> bool:
+        if self.share_prefix_index is not None:
+            return self.share_prefix_index
+        return self.policy in OWN_POLICIES or self.policy == DISAGGREGATED
 
     @property
     def scrape_interval_s(self) -> float:
@@ -249,8 +261,17 @@ class ClusterSimulator:
                 f"{DISAGGREGATED!r}, not {self.config.policy!r}"
             )
         self._link = load_link_specs()[fleet.kv_link]
+        shared = PrefixIndex() if self.config.shares_prefix_index else None
         self._gateways = [
-            self._gateway(g, RouterState(self._routes, [], seed=self._seed(g, 0)))
+            self._gateway(
+                g,
+                RouterState(
+                    self._routes,
+                    [],
+                    seed=self._seed(g, 0),
+                    prefix_index=shared if shared is not None else PrefixIndex(),
+                ),
+            )
             for g in range(self.config.gateways)
         ]
         self._arrivals = 0

@@ -33,6 +33,7 @@ from serving.gateway.catalog import Catalog, load_catalog
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import DEFAULT_CHAIN, Guardrail, load_chain
 from serving.gateway.peers import GatewayPeers
+from serving.gateway.prefix_sync import PrefixSync
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
 from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
@@ -113,6 +114,10 @@ class Gateway:
         self.router_config = RouterConfig()
         # The gateways sharing the traffic: the router scales this one's counts by them.
         self.peers = GatewayPeers(self.redis)
+        # Where the other gateways send each prefix, recorded into this one's index too.
+        self.prefix_sync = PrefixSync(
+            self.redis, self.peers.gateway_id, lambda: self.routing.snapshot.state.prefix_index
+        )
         self.queue = AdmissionQueue(config.queue_max, config.queue_aging_s)
         self.breakers: dict[str, CircuitBreaker] = {}
         # (replica id, adapter) -> monotonic time until which the replica is not sent it
@@ -144,6 +149,7 @@ class Gateway:
             await self.limiter.load_scripts()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.count_gateways()
+        await self.prefix_sync.start()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
 
     async def close(self) -> None:
@@ -153,6 +159,7 @@ class Gateway:
             with contextlib.suppress(BaseException):
                 await task
         await self.routing.close()
+        await self.prefix_sync.close()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.peers.leave()
         # Releases of admissions whose answer was lost are in flight: let them land.
@@ -319,6 +326,11 @@ class Gateway:
             for replica_id, until in hidden:
                 state.set_breaker(replica_id, until)
         metrics.ROUTER_DECISIONS.labels(decision.policy, str(decision.reason)).inc()
+        holder = decision.prefill_replica or decision.replica
+        if holder is not None and request.prefix_hashes:
+            # The policy recorded the prefix against the replica that computes it (a
+            # disaggregated request's prefill replica); the other gateways learn it too.
+            self.prefix_sync.recorded(request.tenant, request.prefix_hashes, holder.replica_id)
         return decision
 
     async def wait_in_queue(

@@ -26,6 +26,7 @@ from serving.clustersim import (
     summarize,
 )
 from serving.clustersim.__main__ import main as cli_main
+from serving.clustersim.families import FAMILIES
 from serving.clustersim.fleet import disaggregated
 from serving.clustersim.simulator import DEFAULT_REFRESH_INTERVAL_S
 from serving.router import POLICIES, Decision, LeastLoad, RouterConfig, RouteRequest, RouterState
@@ -152,6 +153,26 @@ def test_cost_aware_gateways_that_count_each_other_keep_a_burst_within_the_slo()
     # sixteen times, it stops packing a replica the others are packing too (97.3 %).
     assert unaware < one - 0.05
     assert counting > one - 0.05 and counting > unaware + 0.03
+
+
+def test_gateways_that_share_their_prefix_index_keep_a_shared_document_on_one_replica() -> None:
+    spec = FAMILIES["rag"]
+    requests = spec.generate(seed=spec.seed, rate=spec.rate_per_s, duration_s=10.0)
+    fleet = homogeneous("H100-SXM-80GB", 6)
+
+    def cached_share(config: SimConfig) -> float:
+        records = simulate(fleet, requests, config).records
+        prompt = sum(r.request.prompt_tokens for r in records)
+        return sum(r.request.prompt_tokens - r.prefill_tokens for r in records) / prompt
+
+    one = cached_share(SimConfig())
+    apart = cached_share(SimConfig(gateways=16, share_prefix_index=False))
+    shared = cached_share(SimConfig(gateways=16))  # ours share it by default
+    # Each of sixteen alone sends a document wherever its own index says (0.43 -> 0.19 of
+    # the prompt tokens expected cached); one index keeps most of one gateway's (0.35).
+    assert apart < 0.6 * one
+    assert shared > 1.5 * apart
+    assert SimConfig(gateways=16, policy="dynamo_kv").shares_prefix_index is False  # as shipped
 
 
 def test_fresh_telemetry_hides_most_of_what_the_gateways_do_not_know() -> None:
