@@ -15,7 +15,6 @@ never a request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
@@ -23,6 +22,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from serving.gateway.background import cancel_all, follow_channel
 from serving.router import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -63,11 +63,7 @@ class PrefixSync:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_all(self._tasks)
 
     async def flush(self) -> None:
         while self._pending:
@@ -102,23 +98,10 @@ class PrefixSync:
                 self._pending.clear()
 
     async def _follow_forever(self) -> None:
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(self.channel)
-                self.subscribed.set()
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        try:
-                            self.apply(message["data"])
-                        except (ValueError, TypeError) as error:
-                            log.warning("a malformed prefix record batch: %s", error)
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # Redis away: keep routing on what we know, retry
-                log.warning("prefix records interrupted: %s", error)
-                self.subscribed.clear()
-                await asyncio.sleep(1.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+        await follow_channel(self.redis, self.channel, self._on_batch, subscribed=self.subscribed)
+
+    async def _on_batch(self, raw: bytes) -> None:
+        try:
+            self.apply(raw)
+        except (ValueError, TypeError) as error:
+            log.warning("a malformed prefix record batch: %s", error)

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from serving.engine.link import load_link_specs
 from serving.engine.perf import PerfModel
 from serving.engine.specs import find_model_spec, load_gpu_specs
+from serving.gateway.background import cancel_all, follow_channel
 from serving.redis_contracts import (
     ROUTING_TABLE_KEY,
     ROUTING_TELEMETRY_KEY,
@@ -247,11 +248,7 @@ class RoutingCache:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_all(self._tasks)
 
     async def reload(self) -> None:
         # One reload at a time: two in flight (an update message and the poll) could
@@ -303,21 +300,10 @@ class RoutingCache:
         await self._refreshed.wait()
 
     async def _follow_updates(self) -> None:
-        while True:
-            pubsub = self.redis.pubsub()
-            try:
-                await pubsub.subscribe(ROUTING_UPDATES_CHANNEL)
-                async for message in pubsub.listen():
-                    if message.get("type") == "message":
-                        await self.reload()
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # Redis away: keep serving from memory, retry
-                log.warning("routing updates interrupted: %s", error)
-                await asyncio.sleep(1.0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+        await follow_channel(self.redis, ROUTING_UPDATES_CHANNEL, self._on_update)
+
+    async def _on_update(self, _message: bytes) -> None:
+        await self.reload()
 
     async def _poll(self) -> None:
         # Telemetry every interval; the table too, in case an update message was missed.

@@ -29,6 +29,7 @@ from metering.pricing import PRICE_BOOK_KEY, PriceBook, PriceNotFound, charge_us
 from metering.usage import UsageEvent, UsageSpool, add_usage_event
 from registry.rollout_metrics import add_request
 from serving.gateway import metrics
+from serving.gateway.background import cancel_all
 from serving.gateway.catalog import Catalog, load_catalog
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import DEFAULT_CHAIN, Guardrail, load_chain
@@ -153,11 +154,7 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_all(self._tasks)
         await self.routing.close()
         await self.prefix_sync.close()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
