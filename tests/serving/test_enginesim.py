@@ -378,9 +378,10 @@ async def test_fixed_latency_mode_serves_many_concurrent_streams_on_time() -> No
     ideal = 0.300 + 9 * 0.020
     assert {count for _, count in results} == {10}
     assert durations[0] >= ideal * 0.95
-    # Served side by side, not one after another (that would take minutes): the bound leaves
-    # room for a loaded machine (2.2 times ideal was seen in a full suite on two cores).
-    assert durations[len(durations) // 2] < ideal * 3
+    # Served side by side, not one after another (that would take 144 s; ten at a time, 14 s):
+    # the bound leaves room for a loaded machine (2.2 and 3.1 times ideal were seen in full
+    # suites on two cores, where the client, the simulator and the suite share them).
+    assert durations[len(durations) // 2] < ideal * 8
 
 
 def test_an_unknown_flag_is_an_error() -> None:
