@@ -1,8 +1,11 @@
 """Telemetry freshness and gateway count: every policy in serving.router.POLICIES (peers
 included once registered) on a fixed fleet, with telemetry scraped every 0.05, 0.5 or 2 s
-and the arrivals dealt round robin to 1, 4 or 16 gateways, each knowing only its own
-requests in flight and its own prefix index (SimConfig.gateways); then what scraping costs
-at scale, gateways scraping engines directly against node agents publishing to Redis.
+and the arrivals dealt round robin to 1, 4 or 16 gateways (SimConfig.gateways): a peer's
+gateways each know only their own requests in flight and their own prefix index, as they
+ship; ours tell each other of both through Redis, the counts arriving 5 ms late
+(SimConfig.inflight_sync_delay_s; `--sync-delays` adds rows at other delays). Then what
+scraping costs at scale, gateways scraping engines directly against node agents publishing
+to Redis.
 
     .venv/bin/python bench/freshness.py [--quick] [--workers N] [--replicas 8]
         [--azure-rate 104] [--prefix-rate 70] [--window 120]
@@ -60,7 +63,7 @@ from serving.clustersim.workloads import (
 )
 from serving.engine.core import Engine, EngineRequest
 from serving.enginesim.metrics import EngineMetrics
-from serving.router import POLICIES
+from serving.router import OWN_POLICIES, POLICIES
 from serving.telemetry import compact
 
 H100 = "H100-SXM-80GB"
@@ -69,6 +72,7 @@ GATEWAYS = (1, 4, 16)
 BASELINE = (0.05, 1)
 SCALE_REPLICAS = (100, 1_000, 10_000)
 SCALE_GATEWAYS = (4, 16)
+DEFAULT_SYNC_DELAY_S = SimConfig().inflight_sync_delay_s
 SYSTEM_PROMPT_BLOCKS = 6  # of 512 tokens: 3072
 SYSTEM_PROMPTS_PER_TENANT = 4
 
@@ -83,6 +87,7 @@ class Cell:
     policy: str
     interval_s: float
     gateways: int
+    sync_delay_s: float = DEFAULT_SYNC_DELAY_S
     attainment: float | None = None
     ttft_p99_s: float | None = None
     tpot_p99_s: float | None = None
@@ -90,9 +95,14 @@ class Cell:
     error: str | None = None
 
 
-def run_cell(task: tuple[str, str, float, int]) -> Cell:
-    workload, policy, interval_s, gateways = task
-    config = SimConfig(policy=policy, gateways=gateways, telemetry_interval_s=interval_s)
+def run_cell(task: tuple[str, str, float, int, float]) -> Cell:
+    workload, policy, interval_s, gateways, sync_delay_s = task
+    config = SimConfig(
+        policy=policy,
+        gateways=gateways,
+        telemetry_interval_s=interval_s,
+        inflight_sync_delay_s=sync_delay_s,
+    )
     started = time.process_time()
     try:
         summary: Summary = summarize(
@@ -141,16 +151,23 @@ def policy_label(policy: str) -> str:
 
 
 def print_table(cells: list[Cell]) -> None:
-    by_key = {(c.workload, c.policy, c.interval_s, c.gateways): c for c in cells}
+    by_key = {
+        (c.workload, c.policy, c.interval_s, c.gateways): c
+        for c in cells
+        if c.sync_delay_s == DEFAULT_SYNC_DELAY_S
+    }
     width = max(len(policy_label(c.policy)) for c in cells)
     print(
-        f"{'workload':<8} {'policy':<{width}} {'stale':>5} {'gw':>3} {'int T+T':>8} {'Δ pt':>6} "
+        f"{'workload':<8} {'policy':<{width}} {'stale':>5} {'gw':>3} {'sync':>5} "
+        f"{'int T+T':>8} {'Δ pt':>6} "
         f"{'TTFT p99':>9} {'Δ':>6} {'TPOT p99':>9} {'Δ':>6} {'cpu s':>6}"
     )
     for cell in cells:
         base = by_key.get((cell.workload, cell.policy, *BASELINE))
         label = policy_label(cell.policy)
         lead = f"{cell.workload:<8} {label:<{width}} {cell.interval_s:>5g} {cell.gateways:>3}"
+        shared = cell.gateways > 1 and cell.policy in OWN_POLICIES
+        lead += f" {f'{cell.sync_delay_s * 1000:g}ms' if shared else '-':>5}"
         if cell.error is not None:
             print(f"{lead} error: {cell.error}")
             continue
@@ -264,6 +281,24 @@ def print_scrape_table(costs: ScrapeCosts) -> None:
         "cores/gw: one gateway's cores decoding the hash's rows; Redis N=: what the one "
         "hash sends to all N gateways (G: GB/s)"
     )
+    replica_id = "replica-00000000-0000-0000-0000-000000000000"
+    events = [
+        ["s", replica_id, 2048, 3072, 0.05],
+        ["f", replica_id, 2048],
+        ["x", replica_id, 2048, 3072, 0.05, True],
+    ]
+    event_bytes = sum(len(orjson.dumps(event)) + 1 for event in events)
+    print(
+        f"in-flight sync (serving/gateway/inflight_sync.py): a request's start, first token "
+        f"and finish take {event_bytes} B of events; per 1,000 requests/s through the "
+        "gateways, Redis takes in and sends out to N subscribing gateways (batched: a "
+        "publish carries what queued while the last one was out):"
+    )
+    for n in (1, *SCALE_GATEWAYS):
+        print(
+            f"  N={n:<2} {megabytes(1000 * event_bytes)} MB/s in, "
+            f"{megabytes(1000 * event_bytes * n)} MB/s out"
+        )
 
 
 def parse_arguments() -> argparse.Namespace:
@@ -275,6 +310,12 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--prefix-rate", type=float, default=70.0)
     parser.add_argument("--window", type=float, default=120.0, help="seconds of each workload")
     parser.add_argument("--scrape-table-only", action="store_true")
+    parser.add_argument(
+        "--sync-delays",
+        default="",
+        help="comma-separated seconds: more rows for our policies with 16 gateways at 2 s "
+        "telemetry, the in-flight counts reaching the other gateways this late",
+    )
     args = parser.parse_args()
     if args.workers < 1 or args.replicas < 1 or args.window <= 0:
         parser.error("--workers, --replicas and --window take positive values")
@@ -301,11 +342,20 @@ def main() -> int:
             f"requests ({args.prefix_rate:g}/s); policies: {', '.join(policies)}"
         )
         tasks = [
-            (workload, policy, interval, gateways)
+            (workload, policy, interval, gateways, DEFAULT_SYNC_DELAY_S)
             for workload in WORKLOADS
             for policy in policies
             for interval in INTERVALS_S
             for gateways in GATEWAYS
+        ]
+        delays = [float(d) for d in args.sync_delays.split(",") if d.strip()]
+        tasks += [
+            (workload, policy, 2.0, GATEWAYS[-1], delay)
+            for workload in WORKLOADS
+            for policy in policies
+            if policy in OWN_POLICIES
+            for delay in delays
+            if delay != DEFAULT_SYNC_DELAY_S
         ]
         # Forked after WORKLOADS is set: workers inherit it.
         with get_context("fork").Pool(args.workers) as pool:

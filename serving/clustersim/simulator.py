@@ -7,13 +7,16 @@ finishes are known (the router's in-flight counts drop) before the next decision
 
 The router sees what the gateway sees: telemetry (running, waiting, KV use) as of the last
 scrape, every `telemetry_interval_s` (None: the policy's own `refresh_interval_s`), plus its
-own in-flight counts, which are exact. With `gateways` N > 1 the arrivals are dealt round
+in-flight counts: a request's start, first token and finish are counted when they happen
+(an engine step that began before an arrival and ends after it has not yet given its
+tokens to the gateway deciding then). With `gateways` N > 1 the arrivals are dealt round
 robin to N gateways, as a load balancer in front of them would; each has its own copy of
 every replica's `ReplicaState`, its own `RouterState` (prefix index, random draws) and its
-own policy. Every scrape reaches every gateway's copy, but a request's start, first token
-and finish are counted only by the gateway that routed it, so each knows only its own
-in-flight requests, as N gateway processes do. Gateway 0 draws the random numbers one
-gateway always drew, so N = 1 is the single-gateway simulation unchanged. The
+own policy. Every scrape reaches every gateway's copy. The gateway that routed a request
+counts it at once; the others count it `inflight_sync_delay_s` later where the counts are
+shared (`SimConfig.share_inflight`, as our gateways do), never where not (as the peers'
+routers ship). Gateway 0 draws the random numbers one gateway always drew, so N = 1 is the
+single-gateway simulation unchanged. The
 autoscaler sees windowed samples of the same scrapes; a replica it adds pays for its cold
 start before it takes traffic, and one it removes drains (leaves the router at once, stops
 when its engine is empty), paying until then.
@@ -42,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from serving.capacity.autoscaler import (
     AutoscalerConfig,
@@ -100,6 +104,15 @@ class SimConfig:
     # gateways keep theirs in step through Redis, serving/gateway/prefix_sync.py, modelled
     # as instant; the peers' routers each keep their own, as they ship).
     share_prefix_index: bool | None = None
+    # Whether each gateway counts the others' requests in flight: None, as the product
+    # does it (our gateways publish every start, first token and finish through Redis,
+    # serving/gateway/inflight_sync.py, and apply the others'; here each reaches the other
+    # gateways `inflight_sync_delay_s` later: the wait for the publish before it, the hop
+    # and both event loops, a Redis round trip being well under a millisecond on a LAN;
+    # the peers' routers each count only their own, as they ship). Until then the
+    # sender takes it once per gateway (`ReplicaState.unsynced`); never, when not shared.
+    share_inflight: bool | None = None
+    inflight_sync_delay_s: float = 0.005
     autoscaler: AutoscalerConfig | None = None
     autoscale_interval_s: float = 15.0
     cold_start_s: float = 90.0
@@ -113,6 +126,10 @@ class SimConfig:
             raise ValueError(f"unknown policy {self.policy!r}; use one of {known}")
         if self.gateways < 1:
             raise ValueError(f"gateways must be at least 1, not {self.gateways}")
+        if not self.inflight_sync_delay_s >= 0:
+            raise ValueError(
+                f"inflight_sync_delay_s must be at least 0, not {self.inflight_sync_delay_s}"
+            )
         if self.telemetry_interval_s is not None and not self.telemetry_interval_s > 0:
             raise ValueError(
                 f"telemetry_interval_s must be positive, not {self.telemetry_interval_s}"
@@ -126,6 +143,14 @@ class SimConfig:
     def shares_prefix_index(self) -> bool:
         if self.share_prefix_index is not None:
             return self.share_prefix_index
+        return self.policy in OWN_POLICIES or self.policy == DISAGGREGATED
+
+    @property
+    def shares_inflight(self) -> bool:
+        if self.gateways == 1:
+            return False
+        if self.share_inflight is not None:
+            return self.share_inflight
         return self.policy in OWN_POLICIES or self.policy == DISAGGREGATED
 
     @property
@@ -152,8 +177,10 @@ class RequestRecord:
     prefill_tokens: int = 0
     # Why it never ran: "no_candidates", "too_long"; None when it was served.
     failed: str | None = None
-    # The gateway that routed it, the only one that counts it in flight.
+    # The gateway that routed it, and the replicas its start is counted on there that the
+    # other gateways do not know of yet.
     gateway: int = 0
+    unsynced_on: list[str] = field(default_factory=list)
     # What the router predicted for it on the replica it chose (None: the policy predicts
     # nothing, as round robin); the report compares them with what the engine model did.
     predicted_ttft_s: float | None = None
@@ -275,6 +302,15 @@ class ClusterSimulator:
             for g in range(self.config.gateways)
         ]
         self._arrivals = 0
+        # In-flight counts not yet known where they will be: (when they are, order, the
+        # gateway that routed the request, whether to it or to the others, RouterState
+        # method, replica id, its arguments).
+        self._now = 0.0
+        self._shares_inflight = self.config.shares_inflight
+        self._deferred: list[
+            tuple[float, int, RequestRecord, bool, str, str, tuple[int, ...], dict[str, Any]]
+        ] = []
+        self._deferred_made = 0
         # Disaggregated requests waiting on their prefill: request id -> decode replica; and
         # the prefills finished, (time, request id), to hand off when the loop reaches them.
         self._handoff_to: dict[str, str] = {}
@@ -359,8 +395,71 @@ class ClusterSimulator:
             router = replace(router, gateways=self.config.gateways)
         return Gateway(index, state, self.config.policy_class(state, router))
 
-    def _router(self, record: RequestRecord) -> RouterState:
-        return self._gateways[record.gateway].state
+    def _count(
+        self,
+        record: RequestRecord,
+        at_s: float,
+        method: str,
+        replica_id: str,
+        *args: int,
+        **kwargs: Any,
+    ) -> None:
+        """Count a start, first token or finish of `record` (a `RouterState` method's name
+        and arguments) that happened at `at_s`: on the gateway that routed it when the loop
+        reaches `at_s` (an engine step that began before now ends after it, and its events
+        are not yet known), and, with the counts shared, on every other gateway
+        `inflight_sync_delay_s` later (`now`, where the method takes one, is when each
+        gateway applies it). A start stays unsynced on the routing gateway until the others
+        have it, for ever where they never will."""
+        if method == "request_started":
+            record.unsynced_on.append(replica_id)
+            own = {**kwargs, "unsynced": True}
+        elif method == "request_finished" and replica_id in record.unsynced_on:
+            record.unsynced_on.remove(replica_id)
+            own = {**kwargs, "unsynced": True}
+        else:
+            own = kwargs
+        if at_s <= self._now:
+            getattr(self._gateways[record.gateway].state, method)(replica_id, *args, **own)
+        else:
+            self._defer(at_s, record, True, method, replica_id, args, own)
+        if self._shares_inflight:
+            delay = self.config.inflight_sync_delay_s
+            self._defer(at_s + delay, record, False, method, replica_id, args, kwargs)
+
+    def _defer(
+        self,
+        at_s: float,
+        record: RequestRecord,
+        own: bool,
+        method: str,
+        replica_id: str,
+        args: tuple[int, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self._deferred_made += 1
+        entry = (at_s, self._deferred_made, record, own, method, replica_id, args, kwargs)
+        heapq.heappush(self._deferred, entry)
+
+    def _apply_deferred(self, now_s: float) -> None:
+        """The counts that have reached their gateways by `now_s`: the routing gateway's
+        own (`own`), or those on their way from it to the others."""
+        deferred = self._deferred
+        gateways = self._gateways
+        while deferred and deferred[0][0] <= now_s:
+            at_s, _, record, own, method, replica_id, args, kwargs = heapq.heappop(deferred)
+            if "now" in kwargs:
+                kwargs = {**kwargs, "now": at_s}
+            origin = record.gateway
+            if own:
+                getattr(gateways[origin].state, method)(replica_id, *args, **kwargs)
+                continue
+            for gateway in gateways:
+                if gateway.index != origin:
+                    getattr(gateway.state, method)(replica_id, *args, **kwargs)
+            if method == "request_started" and replica_id in record.unsynced_on:
+                record.unsynced_on.remove(replica_id)
+                gateways[origin].state.request_synced(replica_id, *args)
 
     # --- engines -----------------------------------------------------------------------
 
@@ -423,12 +522,15 @@ class ClusterSimulator:
             prompt = record.prefill_tokens if record.prefill_replica_id is None else 0
             if kind == FIRST_TOKEN:
                 record.first_token_s = event.time_s
-                self._router(record).request_first_token(replica.replica_id, prompt)
+                self._count(record, event.time_s, "request_first_token", replica.replica_id, prompt)
                 self._recent_ttft[replica.pool.name].append(event.time_s - record.request.arrival_s)
             elif kind == FINISHED:
                 record.finished_s = event.time_s
                 record.output_tokens = event.output_tokens
-                self._router(record).request_finished(
+                self._count(
+                    record,
+                    event.time_s,
+                    "request_finished",
                     replica.replica_id,
                     prompt,
                     context_tokens=record.request.prompt_tokens,
@@ -450,11 +552,22 @@ class ClusterSimulator:
         event: EngineEvent,
         handoffs: list[tuple[float, str]],
     ) -> None:
-        router = self._router(record)
         if event.kind == FIRST_TOKEN:
-            router.request_first_token(replica.replica_id, record.prefill_tokens)
+            self._count(
+                record,
+                event.time_s,
+                "request_first_token",
+                replica.replica_id,
+                record.prefill_tokens,
+            )
         elif event.kind == FINISHED:
-            router.request_finished(replica.replica_id, record.prefill_tokens)
+            self._count(
+                record,
+                event.time_s,
+                "request_finished",
+                replica.replica_id,
+                record.prefill_tokens,
+            )
             handoffs.append((event.time_s, record.request.request_id))
         elif event.kind == PREEMPTED:
             record.preemptions += 1
@@ -467,7 +580,6 @@ class ClusterSimulator:
         self._arrivals += 1
         record = RequestRecord(request, gateway=gateway.index)
         self._records[request.request_id] = record
-        router = gateway.state
         decision = gateway.policy.choose(
             RouteRequest(
                 model=request.model or self.fleet.model,
@@ -499,11 +611,22 @@ class ClusterSimulator:
             self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)
             record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
             prefill = self._replicas[decision.prefill_replica.replica_id]
-            router.request_started(prefill.replica_id, record.prefill_tokens, request.arrival_s)
-            router.request_started(
+            at_s = request.arrival_s
+            self._count(
+                record,
+                at_s,
+                "request_started",
+                prefill.replica_id,
+                record.prefill_tokens,
+                now=at_s,
+            )
+            self._count(
+                record,
+                at_s,
+                "request_started",
                 replica.replica_id,
                 0,
-                request.arrival_s,
+                now=at_s,
                 context_tokens=request.prompt_tokens,
                 tpot_objective_s=decision.tpot_objective_s,
             )
@@ -522,10 +645,13 @@ class ClusterSimulator:
         baseline = decision.baseline_replica
         record.baseline_replica_id = baseline.replica_id if baseline is not None else None
         record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
-        router.request_started(
+        self._count(
+            record,
+            request.arrival_s,
+            "request_started",
             replica.replica_id,
             record.prefill_tokens,
-            request.arrival_s,
+            now=request.arrival_s,
             context_tokens=request.prompt_tokens,
             tpot_objective_s=decision.tpot_objective_s,
         )
@@ -669,6 +795,7 @@ class ClusterSimulator:
                 break
             next_handoff = self._handoffs[0][0] if self._handoffs else math.inf
             now = min(arrival, next_scrape, next_ready, next_handoff)
+            self._now = now
             self._advance_all(now)
             if next_ready <= now or self._dirty:
                 self._republish(now)
@@ -681,8 +808,10 @@ class ClusterSimulator:
                     if self._dirty:
                         self._republish(now)
             if now == arrival:
+                self._apply_deferred(now)
                 self._route_request(requests[index])
                 index += 1
+        self._apply_deferred(math.inf)  # the counts after the last arrival, for the record
         ended = max(
             [now] + [r.finished_s for r in self._records.values() if r.finished_s is not None]
         )

@@ -1,7 +1,9 @@
 """How many gateway processes share the traffic, counted through Redis.
 
-Each gateway counts only the requests it sent to a replica; the router multiplies its own
-counts by the number of gateways to estimate everyone's (`RouterConfig.gateways`). The
+The gateways tell each other of the requests they send (serving/gateway/inflight_sync.py);
+what one sent that the others do not know of yet, the router takes once per gateway, as
+each of the others, routing on the same view meanwhile, is assumed to have sent as much
+(`RouterConfig.gateways`; all of its own while Redis is away). The
 number changes as an autoscaler adds and removes gateway pods, so each gateway stamps its
 id into one sorted set on every refresh and counts the stamps younger than `alive_s`:
 a gateway that died stops counting once its stamp ages out, one that closes leaves at once.

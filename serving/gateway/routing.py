@@ -54,12 +54,15 @@ FALLBACK_PERF = ReplicaPerf(
 )
 
 
-# This gateway's own view of each replica, which a new routing-table version must keep.
+# This gateway's own view of each replica (the in-flight counts, its own and the other
+# gateways'), which a new routing-table version must keep.
 CARRIED_ACROSS_VERSIONS = (
     "inflight",
     "inflight_prompt_tokens",
     "inflight_context_tokens",
     "prefill_pending_tokens",
+    "unsynced",
+    "unsynced_prefill_tokens",
     "prompt_rate",
     "prompt_rate_at",
     "prefill_rate",

@@ -33,6 +33,7 @@ from serving.gateway.background import cancel_all
 from serving.gateway.catalog import Catalog, load_catalog
 from serving.gateway.errors import ApiError
 from serving.gateway.guardrails import DEFAULT_CHAIN, Guardrail, load_chain
+from serving.gateway.inflight_sync import InflightSync
 from serving.gateway.peers import GatewayPeers
 from serving.gateway.prefix_sync import PrefixSync
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
@@ -113,8 +114,13 @@ class Gateway:
         self.price_book = PriceBook([])
         self.guardrails: list[Guardrail] = load_chain(config.guardrails)
         self.router_config = RouterConfig()
-        # The gateways sharing the traffic: the router scales this one's counts by them.
+        # The gateways sharing the traffic: the router takes what this one sent that the
+        # others do not know of yet this many times over.
         self.peers = GatewayPeers(self.redis)
+        # Every gateway's requests in flight, counted by every gateway.
+        self.inflight_sync = InflightSync(
+            self.redis, self.peers.gateway_id, lambda: self.routing.snapshot.state
+        )
         # Where the other gateways send each prefix, recorded into this one's index too.
         self.prefix_sync = PrefixSync(
             self.redis, self.peers.gateway_id, lambda: self.routing.snapshot.state.prefix_index
@@ -151,12 +157,14 @@ class Gateway:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.count_gateways()
         await self.prefix_sync.start()
+        await self.inflight_sync.start()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
 
     async def close(self) -> None:
         await cancel_all(self._tasks)
         await self.routing.close()
         await self.prefix_sync.close()
+        await self.inflight_sync.close()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.peers.leave()
         # Releases of admissions whose answer was lost are in flight: let them land.
@@ -389,7 +397,9 @@ class Gateway:
             time.monotonic(),
             context_tokens=context_tokens,
             tpot_objective_s=tpot_objective_s,
+            unsynced=True,
         )
+        self.inflight_sync.started(replica_id, prefill_tokens, context_tokens, tpot_objective_s)
         breaker = self.breakers.get(replica_id)
         if breaker is not None and breaker.allow_request():
             # Half-open: this request is the probe; nothing else goes until it reports.
@@ -415,6 +425,7 @@ class Gateway:
 
     def request_first_token(self, replica_id: str, prefill_tokens: int) -> None:
         self.routing.snapshot.state.request_first_token(replica_id, prefill_tokens)
+        self.inflight_sync.first_token(replica_id, prefill_tokens)
 
     def request_finished(
         self,
@@ -425,6 +436,9 @@ class Gateway:
         context_tokens: int = 0,
         tpot_objective_s: float | None = None,
     ) -> None:
+        unsynced = self.inflight_sync.finished(
+            replica_id, prefill_tokens, context_tokens, tpot_objective_s, first_token_seen
+        )
         self.routing.snapshot.state.request_finished(
             replica_id,
             prefill_tokens,
@@ -432,6 +446,7 @@ class Gateway:
             context_tokens=context_tokens,
             now=time.monotonic(),
             tpot_objective_s=tpot_objective_s,
+            unsynced=unsynced,
         )
         if len(self.queue):
             self.queue.release()

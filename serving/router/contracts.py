@@ -110,15 +110,22 @@ class ReplicaState:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    # This gateway's own requests in flight on the replica; fresher than telemetry.
+    # The requests in flight on the replica that this gateway knows of, its own and those
+    # the other gateways told it of; fresher than telemetry.
     inflight: int = 0
     # Prompt tokens of those requests, and of the ones among them still waiting for their
-    # first token (prefill work queued ahead of the next request, exact for this gateway).
+    # first token (prefill work queued ahead of the next request).
     inflight_prompt_tokens: int = 0
     # The whole prompts of those requests, cached prefix included: each decode step reads
     # every sequence's KV, shared blocks once per sequence.
     inflight_context_tokens: int = 0
     prefill_pending_tokens: int = 0
+    # Of those, the ones this gateway sent that the other gateways do not know of yet (the
+    # in-flight counts travel between gateways in batches, `RouterState.request_synced`),
+    # and their prefill: each other gateway, routing on the same view meanwhile, is
+    # assumed to have sent as many here (`RouterConfig.gateways`).
+    unsynced: int = 0
+    unsynced_prefill_tokens: int = 0
     # Prompt tokens sent here per second, an exponentially decayed average as of
     # `prompt_rate_at`: the prefill work that will keep interrupting the replica's decodes.
     prompt_rate: float = 0.0
@@ -126,14 +133,14 @@ class ReplicaState:
     # The prefills sent here per second, decayed alike as of `prompt_rate_at`: with
     # `prompt_rate`, the mean prompt, which sizes the prefill chunks that ride with decodes.
     prefill_rate: float = 0.0
-    # This gateway's requests that finished there per second, decayed alike as of
+    # The requests counted here that finished there per second, decayed alike as of
     # `finish_rate_at`: how fast a full batch frees slots for the requests queued behind it.
-    # `finish_rate_since`: when this gateway first sent it a request (0: never), for the
+    # `finish_rate_since`: when the first request counted here was sent (0: never), for the
     # warm-up of this average and of the prompt and prefill rates (see `predict.warm_up`).
     finish_rate: float = 0.0
     finish_rate_at: float = 0.0
     finish_rate_since: float = 0.0
-    # The TPOT objectives of this gateway's requests decoding there -> how many, and the
+    # The TPOT objectives of the requests counted there -> how many, and the
     # tightest of them (inf: none): every sequence there decodes in the same steps, so a
     # request sent there must keep the step within it, whatever its own tier allows.
     inflight_tpot_objectives: dict[float, int] = field(default_factory=dict)
@@ -223,10 +230,11 @@ class RouterConfig:
     # most `queue_over_slo_factor` times the least bad's miss, and leaves the fast ones to
     # requests that can still meet theirs (its prefill there would push them over too).
     yield_when_lost: bool = True
-    # Gateway processes sharing the traffic, each counting only the requests it sent. The
-    # load balancer in front deals requests to them alike, so each multiplies its own
-    # in-flight requests, queued prefill and prompt rate on a replica by this to estimate
-    # everyone's (the telemetry holds the truth, as of its last scrape).
+    # Gateway processes sharing the traffic. Each tells the others of the requests it sends
+    # (serving/gateway/inflight_sync.py), so its counts are everyone's but for the last
+    # few milliseconds; the load balancer in front deals requests to them alike, so each
+    # takes its own requests the others do not know of yet this many times over (and, with
+    # the others unreachable, all its own: nothing it sends becomes known).
     gateways: int = 1
 
     def tier(self, name: str) -> SloTier:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from serving.router.contracts import (
@@ -257,17 +257,23 @@ class RouterState:
         *,
         context_tokens: int = 0,
         tpot_objective_s: float | None = None,
+        unsynced: bool = False,
     ) -> None:
-        """This gateway sent a request: `prompt_tokens` is the prefill it needs (prompt less
-        what the router expects cached, `Decision.cached_tokens`); `now` (monotonic
-        seconds) feeds the replica's prompt-token rate, left alone without it;
-        `context_tokens` is its whole prompt, the KV its decode steps read;
-        `tpot_objective_s` its tier's TPOT objective, which requests sent there later
-        must not push the replica's decode steps past (None: it has none)."""
+        """A request was sent there, by this gateway or, as another gateway told it, by
+        that one: `prompt_tokens` is the prefill it needs (prompt less what the router
+        expects cached, `Decision.cached_tokens`); `now` (monotonic seconds) feeds the
+        replica's prompt-token rate, left alone without it; `context_tokens` is its whole
+        prompt, the KV its decode steps read; `tpot_objective_s` its tier's TPOT
+        objective, which requests sent there later must not push the replica's decode
+        steps past (None: it has none); `unsynced`, this gateway sent it and the others
+        do not know of it yet (until `request_synced`)."""
         replica = self._replicas.get(replica_id)
         if replica is None:
             return
         replica.inflight += 1
+        if unsynced:
+            replica.unsynced += 1
+            replica.unsynced_prefill_tokens += prompt_tokens
         if tpot_objective_s is not None:
             objectives = replica.inflight_tpot_objectives
             objectives[tpot_objective_s] = objectives.get(tpot_objective_s, 0) + 1
@@ -287,6 +293,50 @@ class RouterState:
             replica.prefill_rate = replica.prefill_rate * decay + 1.0 / PROMPT_RATE_WINDOW_S
             replica.prompt_rate_at = now
 
+    def request_synced(self, replica_id: str, prompt_tokens: int = 0) -> None:
+        """The other gateways now know of a request this one started `unsynced` (pass the
+        same `prompt_tokens`)."""
+        replica = self._replicas.get(replica_id)
+        if replica is not None and replica.unsynced > 0:
+            replica.unsynced -= 1
+            replica.unsynced_prefill_tokens = max(
+                0, replica.unsynced_prefill_tokens - prompt_tokens
+            )
+
+    def adjust_inflight(
+        self,
+        replica_id: str,
+        *,
+        inflight: int = 0,
+        prompt_tokens: int = 0,
+        context_tokens: int = 0,
+        prefill_pending_tokens: int = 0,
+        tpot_objectives: Mapping[float, int] | None = None,
+    ) -> None:
+        """Correct the replica's in-flight counts by these differences (another gateway's
+        own counts, as it last published them, against what its starts and finishes
+        added up to here; or all of them taken away when it is gone). Never below zero."""
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        replica.inflight = max(0, replica.inflight + inflight)
+        replica.inflight_prompt_tokens = max(0, replica.inflight_prompt_tokens + prompt_tokens)
+        replica.inflight_context_tokens = max(0, replica.inflight_context_tokens + context_tokens)
+        replica.prefill_pending_tokens = max(
+            0, replica.prefill_pending_tokens + prefill_pending_tokens
+        )
+        if tpot_objectives:
+            objectives = replica.inflight_tpot_objectives
+            for objective, change in tpot_objectives.items():
+                count = objectives.get(objective, 0) + change
+                if count > 0:
+                    objectives[objective] = count
+                else:
+                    objectives.pop(objective, None)
+            replica.tightest_tpot_s = min(objectives, default=math.inf)
+        if replica.healthy:
+            self._by_load[replica.deployment_id].update(replica)
+
     def request_first_token(self, replica_id: str, prompt_tokens: int) -> None:
         """Its first token came back: the prompt is no longer prefill work queued there."""
         replica = self._replicas.get(replica_id)
@@ -302,15 +352,22 @@ class RouterState:
         context_tokens: int = 0,
         now: float | None = None,
         tpot_objective_s: float | None = None,
+        unsynced: bool = False,
     ) -> None:
         """Pass the same `prompt_tokens`, `context_tokens` and `tpot_objective_s` as to
         `request_started`; `first_token_seen=False` for a request that ended (error, abort)
         before `request_first_token`; `now` (monotonic seconds) feeds the replica's finish
-        rate, left alone without it."""
+        rate, left alone without it; `unsynced` when it was started so and never
+        `request_synced`."""
         replica = self._replicas.get(replica_id)
         if replica is None or replica.inflight <= 0:
             return
         replica.inflight -= 1
+        if unsynced and replica.unsynced > 0:
+            replica.unsynced -= 1
+            replica.unsynced_prefill_tokens = max(
+                0, replica.unsynced_prefill_tokens - prompt_tokens
+            )
         if tpot_objective_s is not None:
             objectives = replica.inflight_tpot_objectives
             left = objectives.get(tpot_objective_s, 0) - 1

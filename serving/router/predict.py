@@ -1,14 +1,16 @@
 """Predicted TTFT, TPOT and cost of one request on one replica.
 
-With `load = max(running + waiting, inflight)` (telemetry lags; this gateway's own
-in-flight count is a fresh lower bound on what the replica holds), `B = max_num_seqs` and
-`K = max_num_batched_tokens`. With `RouterConfig.gateways` = G gateway processes dealt the
-traffic alike, each knowing only what it sent, this gateway's in-flight count, its queued
-prefill and its prompt and prefill rates below are taken G times: an estimate of all of
-theirs until the telemetry shows it (each sends where the others do, on the same view).
+With `load = max(running + waiting, inflight)` (telemetry lags; the in-flight count is a
+fresh lower bound on what the replica holds), `B = max_num_seqs` and
+`K = max_num_batched_tokens`. The in-flight counts are every gateway's: the gateways tell
+each other of every request they send (serving/gateway/inflight_sync.py). What this one
+sent that the others do not know of yet (`unsynced`, a few milliseconds' worth) each of
+the other `RouterConfig.gateways` - 1, routing on the same view meanwhile, is assumed to
+have sent as well, so `inflight` and `prefill_pending_tokens` below include it that many
+times over (with Redis away nothing syncs, and that is all of this gateway's own).
 
     batch       = min(load, B)                   sequences decoding when we arrive
-    ahead       = prefill_pending_tokens         this gateway's prompts not yet prefilled
+    ahead       = prefill_pending_tokens         prompts sent there not yet prefilled
                 + max(0, waiting - inflight) * assumed_queued_prompt_tokens
                                                  (queued requests of other gateways)
     prefill(n)  = (1 + n // K) * prefill_base_s + prefill_s_per_token * n
@@ -21,16 +23,16 @@ theirs until the telemetry shows it (each sends where the others do, on the same
     mixed       = max(step, prefill_base_s + prefill_s_per_token * chunk)
     share       = min(max_prefill_share, rate / chunk * mixed)   time in mixed steps
     kv          = max(kv_usage * kv_capacity_tokens, batch * context per sequence)
-                + prompt_tokens                  (context per sequence: this gateway's
-                                                 in-flight prompts there on average, or ours)
+                + prompt_tokens                  (context per sequence: the in-flight
+                                                 prompts there on average, or ours)
     step        = decode_base_s + decode_s_per_seq * (batch + 1)
                 + decode_s_per_kv_token * max(0, kv - (batch + 1) * typical_context_tokens)
     TPOT        = 1 / (share / mixed + (1 - share) / step)     (step when mixed = step)
 
 A full batch (`load >= B`) admits a new sequence only when one finishes: the wait is the
-sequences queued ahead of ours over the rate at which the replica finishes them, this
-gateway's own decayed finish rate there scaled up by `load / inflight` (the share of the
-replica's load that is ours); with no finish seen yet it is left out.
+sequences queued ahead of ours over the rate at which the replica finishes them, the
+decayed rate of the finishes counted there scaled up by `load / inflight` (the share of
+the replica's load the counts hold); with no finish seen yet it is left out.
 
 The engine schedules chunked prefill FIFO, so prompts ahead of ours delay our first token,
 and prompts arriving after ours share our decode steps. vLLM schedules the running decodes
@@ -40,7 +42,7 @@ vLLM 0.32), so a mixed step advances every decode by a token and takes the longe
 decode's memory time and the chunk's compute: a prompt whose chunk computes within the
 decode step costs nothing per token, and a long one stretches the steps it rides in. A
 chunk is the mean prompt sent here, or the prefill queued now when more (queued prompts go
-in together), at most K. The rates are the gateway's own exponentially decayed counts of
+in together), at most K. The rates are exponentially decayed counts (every gateway's) of
 prompt tokens and of prefills sent (see `RouterState.request_started`), corrected for
 their warm-up like the finish rate: a first burst is a burst, not a fifth of one.
 
@@ -198,8 +200,10 @@ class RequestPredictor:
         predicting no further, when the decode step it joins is over `step_limit`, and so,
         provably, is its TPOT."""
         perf = replica.perf
-        gateways = self.gateways
-        inflight = replica.inflight * gateways  # ours, and as many from each other gateway
+        # What we know of, and as many again from each other gateway as we sent that they
+        # do not know of yet (on the same view, they send where we do).
+        others = self.gateways - 1
+        inflight = replica.inflight + replica.unsynced * others
         waiting = replica.waiting
         load = replica.running + waiting
         if inflight > load:
@@ -211,7 +215,7 @@ class RequestPredictor:
             # The KV the batch reads each step, ours included. Every sequence reads its
             # whole context, a shared prefix once per sequence, so the scraped KV use
             # (shared blocks once) is only a floor. The batch's context a sequence is that
-            # of this gateway's own requests in flight there, or, with none, ours.
+            # of the requests in flight there, or, with none, ours.
             if inflight and replica.inflight_context_tokens:
                 per_sequence = replica.inflight_context_tokens / replica.inflight
             else:
@@ -231,7 +235,7 @@ class RequestPredictor:
         ):
             return None
 
-        ahead = replica.prefill_pending_tokens * gateways
+        ahead = replica.prefill_pending_tokens + replica.unsynced_prefill_tokens * others
         if waiting > inflight:
             ahead += (waiting - inflight) * self.queued_tokens
         to_prefill = ahead + new_tokens
@@ -255,7 +259,6 @@ class RequestPredictor:
         # and takes at least the decode step. Such steps fill the share `s` of the time
         # their compute needs; ours advances one token a step either way.
         decay = decay_factor(replica.prompt_rate_at, self.now) * warm_up(replica, self.now)
-        decay *= gateways
         prompts = replica.prompt_rate * decay + new_tokens / PROMPT_RATE_WINDOW_S
         prefills = replica.prefill_rate * decay + 1.0 / PROMPT_RATE_WINDOW_S
         chunk = prompts / prefills

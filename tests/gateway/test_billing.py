@@ -16,6 +16,7 @@ from metering.ingest import Consumer
 from metering.models import PriceSheet, UsageEvent
 from metering.prices import publish_price_book
 from metering.pricing import charge_usd_micros
+from tenants.limiter import month_spend_key
 from tests.gateway.conftest import MODEL, Fleet, GatewayServer, publish_catalog, wait_until
 
 pytestmark = pytest.mark.slow
@@ -164,6 +165,10 @@ def test_a_spent_hard_budget_is_refused_with_insufficient_quota(priced) -> None:
     api.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20
     )
+    # The settle that adds its spend follows the response (it never delays the client's
+    # end of stream): the budget refuses what arrives after it.
+    spend = month_spend_key(key.tenant.pk, datetime.now(UTC).strftime("%Y-%m"))
+    assert wait_until(lambda: int(client.get(spend) or 0) > 0)
     with pytest.raises(openai.RateLimitError) as raised:
         api.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20

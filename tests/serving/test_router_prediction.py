@@ -7,6 +7,7 @@ import pytest
 
 from serving.router import CostAware, Reason, RouterConfig, RouterState, predict
 from serving.router.contracts import PROMPT_RATE_WINDOW_S, ReplicaState
+from serving.router.predict import Prediction
 from tests.serving.test_router import A100, H100, L40S, NOW, fleet, replica, request
 
 CONFIG = RouterConfig()
@@ -230,19 +231,33 @@ def test_the_prompt_rate_is_corrected_for_its_warm_up() -> None:
     assert predict(fresh, ask, NOW, CONFIG).tpot_s > predict(steady, ask, NOW, CONFIG).tpot_s
 
 
-def test_one_of_four_gateways_takes_its_own_requests_four_times_for_everyone_s() -> None:
-    def predicted(sent: int, gateways: int) -> tuple[float, float]:
+def test_a_gateway_takes_what_the_others_do_not_know_yet_once_per_gateway() -> None:
+    def predicted(sent: int, gateways: int, *, unsynced: bool, synced: int = 0) -> Prediction:
         state = fleet(replica("a", H100))
         for _ in range(sent):
-            state.request_started("a", 600, NOW, context_tokens=900)
-        config = RouterConfig(gateways=gateways)
+            state.request_started("a", 600, NOW, context_tokens=900, unsynced=unsynced)
+        for _ in range(synced):
+            state.request_synced("a", 600)
         target = state.replica("a")
         assert target is not None
-        prediction = predict(target, request(tier="interactive", prompt_tokens=800), NOW, config)
-        return prediction.ttft_s, prediction.tpot_s
+        ask = request(tier="interactive", prompt_tokens=800)
+        return predict(target, ask, NOW, RouterConfig(gateways=gateways))
 
-    # The telemetry shows nothing yet: each of four gateways that sent 12 prompts there
-    # expects the 48 of them all, as one gateway that sent them all knows them.
-    alone = predicted(12, 1)
-    assert predicted(12, 4) == pytest.approx(predicted(48, 1))
-    assert predicted(12, 4)[0] > alone[0] and predicted(12, 4)[1] > alone[1]
+    # The telemetry shows nothing yet. One of four gateways sent 12 prompts there that the
+    # others do not know of: each of them, on the same view, is assumed to have sent as
+    # many, so it waits behind the prefill of 48, as one gateway that sent them all would.
+    alone = predicted(12, 1, unsynced=False)
+    unknown = predicted(12, 4, unsynced=True)
+    assert unknown.ttft_s == pytest.approx(predicted(48, 1, unsynced=False).ttft_s)
+    assert unknown.ttft_s > alone.ttft_s and unknown.tpot_s > alone.tpot_s
+    # Once the others have them (or when they were theirs, counted here), they are 12.
+    assert predicted(12, 4, unsynced=True, synced=12) == alone
+    assert predicted(12, 4, unsynced=False) == alone
+    assert predicted(12, 4, unsynced=True, synced=5).ttft_s < unknown.ttft_s
+    # A finish of a start never synced takes it away from both counts.
+    state = fleet(replica("a", H100))
+    state.request_started("a", 600, NOW, context_tokens=900, unsynced=True)
+    state.request_finished("a", 600, context_tokens=900, unsynced=True)
+    target = state.replica("a")
+    assert target is not None
+    assert (target.inflight, target.unsynced, target.unsynced_prefill_tokens) == (0, 0, 0)

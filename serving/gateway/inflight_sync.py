@@ -1,0 +1,376 @@
+"""The gateways' in-flight counts kept in step through Redis pub/sub.
+
+A gateway's router predicts a replica's TTFT and TPOT from the requests in flight there;
+with N gateways each knew only its own and scaled them by N (`RouterConfig.gateways`), so
+on a few replicas all N sent to the same one between two telemetry scrapes (chat on 23
+L40S with 16 gateways: 100 % of interactive requests within both clocks -> 62 %,
+bench/RESULTS.md). Each gateway now publishes every start, first token and finish it
+counts, and applies the others' to its own `RouterState` as they arrive, so its counts are
+everyone's but for the last message in transit. What it sent that the others do not know
+yet it marks `unsynced` (the router takes it `gateways` times over) until its own message
+comes back on the channel, which is when the others have it too.
+
+Messages, on one channel, each gateway's in the order it sent them:
+
+    {"g": gateway id, "e": [event, ...]}        events, batched while a publish is out
+        ["s", replica, prefill, context, tpot]  started (tpot: objective or null)
+        ["f", replica, prefill]                 first token
+        ["x", replica, prefill, context, tpot, first_token_seen]   finished
+    {"g": gateway id, "c": {replica: [inflight, prefill, context, pending, [[tpot, n]]]}}
+                                                its own counts, every `snapshot_s`
+
+Pub/sub delivers at most once: a gateway that reconnects misses messages, and one that
+dies never sends its finishes. So each gateway also keeps, per other gateway, what that
+one's events added up to, and every `snapshot_s` each publishes its own counts: where a
+snapshot and the sum differ, the difference is corrected (`RouterState.adjust_inflight`),
+and a gateway silent for `silent_s` has its counts taken away. Redis away: nothing is
+synced, everything a gateway sends stays unsynced, and its router falls back to taking its
+own counts N times over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from serving.gateway.background import cancel_all, follow_channel
+from serving.router import RouterState
+
+log = logging.getLogger(__name__)
+
+INFLIGHT_CHANNEL = "routing:inflight"
+SNAPSHOT_S = 1.0  # own counts republished this often: a lost message is mended within it
+SILENT_S = 10.0  # a gateway not heard from for this long is gone (as gateway:alive counts)
+MAX_BATCH = 1024  # events a message carries at most
+MAX_PENDING = 16 * MAX_BATCH  # Redis away: stop queueing, leave them unsynced
+
+
+@dataclass(slots=True)
+class Counts:
+    """One gateway's requests in flight on one replica."""
+
+    inflight: int = 0
+    prefill: int = 0  # prompt tokens to prefill (prompt less the expected cache)
+    context: int = 0  # whole prompts
+    pending: int = 0  # prefill of those still without their first token
+    objectives: dict[float, int] = field(default_factory=dict)
+
+    def started(self, prefill: int, context: int, tpot: float | None) -> None:
+        self.inflight += 1
+        self.prefill += prefill
+        self.context += context
+        self.pending += prefill
+        if tpot is not None:
+            self.objectives[tpot] = self.objectives.get(tpot, 0) + 1
+
+    def first_token(self, prefill: int) -> None:
+        self.pending = max(0, self.pending - prefill)
+
+    def finished(self, prefill: int, context: int, tpot: float | None, seen: bool) -> None:
+        self.inflight = max(0, self.inflight - 1)
+        self.prefill = max(0, self.prefill - prefill)
+        self.context = max(0, self.context - context)
+        if not seen:
+            self.pending = max(0, self.pending - prefill)
+        if tpot is not None:
+            left = self.objectives.get(tpot, 0) - 1
+            if left > 0:
+                self.objectives[tpot] = left
+            else:
+                self.objectives.pop(tpot, None)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.inflight or self.prefill or self.context or self.pending)
+
+    def encode(self) -> list[Any]:
+        objectives = [[tpot, n] for tpot, n in self.objectives.items()]
+        return [self.inflight, self.prefill, self.context, self.pending, objectives]
+
+    @classmethod
+    def decode(cls, raw: list[Any]) -> Counts:
+        inflight, prefill, context, pending, objectives = raw
+        return cls(
+            int(inflight),
+            int(prefill),
+            int(context),
+            int(pending),
+            {float(tpot): int(n) for tpot, n in objectives},
+        )
+
+
+class InflightSync:
+    def __init__(
+        self,
+        redis: aioredis.Redis | aioredis.RedisCluster,
+        gateway_id: str,
+        state: Callable[[], RouterState],
+        *,
+        channel: str = INFLIGHT_CHANNEL,
+        snapshot_s: float = SNAPSHOT_S,
+        silent_s: float = SILENT_S,
+    ) -> None:
+        self.redis = redis
+        self.gateway_id = gateway_id
+        self.state = state  # the current routing snapshot's state (counts carried over)
+        self.channel = channel
+        self.snapshot_s = snapshot_s
+        self.silent_s = silent_s
+        self.own: dict[str, Counts] = {}
+        # Per other gateway: its counts as its messages added them up, and when it was last
+        # heard from (monotonic seconds).
+        self.others: dict[str, dict[str, Counts]] = {}
+        self.heard: dict[str, float] = {}
+        # This gateway's starts the others do not know of yet, (replica, prefill) -> how
+        # many: queued or published, not yet back on the channel.
+        self.unsynced: dict[tuple[str, int], int] = {}
+        self._pending: list[list[Any]] = []
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.subscribed = asyncio.Event()
+
+    # --- this gateway's counts ------------------------------------------------------------
+
+    def started(
+        self, replica_id: str, prefill: int, context: int, tpot_objective_s: float | None
+    ) -> None:
+        """Count a request this gateway sent (the router counted it `unsynced`)."""
+        self.own.setdefault(replica_id, Counts()).started(prefill, context, tpot_objective_s)
+        key = (replica_id, prefill)
+        self.unsynced[key] = self.unsynced.get(key, 0) + 1
+        self._queue(["s", replica_id, prefill, context, tpot_objective_s])
+
+    def first_token(self, replica_id: str, prefill: int) -> None:
+        counts = self.own.get(replica_id)
+        if counts is not None:
+            counts.first_token(prefill)
+        self._queue(["f", replica_id, prefill])
+
+    def finished(
+        self,
+        replica_id: str,
+        prefill: int,
+        context: int,
+        tpot_objective_s: float | None,
+        first_token_seen: bool,
+    ) -> bool:
+        """Count its finish; whether its start was still unsynced (tell the router so)."""
+        counts = self.own.get(replica_id)
+        if counts is not None:
+            counts.finished(prefill, context, tpot_objective_s, first_token_seen)
+            if counts.empty:
+                del self.own[replica_id]
+        unsynced = self._take_unsynced(replica_id, prefill)
+        self._queue(["x", replica_id, prefill, context, tpot_objective_s, first_token_seen])
+        return unsynced
+
+    def _take_unsynced(self, replica_id: str, prefill: int) -> bool:
+        key = (replica_id, prefill)
+        left = self.unsynced.get(key, 0) - 1
+        if left < 0:
+            return False
+        if left:
+            self.unsynced[key] = left
+        else:
+            del self.unsynced[key]
+        return True
+
+    def _queue(self, event: list[Any]) -> None:
+        if len(self._pending) < MAX_PENDING:  # Redis away: drop, not grow
+            self._pending.append(event)
+            self._wake.set()
+
+    # --- publishing -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._publish_forever(), name="inflight-publish"),
+            asyncio.create_task(self._snapshot_forever(), name="inflight-snapshot"),
+            asyncio.create_task(self._follow_forever(), name="inflight-follow"),
+        ]
+
+    async def close(self) -> None:
+        await cancel_all(self._tasks)
+
+    async def flush(self) -> None:
+        """Publish what is queued, in batches, in order."""
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            await self.redis.publish(self.channel, orjson.dumps({"g": self.gateway_id, "e": batch}))
+
+    async def publish_snapshot(self) -> None:
+        await self.flush()  # the events first: the snapshot counts them
+        counts = {replica_id: c.encode() for replica_id, c in self.own.items()}
+        await self.redis.publish(self.channel, orjson.dumps({"g": self.gateway_id, "c": counts}))
+
+    async def _publish_forever(self) -> None:
+        # No timer: a publish goes out as soon as the last one is done, carrying whatever
+        # queued meanwhile, so a quiet gateway's events leave at once and a busy one's batch.
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, TimeoutError) as error:
+                log.warning("could not publish in-flight counts: %s", error)
+                self._pending.clear()
+                await asyncio.sleep(1.0)
+
+    async def _snapshot_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.snapshot_s)
+            try:
+                await self.publish_snapshot()
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, TimeoutError) as error:
+                log.warning("could not publish in-flight counts: %s", error)
+            self.forget_silent(time.monotonic())
+
+    # --- the others' counts ---------------------------------------------------------------
+
+    async def _follow_forever(self) -> None:
+        await follow_channel(self.redis, self.channel, self._on_message, subscribed=self.subscribed)
+
+    async def _on_message(self, raw: bytes) -> None:
+        try:
+            self.apply(raw, time.monotonic())
+        except (ValueError, TypeError, KeyError) as error:
+            log.warning("a malformed in-flight message: %s", error)
+
+    def apply(self, raw: bytes | str, now: float) -> int:
+        """Apply a message from the channel; how many events or replicas it carried. Raises
+        ValueError (or TypeError, KeyError) for a malformed one, changing nothing."""
+        message = orjson.loads(raw)
+        if not isinstance(message, dict) or not isinstance(message.get("g"), str):
+            raise ValueError("an in-flight message is a JSON object with a gateway id")
+        origin = message["g"]
+        if "e" in message:
+            events = [_event(item) for item in message["e"]]  # all checked before any applied
+            if origin == self.gateway_id:
+                return self._synced(events)
+            self.heard[origin] = now
+            counts = self.others.setdefault(origin, {})
+            state = self.state()
+            for event in events:
+                _apply_event(state, counts, event, now)
+            return len(events)
+        if "c" in message:
+            snapshot = {str(r): Counts.decode(c) for r, c in dict(message["c"]).items()}
+            if origin == self.gateway_id:
+                return 0
+            self.heard[origin] = now
+            self._correct(origin, snapshot)
+            return len(snapshot)
+        raise ValueError("an in-flight message carries events or counts")
+
+    def _synced(self, events: list[tuple[Any, ...]]) -> int:
+        """This gateway's own batch came back: the others have its starts now."""
+        state = self.state()
+        synced = 0
+        for event in events:
+            if event[0] == "s" and self._take_unsynced(event[1], event[2]):
+                state.request_synced(event[1], event[2])
+                synced += 1
+        return synced
+
+    def _correct(self, origin: str, snapshot: dict[str, Counts]) -> None:
+        counts = self.others.setdefault(origin, {})
+        state = self.state()
+        for replica_id in set(counts) | set(snapshot):
+            before = counts.get(replica_id) or Counts()
+            after = snapshot.get(replica_id) or Counts()
+            if before != after:
+                _adjust(state, replica_id, before, after)
+            if after.empty:
+                counts.pop(replica_id, None)
+            else:
+                counts[replica_id] = after
+
+    def forget_silent(self, now: float) -> list[str]:
+        """Take away the counts of gateways not heard from for `silent_s`; which."""
+        gone = [g for g, at in self.heard.items() if now - at > self.silent_s]
+        for origin in gone:
+            self._correct(origin, {})
+            del self.others[origin]
+            del self.heard[origin]
+            log.info("gateway %s went silent: its requests in flight are forgotten", origin)
+        return gone
+
+
+def _event(item: Any) -> tuple[Any, ...]:
+    kind = item[0]
+    if kind == "s":
+        _, replica_id, prefill, context, tpot = item
+        return ("s", str(replica_id), int(prefill), int(context), _objective(tpot))
+    if kind == "f":
+        _, replica_id, prefill = item
+        return ("f", str(replica_id), int(prefill))
+    if kind == "x":
+        _, replica_id, prefill, context, tpot, seen = item
+        return ("x", str(replica_id), int(prefill), int(context), _objective(tpot), bool(seen))
+    raise ValueError(f"unknown in-flight event {kind!r}")
+
+
+def _objective(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _apply_event(
+    state: RouterState, counts: dict[str, Counts], event: tuple[Any, ...], now: float
+) -> None:
+    kind, replica_id, prefill = event[0], event[1], event[2]
+    mine = counts.setdefault(replica_id, Counts())
+    if (kind == "x" and not mine.inflight) or (kind == "f" and not mine.pending):
+        # Its start came before this gateway listened (or was lost): what the router
+        # never counted it must not take away; the next snapshot settles the rest.
+        if mine.empty:
+            del counts[replica_id]
+        return
+    if kind == "s":
+        _, _, _, context, tpot = event
+        mine.started(prefill, context, tpot)
+        state.request_started(
+            replica_id, prefill, now, context_tokens=context, tpot_objective_s=tpot
+        )
+    elif kind == "f":
+        mine.first_token(prefill)
+        state.request_first_token(replica_id, prefill)
+    else:
+        _, _, _, context, tpot, seen = event
+        mine.finished(prefill, context, tpot, seen)
+        state.request_finished(
+            replica_id,
+            prefill,
+            first_token_seen=seen,
+            context_tokens=context,
+            now=now,
+            tpot_objective_s=tpot,
+        )
+    if mine.empty:
+        del counts[replica_id]
+
+
+def _adjust(state: RouterState, replica_id: str, before: Counts, after: Counts) -> None:
+    objectives = {
+        tpot: after.objectives.get(tpot, 0) - before.objectives.get(tpot, 0)
+        for tpot in set(before.objectives) | set(after.objectives)
+    }
+    state.adjust_inflight(
+        replica_id,
+        inflight=after.inflight - before.inflight,
+        prompt_tokens=after.prefill - before.prefill,
+        context_tokens=after.context - before.context,
+        prefill_pending_tokens=after.pending - before.pending,
+        tpot_objectives={tpot: n for tpot, n in objectives.items() if n},
+    )

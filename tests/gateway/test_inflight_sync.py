@@ -1,0 +1,155 @@
+"""Gateways count each other's requests in flight through Redis: what one sends, the others
+count within milliseconds; what it sent that they do not know yet it takes once per
+gateway; a lost message or a dead gateway is mended by the snapshots."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import orjson
+import pytest
+import redis
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from serving.gateway.inflight_sync import InflightSync
+from serving.router import ReplicaState, RouterState
+from tests.serving.test_router import H100, fleet, replica
+
+
+def counts(state: RouterState, replica_id: str = "r1") -> tuple[int, int, int, int, float]:
+    target = state.replica(replica_id)
+    assert target is not None
+    return (
+        target.inflight,
+        target.inflight_context_tokens,
+        target.prefill_pending_tokens,
+        target.unsynced,
+        target.tightest_tpot_s,
+    )
+
+
+def holding(state: RouterState) -> Callable[[], RouterState]:
+    return lambda: state
+
+
+def two_replicas() -> RouterState:
+    return fleet(replica("r1", H100), replica("r2", H100))
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + 5
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+async def test_what_one_gateway_sends_the_other_counts_and_the_sender_stops_doubling_it(
+    redis_client: redis.Redis,
+) -> None:
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    states = {"a": two_replicas(), "b": two_replicas()}
+    syncs = {name: InflightSync(client, name, holding(state)) for name, state in states.items()}
+    try:
+        for sync in syncs.values():
+            await sync.start()
+        await asyncio.wait_for(
+            asyncio.gather(*(s.subscribed.wait() for s in syncs.values())), timeout=5
+        )
+        a, b = states["a"], states["b"]
+        # Gateway a sends an interactive request to r1, as the service does.
+        a.request_started("r1", 600, 1.0, context_tokens=900, tpot_objective_s=0.05, unsynced=True)
+        syncs["a"].started("r1", 600, 900, 0.05)
+        assert counts(a) == (1, 900, 600, 1, 0.05)
+        await until(lambda: counts(b)[0] == 1, "b never counted a's request")
+        assert counts(b) == (1, 900, 600, 0, 0.05)
+        # a's own message came back: the others have it, so a takes it once.
+        await until(lambda: counts(a)[3] == 0, "a's start never synced")
+        assert counts(a) == (1, 900, 600, 0, 0.05)
+        # First token, then the finish.
+        a.request_first_token("r1", 600)
+        syncs["a"].first_token("r1", 600)
+        await until(lambda: counts(b)[2] == 0, "b never saw the first token")
+        assert not syncs["a"].finished("r1", 600, 900, 0.05, True)  # synced long ago
+        a.request_finished("r1", 600, context_tokens=900, tpot_objective_s=0.05)
+        await until(lambda: counts(b)[0] == 0, "b never saw the finish")
+        assert counts(b) == (0, 0, 0, 0, float("inf"))
+        assert counts(b, "r2")[0] == 0
+    finally:
+        for sync in syncs.values():
+            await sync.close()
+        await client.aclose()
+
+
+def test_a_start_that_ends_before_its_message_returns_was_unsynced() -> None:
+    sync = InflightSync(None, "a", holding(two_replicas()))  # type: ignore[arg-type]  # no Redis
+    sync.started("r1", 600, 900, None)
+    sync.started("r1", 600, 900, None)
+    assert sync.finished("r1", 600, 900, None, False)  # refused before its first token
+    # Its own batch comes back: one start left to sync, the other had finished.
+    state = sync.state()
+    state.request_started("r1", 600, 1.0, unsynced=True)
+    batch = orjson.dumps(
+        {"g": "a", "e": [["s", "r1", 600, 900, None], ["s", "r1", 600, 900, None]]}
+    )
+    assert sync.apply(batch, 2.0) == 1
+    assert counts(state)[3] == 0
+    assert not sync.finished("r1", 600, 900, None, True)
+
+
+def test_a_lost_finish_and_a_dead_gateway_are_mended_by_the_snapshots() -> None:
+    state = two_replicas()
+    sync = InflightSync(None, "b", holding(state))  # type: ignore[arg-type]  # no Redis
+    started = ["s", "r1", 600, 900, 0.05]
+    sync.apply(orjson.dumps({"g": "a", "e": [started, started, ["s", "r2", 0, 100, None]]}), 1.0)
+    sync.apply(orjson.dumps({"g": "c", "e": [["s", "r2", 50, 50, 0.1]]}), 1.0)
+    assert counts(state) == (2, 1800, 1200, 0, 0.05)
+    assert counts(state, "r2")[:2] == (2, 150)
+    # a's finish of one r1 request was lost; its snapshot says one is left, first token seen.
+    snapshot = {"r1": [1, 600, 900, 0, [[0.05, 1]]], "r2": [1, 0, 100, 0, []]}
+    assert sync.apply(orjson.dumps({"g": "a", "c": snapshot}), 1.5) == 2
+    assert counts(state) == (1, 900, 0, 0, 0.05)
+    assert counts(state, "r2")[:2] == (2, 150)  # unchanged: a's count there was right
+    # A finish for a start never heard of (b listened late) takes nothing away.
+    sync.apply(orjson.dumps({"g": "c", "e": [["x", "r1", 10, 10, None, True]]}), 1.6)
+    assert counts(state)[0] == 1
+    # c keeps talking; a falls silent and dies: its requests are forgotten.
+    sync.apply(orjson.dumps({"g": "c", "c": {"r2": [1, 50, 50, 50, [[0.1, 1]]]}}), 11.0)
+    assert sync.forget_silent(12.0) == ["a"]
+    assert counts(state) == (0, 0, 0, 0, float("inf"))
+    assert counts(state, "r2")[:2] == (1, 50)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"not json",
+        b"[1]",
+        b'{"e": []}',
+        b'{"g": "z"}',
+        b'{"g": "z", "e": [["s", "r1", 600, 900, null], ["q", "r1"]]}',
+        b'{"g": "z", "e": [["s", "r1", "many", 900, null]]}',
+        b'{"g": "z", "c": {"r1": [1, 2]}}',
+    ],
+)
+def test_a_malformed_message_is_refused_and_changes_nothing(bad: bytes) -> None:
+    state = two_replicas()
+    sync = InflightSync(None, "b", holding(state))  # type: ignore[arg-type]  # no Redis
+    with pytest.raises((ValueError, TypeError, KeyError)):
+        sync.apply(bad, 1.0)
+    assert counts(state) == (0, 0, 0, 0, float("inf"))
+    assert sync.others == {}
+
+
+def test_with_redis_away_every_start_stays_unsynced_and_counts_n_times() -> None:
+    state = two_replicas()
+    sync = InflightSync(None, "a", holding(state))  # type: ignore[arg-type]  # no Redis
+    for _ in range(3):
+        state.request_started("r1", 100, 1.0, unsynced=True)
+        sync.started("r1", 100, 100, None)
+    target: ReplicaState | None = state.replica("r1")
+    assert target is not None and target.unsynced == 3  # never echoed
+    assert sync.finished("r1", 100, 100, None, True)
+    state.request_finished("r1", 100, unsynced=True)
+    assert (target.inflight, target.unsynced) == (2, 2)
