@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -14,7 +15,9 @@ import redis.asyncio as aioredis
 from django.conf import settings
 
 from serving.gateway.inflight_sync import InflightSync
+from serving.gateway.service import Gateway, GatewayConfig
 from serving.router import ReplicaState, RouterState
+from tenants.keys import KeyPrincipal
 from tests.serving.test_router import H100, fleet, replica
 
 
@@ -153,3 +156,31 @@ def test_with_redis_away_every_start_stays_unsynced_and_counts_n_times() -> None
     assert sync.finished("r1", 100, 100, None, True)
     state.request_finished("r1", 100, unsynced=True)
     assert (target.inflight, target.unsynced) == (2, 2)
+
+
+async def test_the_gateway_tells_the_others_of_each_start_first_token_and_finish(
+    redis_client: redis.Redis,
+) -> None:
+    gateway = Gateway(GatewayConfig(redis_url=settings.REDIS_URL), load_principal=no_principal)
+    state = two_replicas()
+    gateway.routing.snapshot = replace(gateway.routing.snapshot, state=state)
+    try:
+        gateway.request_started("r1", 600, 900, tpot_objective_s=0.05)
+        assert counts(state) == (1, 900, 600, 1, 0.05)  # the others do not know it yet
+        gateway.request_first_token("r1", 600)
+        gateway.request_finished(
+            "r1", 600, first_token_seen=True, context_tokens=900, tpot_objective_s=0.05
+        )
+        # It ended before its start came back on the channel: unsynced no more, either way.
+        assert counts(state) == (0, 0, 0, 0, float("inf"))
+        assert gateway.inflight_sync._pending == [
+            ["s", "r1", 600, 900, 0.05],
+            ["f", "r1", 600],
+            ["x", "r1", 600, 900, 0.05, True],
+        ]
+    finally:
+        await gateway.redis.aclose()
+
+
+async def no_principal(secret: str) -> KeyPrincipal | None:
+    return None  # no key is looked up here
