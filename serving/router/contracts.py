@@ -206,8 +206,12 @@ class RouterConfig:
     # 15% cheaper. Enough to beat a small price difference (an A100 pool priced a few
     # percent under an H100 pool), never a large one (an L4 at a quarter of the price).
     # The prefix bonus shrinks as the holder's predicted TTFT or TPOT nears its objective,
-    # so a hot prefix does not pile traffic onto its holder.
+    # so a hot prefix does not pile traffic onto its holder. A holder predicted to miss
+    # keeps this share of it: it still saves the prefill, compute every request on the
+    # fleet gets back, so between replicas that all miss (an overload, a cold start with
+    # every cache empty) it should still draw its prefix's requests first.
     prefix_bonus: float = 0.25
+    prefix_bonus_floor: float = 0.25
     adapter_bonus: float = 0.15
     # Candidates within this fraction of the cheapest ranked price are a near tie; two of
     # them are drawn and the one using less of its objective on the clock that binds wins.

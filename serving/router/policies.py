@@ -490,8 +490,8 @@ class CostAware:
     request's SLO tier.
 
     Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x headroom
-    left on the holder, on the tighter of TTFT and TPOT - adapter_bonus if the adapter is
-    loaded). Candidates: every replica holding the prefix, a few holding the adapter, and
+    left on the holder, on the tighter of TTFT and TPOT, `prefix_bonus_floor` past them -
+    adapter_bonus if the adapter is loaded). Candidates: every replica holding the prefix, a few holding the adapter, and
     per group (cheapest first, stopping once a group cannot beat the best price found, and
     skipping groups too slow to meet the SLO even when idle) all members of a small group
     or `samples_per_group` random ones of a large group. Among candidates within
@@ -880,11 +880,11 @@ class _Candidates:
         ttft, tpot, factor, _ = terms
         ttft *= factor
         tpot *= factor
+        meets = ttft <= self.ttft_limit and tpot <= self.tpot_limit
         if blocks:
             discount -= self._prefix_discount(ttft, tpot, blocks, self.tpot_limit_on(replica))
             reason = Reason.PREFIX_AFFINITY
         rank_price = replica.price_per_hour * discount
-        meets = ttft <= self.ttft_limit and tpot <= self.tpot_limit
         if meets and rank_price < self.best_meeting:
             self.best_meeting = rank_price
         self.options.append((rank_price, ttft, tpot, replica, reason, blocks, meets))
@@ -930,11 +930,15 @@ class _Candidates:
 
     def _prefix_discount(self, ttft: float, tpot: float, blocks: int, tpot_limit: float) -> float:
         """The prefix holder's discount: worth less the closer it is to either limit
-        (a holder that meets TTFT by decoding slowly saves nothing)."""
+        (a holder that meets TTFT by decoding slowly saves little), none at them; past
+        them `prefix_bonus_floor` of it, ranking it among the options that miss."""
+        config = self.config
         headroom = 1.0 - self._used(ttft, tpot, tpot_limit)
-        if headroom > 0.0:
-            return self.config.prefix_bonus * headroom * blocks / self.total_blocks
-        return 0.0
+        if headroom <= 0.0:
+            if ttft <= self.ttft_limit and tpot <= self.tpot_limit:
+                return 0.0  # it meets, on the edge of harm: no pull towards it
+            headroom = config.prefix_bonus_floor
+        return config.prefix_bonus * headroom * blocks / self.total_blocks
 
 
 POLICIES: dict[str, type[RoundRobin | LeastLoad | WeightedScorer | CostAware]] = {

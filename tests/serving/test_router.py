@@ -631,3 +631,21 @@ def test_a_request_predicted_to_miss_everywhere_leaves_the_fast_replica_to_other
     decision = CostAware(state).choose(request(tier="interactive", prompt_tokens=1000), NOW)
     assert not decision.meets_slo and decision.reason is Reason.LEAST_BAD
     assert decision.replica is not None and decision.replica.replica_id == chosen
+
+
+def test_between_replicas_that_all_miss_the_prefix_holder_still_draws_its_prefix() -> None:
+    # A cold start or an overload: every replica misses. The holder is a little busier, so
+    # it would lose on harm alone; it still saves the prefill every request there waits
+    # for, so it keeps a share of its discount (prefix_bonus_floor) and wins.
+    state = fleet(replica("holder", L40S), replica("other", L40S))
+    hashes = (1, 2, 3, 4, 5, 6, 7, 8)
+    state.prefix_index.record("acme", hashes, "holder")
+    state.update_telemetry("holder", running=220, waiting=10, kv_usage=0.7, telemetry_at=NOW)
+    state.update_telemetry("other", running=200, waiting=0, kv_usage=0.7, telemetry_at=NOW)
+    req = request(tier="interactive", prompt_tokens=8 * 128, prefix_hashes=hashes)
+    decision = CostAware(state).choose(req, NOW)
+    assert not decision.meets_slo and decision.reason is Reason.LEAST_BAD
+    assert decision.replica is not None and decision.replica.replica_id == "holder"
+    # Without the floor the holder's discount is gone past its limits, and harm decides.
+    unfloored = CostAware(state, RouterConfig(prefix_bonus_floor=0.0)).choose(req, NOW)
+    assert unfloored.replica is not None and unfloored.replica.replica_id == "other"

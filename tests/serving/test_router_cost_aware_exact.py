@@ -149,6 +149,9 @@ def exhaustive_choice(
                 discount -= config.adapter_bonus
             if blocks:
                 headroom = 1.0 - max(prediction.ttft_s / ttft_limit, prediction.tpot_s / tpot_limit)
+                meets = prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit
+                if headroom <= 0.0 and not meets:
+                    headroom = config.prefix_bonus_floor  # a missing holder keeps some
                 if headroom > 0.0:
                     discount -= config.prefix_bonus * headroom * blocks / len(HASHES)
             if prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit:
