@@ -209,9 +209,10 @@ class RouterConfig:
     # so a hot prefix does not pile traffic onto its holder. A holder predicted to miss
     # keeps this share of it: it still saves the prefill, compute every request on the
     # fleet gets back, so between replicas that all miss (an overload, a cold start with
-    # every cache empty) it should still draw its prefix's requests first.
+    # every cache empty) it should still draw its prefix's requests first, where it holds
+    # enough of the prompt to rank past the near tie (least harm decides within it).
     prefix_bonus: float = 0.25
-    prefix_bonus_floor: float = 0.25
+    prefix_bonus_floor: float = 0.5
     adapter_bonus: float = 0.15
     # Candidates within this fraction of the cheapest ranked price are a near tie; two of
     # them are drawn and the one using less of its objective on the clock that binds wins.

@@ -514,8 +514,10 @@ class CostAware:
     to miss its objective on every candidate (`yield_when_lost`), takes the cheapest
     replica missing by at most that factor (a lost request: that factor times the least bad's
     miss): a request lost to the SLO wherever it goes should not take the fast replicas from
-    requests that can still meet it. Between equal prices the least harmful wins there, and
-    the least-bad one is judged on its harm as well as its own miss.
+    requests that can still meet it. Between ranking prices within `near_tie_fraction` of
+    the cheapest the least harmful wins there (a holder predicted to miss keeps
+    `prefix_bonus_floor` of its prefix discount, so one holding much of the prompt ranks
+    past the near tie), and the least-bad one is judged on its harm as well as its own miss.
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -696,11 +698,17 @@ class CostAware:
             # replica pushes the sequences there over the objective too, so capping it at a
             # fixed multiple of the objective would let the fast replicas fill up to the
             # objective and past it whenever the cheap ones miss by more than that.
-            # Between equal prices, the least harm (so a homogeneous fleet spreads them).
+            # Between prices within the near tie of the cheapest, the least harm (so a
+            # homogeneous fleet spreads them, and a prefix held a little longer on one
+            # replica does not pile them there); then the cheaper.
             cap = tolerable * least if lost else tolerable
             within = [option for option in scored if option[0] <= cap]
             if within:
-                chosen = min(within, key=lambda option: (option[2], max(option[0], option[1])))[3]
+                limit = min(option[2] for option in within) * (1.0 + self.config.near_tie_fraction)
+                chosen = min(
+                    (option for option in within if option[2] <= limit),
+                    key=lambda option: (max(option[0], option[1]), option[2]),
+                )[3]
                 return self._decision(
                     chosen,
                     Reason.LEAST_BAD,
