@@ -134,6 +134,9 @@ class InflightSync:
         self.unsynced: dict[tuple[str, int], int] = {}
         self._pending: list[list[Any]] = []
         self._wake = asyncio.Event()
+        # One publish at a time, so the channel carries this gateway's messages in the order
+        # it made them (a snapshot after the events it counts).
+        self._publishing = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self.subscribed = asyncio.Event()
 
@@ -202,14 +205,20 @@ class InflightSync:
 
     async def flush(self) -> None:
         """Publish what is queued, in batches, in order."""
+        async with self._publishing:
+            await self._flush()
+
+    async def publish_snapshot(self) -> None:
+        async with self._publishing:
+            await self._flush()  # the events first: the snapshot counts them
+            counts = {replica_id: c.encode() for replica_id, c in self.own.items()}
+            message = orjson.dumps({"g": self.gateway_id, "c": counts})
+            await self.redis.publish(self.channel, message)
+
+    async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
             await self.redis.publish(self.channel, orjson.dumps({"g": self.gateway_id, "e": batch}))
-
-    async def publish_snapshot(self) -> None:
-        await self.flush()  # the events first: the snapshot counts them
-        counts = {replica_id: c.encode() for replica_id, c in self.own.items()}
-        await self.redis.publish(self.channel, orjson.dumps({"g": self.gateway_id, "c": counts}))
 
     async def _publish_forever(self) -> None:
         # No timer: a publish goes out as soon as the last one is done, carrying whatever

@@ -5,6 +5,7 @@ gateway; a lost message or a dead gateway is mended by the snapshots."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -53,7 +54,11 @@ async def test_what_one_gateway_sends_the_other_counts_and_the_sender_stops_doub
 ) -> None:
     client = aioredis.Redis.from_url(settings.REDIS_URL)
     states = {"a": two_replicas(), "b": two_replicas()}
-    syncs = {name: InflightSync(client, name, holding(state)) for name, state in states.items()}
+    channel = f"routing:inflight:test:{uuid.uuid4().hex}"  # no other gateway on it
+    syncs = {
+        name: InflightSync(client, name, holding(state), channel=channel)
+        for name, state in states.items()
+    }
     try:
         for sync in syncs.values():
             await sync.start()
@@ -70,6 +75,13 @@ async def test_what_one_gateway_sends_the_other_counts_and_the_sender_stops_doub
         # a's own message came back: the others have it, so a takes it once.
         await until(lambda: counts(a)[3] == 0, "a's start never synced")
         assert counts(a) == (1, 900, 600, 0, 0.05)
+        # a's snapshot agrees with what b added up: nothing to correct.
+        await syncs["a"].publish_snapshot()
+        await until(
+            lambda: "a" in syncs["b"].heard and syncs["b"].others["a"] == syncs["a"].own,
+            "b never heard a's snapshot",
+        )
+        assert counts(b) == (1, 900, 600, 0, 0.05)
         # First token, then the finish.
         a.request_first_token("r1", 600)
         syncs["a"].first_token("r1", 600)
