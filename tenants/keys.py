@@ -449,11 +449,11 @@ class KeyAuthenticator:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(KEY_EVENTS_CHANNEL)
-                # Events may have been missed while unsubscribed, and writes the control plane
-                # could not make: start from nothing, and recheck keys in PostgreSQL.
-                self.forget("all")
-                self._recheck_until = time.monotonic() + RECHECK_WINDOW_S
-                self._rechecked.clear()
+                self._resubscribed()
+                # redis-py's pub/sub reconnects and subscribes again by itself when its retry
+                # succeeds, without raising here: every such reconnect must count too.
+                assert pubsub.connection is not None  # subscribed
+                pubsub.connection.register_connect_callback(self._resubscribed)
                 self._subscribed.set()
                 backoff_s = 0.1
                 while True:
@@ -474,6 +474,14 @@ class KeyAuthenticator:
             finally:
                 with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+
+    def _resubscribed(self, _connection: object = None) -> None:
+        """(Re)subscribed to key events. Events may have been missed meanwhile, and writes
+        the control plane could not make: start from nothing, and recheck keys in
+        PostgreSQL."""
+        self.forget("all")
+        self._recheck_until = time.monotonic() + RECHECK_WINDOW_S
+        self._rechecked.clear()
 
     async def _flush_touches_forever(self) -> None:
         while True:
