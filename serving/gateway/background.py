@@ -1,4 +1,5 @@
-"""The gateway's background tasks: stopping them, and following a Redis pub/sub channel."""
+"""The gateway's background tasks: stopping them, repeating a publish while Redis comes and
+goes, and following a Redis pub/sub channel."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +21,30 @@ async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
     for task in tasks:
         with contextlib.suppress(BaseException):
             await task
+
+
+async def repeat(
+    wait: Callable[[], Awaitable[object]],
+    step: Callable[[], Awaitable[None]],
+    what: str,
+    *,
+    on_error: Callable[[], None] | None = None,
+    backoff_s: float = 0.0,
+) -> None:
+    """Forever: `wait`, then `step`. While Redis is away, log that `what` could not be done,
+    call `on_error` and sleep `backoff_s` before waiting again."""
+    while True:
+        await wait()
+        try:
+            await step()
+        except asyncio.CancelledError:
+            raise
+        except (RedisError, OSError, TimeoutError) as error:
+            log.warning("could not %s: %s", what, error)
+            if on_error is not None:
+                on_error()
+            if backoff_s:
+                await asyncio.sleep(backoff_s)
 
 
 async def follow_channel(

@@ -39,10 +39,10 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from serving.gateway.background import cancel_all, follow_channel
+from serving.gateway.background import cancel_all, follow_channel, repeat
 from serving.router import RouterState
+from serving.router.index import count_objective
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Counts:
         self.context += context
         self.pending += prefill
         if tpot is not None:
-            self.objectives[tpot] = self.objectives.get(tpot, 0) + 1
+            count_objective(self.objectives, tpot, 1)
 
     def first_token(self, prefill: int) -> None:
         self.pending = max(0, self.pending - prefill)
@@ -81,11 +81,7 @@ class Counts:
         if not seen:
             self.pending = max(0, self.pending - prefill)
         if tpot is not None:
-            left = self.objectives.get(tpot, 0) - 1
-            if left > 0:
-                self.objectives[tpot] = left
-            else:
-                self.objectives.pop(tpot, None)
+            count_objective(self.objectives, tpot, -1)
 
     @property
     def empty(self) -> bool:
@@ -223,27 +219,30 @@ class InflightSync:
     async def _publish_forever(self) -> None:
         # No timer: a publish goes out as soon as the last one is done, carrying whatever
         # queued meanwhile, so a quiet gateway's events leave at once and a busy one's batch.
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            try:
-                await self.flush()
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError, TimeoutError) as error:
-                log.warning("could not publish in-flight counts: %s", error)
-                self._pending.clear()
-                await asyncio.sleep(1.0)
+        await repeat(
+            self._woken,
+            self.flush,
+            "publish in-flight counts",
+            on_error=self._drop_pending,
+            backoff_s=1.0,
+        )
+
+    def _drop_pending(self) -> None:
+        self._pending = []  # Redis away: what was queued stays unsynced
+
+    async def _woken(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
 
     async def _snapshot_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.snapshot_s)
-            try:
-                await self.publish_snapshot()
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError, TimeoutError) as error:
-                log.warning("could not publish in-flight counts: %s", error)
+        await repeat(
+            lambda: asyncio.sleep(self.snapshot_s), self._snapshot, "publish in-flight counts"
+        )
+
+    async def _snapshot(self) -> None:
+        try:
+            await self.publish_snapshot()
+        finally:
             self.forget_silent(time.monotonic())
 
     # --- the others' counts ---------------------------------------------------------------

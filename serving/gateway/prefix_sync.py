@@ -20,9 +20,8 @@ from collections.abc import Callable, Sequence
 
 import orjson
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
-from serving.gateway.background import cancel_all, follow_channel
+from serving.gateway.background import cancel_all, follow_channel, repeat
 from serving.router import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -87,15 +86,15 @@ class PrefixSync:
         return len(records)
 
     async def _publish_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_s)
-            try:
-                await self.flush()
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError, TimeoutError) as error:
-                log.warning("could not publish prefix records: %s", error)
-                self._pending.clear()
+        await repeat(
+            lambda: asyncio.sleep(self.flush_s),
+            self.flush,
+            "publish prefix records",
+            on_error=self._drop_pending,
+        )
+
+    def _drop_pending(self) -> None:
+        self._pending = []  # Redis away: a lost record costs affinity, never a request
 
     async def _follow_forever(self) -> None:
         await follow_channel(self.redis, self.channel, self._on_batch, subscribed=self.subscribed)

@@ -25,6 +25,17 @@ from serving.router.predict import decay_factor, decayed_finish_count
 from serving.router.prefix import PrefixIndex
 
 
+def count_objective(objectives: dict[float, int], objective: float, change: int) -> bool:
+    """Add `change` requests of TPOT `objective` to per-objective counts, never below zero;
+    an objective with none left is dropped. Whether it was (its tightest then needs a look)."""
+    count = objectives.get(objective, 0) + change
+    if count > 0:
+        objectives[objective] = count
+        return False
+    objectives.pop(objective, None)
+    return True
+
+
 class ReplicaSet:
     """A set of replicas with O(1) add, remove and uniform random draw."""
 
@@ -275,8 +286,7 @@ class RouterState:
             replica.unsynced += 1
             replica.unsynced_prefill_tokens += prompt_tokens
         if tpot_objective_s is not None:
-            objectives = replica.inflight_tpot_objectives
-            objectives[tpot_objective_s] = objectives.get(tpot_objective_s, 0) + 1
+            count_objective(replica.inflight_tpot_objectives, tpot_objective_s, 1)
             if tpot_objective_s < replica.tightest_tpot_s:
                 replica.tightest_tpot_s = tpot_objective_s
         if replica.healthy:
@@ -328,11 +338,7 @@ class RouterState:
         if tpot_objectives:
             objectives = replica.inflight_tpot_objectives
             for objective, change in tpot_objectives.items():
-                count = objectives.get(objective, 0) + change
-                if count > 0:
-                    objectives[objective] = count
-                else:
-                    objectives.pop(objective, None)
+                count_objective(objectives, objective, change)
             replica.tightest_tpot_s = min(objectives, default=math.inf)
         if replica.healthy:
             self._by_load[replica.deployment_id].update(replica)
@@ -370,13 +376,11 @@ class RouterState:
             )
         if tpot_objective_s is not None:
             objectives = replica.inflight_tpot_objectives
-            left = objectives.get(tpot_objective_s, 0) - 1
-            if left > 0:
-                objectives[tpot_objective_s] = left
-            elif left == 0:
-                del objectives[tpot_objective_s]
-                if tpot_objective_s == replica.tightest_tpot_s:
-                    replica.tightest_tpot_s = min(objectives, default=math.inf)
+            if (
+                count_objective(objectives, tpot_objective_s, -1)
+                and tpot_objective_s == replica.tightest_tpot_s
+            ):
+                replica.tightest_tpot_s = min(objectives, default=math.inf)
         if replica.healthy:
             self._by_load[replica.deployment_id].update(replica)
         replica.inflight_prompt_tokens = max(0, replica.inflight_prompt_tokens - prompt_tokens)

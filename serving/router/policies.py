@@ -704,7 +704,7 @@ class CostAware:
             cap = tolerable * least if lost else tolerable
             within = [option for option in scored if option[0] <= cap]
             if within:
-                limit = min(option[2] for option in within) * (1.0 + self.config.near_tie_fraction)
+                limit = min(option[2] for option in within) * candidates.near_tie
                 chosen = min(
                     (option for option in within if option[2] <= limit),
                     key=lambda option: (max(option[0], option[1]), option[2]),
@@ -737,7 +737,7 @@ class CostAware:
         their objectives (harmless). Where none is harmless, a request of the tightest tier
         takes its pick of them all; one of a looser tier none, so that it takes the
         least-bad path: the cheapest replica it tolerates, the least harmful of equals."""
-        limit = candidates.best_meeting * (1.0 + self.config.near_tie_fraction)
+        limit = candidates.best_meeting * candidates.near_tie
         ties = [
             option for option in candidates.options if option[_MEETS] and option[_RANK] <= limit
         ]

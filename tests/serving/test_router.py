@@ -383,6 +383,31 @@ def test_a_looser_tier_harmful_everywhere_takes_the_least_harmful_of_equal_price
     assert batch_picks(state) == {"lighter"}  # 44 ms there, 48 ms on the busier one
 
 
+def test_on_the_least_bad_path_harm_decides_within_the_near_tie_and_price_past_it() -> None:
+    # Both replicas are harmful to the interactive request decoding there (as above); the
+    # busier one is a little cheaper. Within the near tie the less harmful takes the batch
+    # request; far cheaper, the cheaper one does (a batch request tolerates any miss).
+    _, price = gpu(L40S)
+
+    def priced(busier_price: float) -> RouterState:
+        state = fleet(
+            replica("busier", running=40, price_per_hour=busier_price),
+            replica("lighter", running=30),
+            seed=3,
+        )
+        for name in ("lighter", "busier"):
+            state.request_started(name, 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+        return state
+
+    config = RouterConfig()
+    within = price * (1.0 - config.near_tie_fraction / 2)
+    assert batch_picks(priced(within)) == {"lighter"}
+    assert batch_picks(priced(price * 0.5)) == {"busier"}
+    # Without the near tie, the cheaper ranking price decides even a hair below.
+    no_tie = CostAware(priced(within), replace(config, near_tie_fraction=0.0))
+    assert chosen_id(no_tie, request(tier="batch", prompt_tokens=2_000)) == "busier"
+
+
 def test_a_cost_aware_decision_names_the_objective_its_decode_runs_under() -> None:
     state = fleet(replica("a"))
     policy = CostAware(state)

@@ -1,6 +1,8 @@
 """The cost-aware policy's fast path (predictions inline, predictions of candidates that
 cannot change the outcome skipped or deferred) decides exactly as an exhaustive search
-over `predict` does, on small fleets scanned in full with near ties switched off."""
+over `predict` does, on small fleets scanned in full: with near ties switched off, the one
+answer; with them on, one of the near ties meeting the SLO (two are drawn of them), or the
+one least-bad answer when none meets."""
 
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ NOW = 1_000.0
 HASHES = (101, 102, 103, 104)
 # Every group scanned in full and no near-tie draw: the answer is unique, no sampling.
 EXHAUSTIVE = RouterConfig(near_tie_fraction=0.0, full_scan_max=1_000)
+# The default near tie: the least-bad path takes the least miss within it.
+EXHAUSTIVE_NEAR_TIE = RouterConfig(full_scan_max=1_000)
 # The same without giving way when nothing meets (neither a looser tier to tighter ones
 # nor a request that misses everywhere to those that can still meet).
 EXHAUSTIVE_NO_YIELD = RouterConfig(
@@ -55,7 +59,8 @@ PERFS = shapes()
 replica_fields = st.fixed_dictionaries(
     {
         "shape": st.integers(0, len(PERFS) - 1),
-        "price": st.floats(0.5, 5.0),
+        # Half of them within a few per cent of each other: near ties, on every path.
+        "price": st.floats(0.5, 5.0) | st.floats(1.0, 1.08),
         "region": st.sampled_from(("eu-west", "us-east")),
         "running": st.integers(0, 300),
         "waiting": st.integers(0, 20),
@@ -124,10 +129,13 @@ def exhaustive_choice(
 ) -> tuple[set[str], bool]:
     """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
     looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
-    on every candidate (`yield_when_lost`), the cheapest one missing by at most
-    `queue_over_slo_factor` (times the least bad's miss, for a request missing everywhere);
-    else the least bad (the smallest miss, the cheaper between equal misses). Returns every
-    replica tied for it."""
+    on every candidate (`yield_when_lost`), of those missing by at most
+    `queue_over_slo_factor` (times the least bad's miss, for a request missing everywhere)
+    and priced within the near tie of the cheapest of them, the one missing least (the
+    cheaper between equal misses); else the least bad (the smallest miss, the cheaper
+    between equal misses). Returns every replica the policy may choose: the near ties
+    meeting the SLO, or those tied for the least-bad answer. No request decodes in the
+    fleet, so no option harms another's TPOT."""
     tier = config.tier(request.tier)
     ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
     tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
@@ -162,8 +170,10 @@ def exhaustive_choice(
                     0.0 if tier.tpot_s is None else prediction.tpot_s / tier.tpot_s,
                 )
                 missing.append(((violation, replica.price_per_hour * discount), replica.replica_id))
+    near_tie = 1.0 + config.near_tie_fraction
     if meeting:
-        return {min(meeting)[1]}, True
+        limit = min(meeting)[0] * near_tie
+        return {replica_id for price, replica_id in meeting if price <= limit}, True
     objectives = [t.ttft_s for t in config.slo_tiers.values() if t.ttft_s is not None]
     least = min((violation for (violation, _), _ in missing), default=0.0)
     lost = config.yield_when_lost and bool(missing) and least > 1.0
@@ -179,16 +189,23 @@ def exhaustive_choice(
         if violation <= cap
     ]
     if yields and tolerable:
-        best_tolerable = min(key for key, _ in tolerable)
-        return {replica_id for key, replica_id in tolerable if key == best_tolerable}, False
+        # Within the near tie of the cheapest tolerable price, the smallest miss; then price.
+        limit = min(price for (price, _), _ in tolerable) * near_tie
+        tied = [((v, p), replica_id) for (p, v), replica_id in tolerable if p <= limit]
+        best_tied = min(key for key, _ in tied)
+        return {replica_id for key, replica_id in tied if key == best_tied}, False
     if missing:
         best = min(key for key, _ in missing)
         return {replica_id for key, replica_id in missing if key == best}, False
     return set(), False
 
 
-@pytest.mark.parametrize("config", [EXHAUSTIVE, EXHAUSTIVE_NO_YIELD], ids=["yield", "no-yield"])
-@settings(max_examples=300, deadline=None)
+@pytest.mark.parametrize(
+    "config",
+    [EXHAUSTIVE, EXHAUSTIVE_NO_YIELD, EXHAUSTIVE_NEAR_TIE],
+    ids=["yield", "no-yield", "near-tie"],
+)
+@settings(max_examples=1000, deadline=None)
 @given(
     fleet=st.lists(replica_fields, min_size=1, max_size=8),
     ask=request_fields,
