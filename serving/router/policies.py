@@ -506,7 +506,10 @@ class CostAware:
     harmful, a request of the tightest tier draws among them anyway, and one of a looser
     tier takes the path below, as if nothing met: a batch request decoding at leisure
     must not push the chat requests beside it past 50 ms a token, nor take a replica
-    they need just because it alone is fast enough to carry it harmlessly.
+    they need just because it alone is fast enough to carry it harmlessly. Nor may it wait
+    without end: a tier without a TTFT objective is routed with `untimed_ttft_s` as one
+    (`RouterConfig.tier`), so batch work does not pile onto the one replica it harms no
+    one on.
 
     When none meets the SLO: the least-bad one (smallest multiple of its objective),
     flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a

@@ -255,21 +255,36 @@ def test_routing_reports_null_when_no_fleet_up_to_the_limit_meets_the_slo(
         assert entry["lower_bound_replicas"] == 1
 
 
-def made_up(attained: float) -> SimpleNamespace:
-    """What the search reads of a summary: failures, and the interactive tier's share
-    within both clocks."""
+def made_up(attained: float, batch_ttft_p99_s: float = 0.5) -> SimpleNamespace:
+    """What the search reads of a summary: failures, the interactive tier's share within
+    both clocks, and each tier's TTFT p99."""
     return SimpleNamespace(
-        failed=0, requests=1000, tiers={"interactive": SimpleNamespace(slo_attainment=attained)}
+        failed=0,
+        requests=1000,
+        tiers={
+            "interactive": SimpleNamespace(slo_attainment=attained, ttft_p99_s=0.3),
+            "batch": SimpleNamespace(slo_attainment=1.0, ttft_p99_s=batch_ttft_p99_s),
+        },
     )
 
 
-def sized(attained: dict[int, float], ran: list[int], start: int = 1) -> routing.SizeSearch:
-    """The search over a made-up fleet whose attainment at each size is `attained`'s value
-    at the largest key not above it; the sizes it ran go into `ran`."""
+def sized(
+    attained: dict[int, float],
+    ran: list[int],
+    start: int = 1,
+    batch_waits: dict[int, float] | None = None,
+) -> routing.SizeSearch:
+    """The search over a made-up fleet whose attainment (and batch TTFT p99) at each size
+    is `attained`'s (`batch_waits`') value at the largest key not above it; the sizes it
+    ran go into `ran`."""
+
+    def at(values: dict[int, float], size: int, default: float) -> float:
+        below = [k for k in values if k <= size]
+        return values[max(below)] if below else default
 
     def evaluate(size: int) -> SimpleNamespace:
         ran.append(size)
-        return made_up(max((v for k, v in attained.items() if k <= size), default=0.0))
+        return made_up(at(attained, size, 0.0), at(batch_waits or {}, size, 0.5))
 
     return routing.search_size(
         evaluate,  # type: ignore[arg-type]
@@ -285,6 +300,17 @@ def test_a_search_keeps_doubling_through_fleets_too_small_to_serve_anything() ->
     found = sized({1: 0.0, 37: 0.995}, ran)
     assert found.replicas == 37
     assert ran[:7] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_fleet_that_leaves_a_tier_waiting_does_not_meet_and_the_search_goes_on() -> None:
+    # Interactive within both clocks from 8 replicas on, but batch waits a minute for its
+    # first token below 24: the fleet does not keep up with the traffic.
+    ran: list[int] = []
+    found = sized({1: 0.5, 8: 1.0}, ran, batch_waits={1: 60.0, 24: 2.0})
+    assert ran[:6] == [1, 2, 4, 8, 16, 32]
+    assert found.replicas == 24
+    assert not routing.meets(made_up(1.0, routing.KEEPS_UP_TTFT_S + 1))  # type: ignore[arg-type]
+    assert routing.meets(made_up(1.0, routing.KEEPS_UP_TTFT_S))  # type: ignore[arg-type]
 
 
 def test_a_search_whose_doubling_passes_the_limit_tries_the_limit_itself() -> None:

@@ -408,6 +408,45 @@ def test_on_the_least_bad_path_harm_decides_within_the_near_tie_and_price_past_i
     assert chosen_id(no_tie, request(tier="batch", prompt_tokens=2_000)) == "busier"
 
 
+def test_batch_work_does_not_pile_onto_the_one_replica_no_tighter_tier_decodes_on() -> None:
+    # "spare" decodes no interactive request, so a batch prompt harms no one there, but its
+    # queue would hold the prompt 25 s; on "chat" it pushes the interactive request there a
+    # little past its guard. Without a bound on the wait every batch request went to the
+    # spare replica and its queue grew with the run; with it, a wait past the bound is a miss.
+    perf, _ = gpu(L40S)
+
+    def state() -> RouterState:
+        queued = int(25.0 / perf.prefill_s_per_token)
+        fleet_state = fleet(
+            replica("chat", running=30),
+            replica("spare", prefill_pending_tokens=queued),
+            seed=3,
+        )
+        fleet_state.request_started("chat", 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+        return fleet_state
+
+    config = RouterConfig()
+    assert config.untimed_ttft_s is not None
+    spare = predict(state().replica("spare"), request(tier="batch"), NOW, config)  # type: ignore[arg-type]
+    assert config.untimed_ttft_s < spare.ttft_s < config.untimed_ttft_s * 1.5
+    assert batch_picks(state()) == {"chat"}
+    unbounded = replace(config, untimed_ttft_s=None)
+    picks = {
+        chosen_id(CostAware(state(), unbounded), request(tier="batch", request_id=f"b{n}"))
+        for n in range(10)
+    }
+    assert picks == {"spare"}
+
+
+def test_a_tier_without_a_ttft_objective_is_routed_with_the_bound_on_its_wait() -> None:
+    config = RouterConfig()
+    assert config.slo_tiers["batch"].ttft_s is None  # no promise: reports judge none
+    assert config.tier("batch").ttft_s == config.untimed_ttft_s
+    assert config.tier("no-such-tier").ttft_s == config.untimed_ttft_s
+    assert config.tier("interactive") == config.slo_tiers["interactive"]
+    assert replace(config, untimed_ttft_s=None).tier("batch").ttft_s is None
+
+
 def test_a_cost_aware_decision_names_the_objective_its_decode_runs_under() -> None:
     state = fleet(replica("a"))
     policy = CostAware(state)
