@@ -36,6 +36,14 @@ def count_objective(objectives: dict[float, int], objective: float, change: int)
     return True
 
 
+def _take_unsynced(replica: ReplicaState, prompt_tokens: int) -> None:
+    """One request of `prompt_tokens` no longer unsynced there (known to the other
+    gateways, or finished before they knew of it)."""
+    if replica.unsynced > 0:
+        replica.unsynced -= 1
+        replica.unsynced_prefill_tokens = max(0, replica.unsynced_prefill_tokens - prompt_tokens)
+
+
 class ReplicaSet:
     """A set of replicas with O(1) add, remove and uniform random draw."""
 
@@ -307,11 +315,8 @@ class RouterState:
         """The other gateways now know of a request this one started `unsynced` (pass the
         same `prompt_tokens`)."""
         replica = self._replicas.get(replica_id)
-        if replica is not None and replica.unsynced > 0:
-            replica.unsynced -= 1
-            replica.unsynced_prefill_tokens = max(
-                0, replica.unsynced_prefill_tokens - prompt_tokens
-            )
+        if replica is not None:
+            _take_unsynced(replica, prompt_tokens)
 
     def adjust_inflight(
         self,
@@ -369,11 +374,8 @@ class RouterState:
         if replica is None or replica.inflight <= 0:
             return
         replica.inflight -= 1
-        if unsynced and replica.unsynced > 0:
-            replica.unsynced -= 1
-            replica.unsynced_prefill_tokens = max(
-                0, replica.unsynced_prefill_tokens - prompt_tokens
-            )
+        if unsynced:
+            _take_unsynced(replica, prompt_tokens)
         if tpot_objective_s is not None:
             objectives = replica.inflight_tpot_objectives
             if (

@@ -491,10 +491,10 @@ class CostAware:
 
     Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x headroom
     left on the holder, on the tighter of TTFT and TPOT, `prefix_bonus_floor` past them -
-    adapter_bonus if the adapter is loaded). Candidates: every replica holding the prefix, a few holding the adapter, and
-    per group (cheapest first, stopping once a group cannot beat the best price found, and
-    skipping groups too slow to meet the SLO even when idle) all members of a small group
-    or `samples_per_group` random ones of a large group. Among candidates within
+    adapter_bonus if the adapter is loaded). Candidates: every replica holding the prefix,
+    a few holding the adapter, and per group (cheapest first, stopping once a group cannot
+    beat the best price found, and skipping groups too slow to meet the SLO even when idle)
+    all members of a small group or `samples_per_group` random ones of a large group. Among candidates within
     `near_tie_fraction` of the cheapest, two are drawn and the one using less of its
     objective on the clock that binds (TTFT or TPOT) wins.
 
