@@ -84,6 +84,8 @@ def test_an_admission_that_timed_out_after_it_ran_holds_no_slot_for_the_next_str
 ) -> None:
     server, proxy, key, client = setup
     assert stream(server.url, key.secret).status_code == 200  # warm: key cached, pool open
+    # Its settle follows the last byte: slowing Redis before it lands would spool it.
+    assert wait_until(lambda: len(events(client)) == 1)
     tenant_id = key.tenant.pk
     before = month_tokens(client, tenant_id)
 
@@ -108,6 +110,9 @@ def test_after_redis_restarts_no_request_fails_on_a_connection_it_had_pooled(set
     server, proxy, key, client = setup
     for _ in range(4):  # a few pooled connections, each used and idle
         assert stream(server.url, key.secret).status_code == 200
+    # Each settle follows its stream's last byte: the restart comes after the last of them,
+    # or that one is spooled and holds the tenant's stream slot until it is replayed.
+    assert wait_until(lambda: len(events(client)) == 4)
     # Redis restarts: every connection the gateway holds is closed by the server side.
     proxy.go_down()
     proxy.come_back()
