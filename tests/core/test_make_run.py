@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -116,6 +117,10 @@ def test_make_run_answers_readyz_and_sigterm_leaves_no_child_behind(tmp_path: Pa
         assert alive == [], f"left behind: {[p.pid for p in alive]}"
     finally:
         if process.poll() is None:
+            # A failed test must not leave the platform running under the rest of the suite.
+            for child in psutil.Process(process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
             process.kill()
         reader.join(timeout=10)
         print("".join(lines)[-5000:])
