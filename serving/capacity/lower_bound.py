@@ -52,16 +52,39 @@ decode step reading a sequence of context `x` takes at least `a + K x`, `a = t0 
    and `N T >= S`. Theta runs over quantiles of the window's prompts (a subset is valid).
    This is the old "decode tokens at the TPOT-sized batch" term, with the step's fixed part
    shared over the batch TPOT allows at the window's own contexts.
+6. **Shared TPOT budget.** The same requests, each at its own contexts: a request meeting
+   TPOT tau spends at most `(out - 1) tau` in the steps it decodes in (TPOT is the time
+   from its first token to its last over `out - 1`, and it is in every step of that time).
+   A step with c of them takes at least `a + K x` summed over their contexts, so over the
+   steps `sum c s >= a D + sum_steps (sum sqrt(K x))^2 >= a D + S1^2 / m` (m steps,
+   Cauchy-Schwarz twice) and `sum c s <= sum (out - 1) tau`: `m >= S1^2 / beta'` with
+   `beta' = sum (out - 1)(tau - a)`, and `m >= D / B`. The steps take `N T >= a m + S2`.
+   beta' keeps every request (one that misses only shrinks it); S1, S2, D drop their `k`
+   largest. Where 5 bounds the batch by one context theta, this one lets long and short
+   contexts share a step as they would; neither is implied by the other.
 
 Windows slide by a quarter of their length from the first arrival to the last deadline, plus
-the whole span. Still loose: requests outside the counted tiers cost nothing (a router could
-park them); a step's prefill hides under its decode's memory time, so the terms are taken
-as a maximum, never added; 4's D uses lone steps for requests that run past the window, and
-5 only sees requests whose deadline (at the TPOT objective, not the likely pace) falls
-inside it; attention and queueing are left out; KV capacity is left out (shared prefixes are
-held once and preempted sequences hold none, so the old per-request Little's-law term did not
-hold). Not proven: a preempted request's recompute step samples a token without reading its
-KV, which 4's inside part and 5 count as a read (D still holds: the request first waits out a
+the whole span. Still loose, the largest first:
+- No term charges the prefill chunks that share steps with decodes. The engine runs a newly
+  admitted prompt's chunk, up to `max_num_batched_tokens`, in one step with every running
+  sequence, so each admission onto a replica lengthens a step of every request decoding
+  there: on an L40S a 3,000-token prompt is a 200 ms step against a 50 ms objective. A
+  router can only avoid it by admitting in groups and letting them drain, which costs
+  replicas of its own; a valid term must weigh the two, and none does yet. On uncached
+  prompts this is most of the gap (`tests/capacity/test_lower_bound.py`'s spread stream,
+  nothing to route for but balance: bound 6, the simulator's smallest fleets 23 under
+  cost-aware and 27 under least load).
+- Requests outside the counted tiers cost nothing (a router could park them).
+- A step's prefill hides under its decode's memory time, so the terms are a maximum, never
+  added.
+- 4's D uses lone steps for requests that run past the window, and 5 and 6 only see
+  requests whose deadline (at the TPOT objective, not the likely pace) falls inside it.
+- Attention and queueing are left out. KV capacity is left out (shared prefixes are held
+  once and preempted sequences hold none, so the old per-request Little's-law term did not
+  hold).
+
+Not proven: a preempted request's recompute step samples a token without reading its KV,
+which 4's inside part, 5 and 6 count as a read (D still holds: the request first waits out a
 whole step, at least `a`, more than that read).
 """
 
@@ -209,6 +232,7 @@ def lower_bound_replicas(
             _prefill_replicas(arrived, low, high, may_miss),
             _slot_replicas(work.arriving(low - lookback, high), engine, low, high, may_miss),
             _tpot_replicas(arrived, engine, low, high, may_miss),
+            _budget_replicas(arrived, engine, low, high, may_miss),
         )
     return replicas
 
@@ -359,6 +383,25 @@ def _tpot_replicas(work: _Columns, engine: _Engine, low: float, high: float, may
             )
             replicas = max(replicas, _ceil(seconds / (high - low)))
     return replicas
+
+
+def _budget_replicas(
+    work: _Columns, engine: _Engine, low: float, high: float, may_miss: int
+) -> int:
+    """Term 6: the decode steps of the requests inside, against the time their TPOT
+    objectives let them spend in steps together."""
+    inside = _inside(work, low, high) & (work.tokens > 0)
+    if not inside.any():
+        return 0
+    a = engine.fixed_s
+    tokens = work.tokens[inside]
+    slack = float(np.sum(tokens * (work.tpot[inside] - a)))  # beta - a D, every request kept
+    if not math.isfinite(slack):
+        return 0
+    kv = _less_heaviest(work.kv[inside], may_miss)
+    kv_root = _less_heaviest(work.kv_root[inside], may_miss)
+    fewest_steps = max(kv_root**2 / slack, _less_heaviest(tokens, may_miss) / engine.max_num_seqs)
+    return _ceil((a * fewest_steps + kv) / (high - low))
 
 
 def _decode_seconds(batch: float, a: float, tokens: float, kv: float, kv_root: float) -> float:
