@@ -62,7 +62,9 @@ class FleetSpec:
     model: str = "llama-3.1-8b"
     quantization: str = "bf16"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    # None: vLLM's own default for each pool's GPU (`GpuSpec.default_max_num_batched_tokens`),
+    # which is what a replica the node agent launches runs with.
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     # Engine flags per pool are derived: max_model_len is the model's context, or what the
     # pool's KV cache holds when that is less (vLLM refuses to start otherwise).
@@ -98,6 +100,12 @@ class FleetSpec:
             quantization=self.quantization,
             tensor_parallel=pool.tensor_parallel,
         )
+
+    def batched_tokens(self, pool: PoolSpec) -> int:
+        """The prefill budget of one engine step on the pool's replicas."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return load_gpu_specs()[pool.gpu_class].default_max_num_batched_tokens
 
     def max_model_len(self, perf: PerfModel, block_size: int = 16) -> int:
         held = perf.kv_capacity_tokens // block_size * block_size

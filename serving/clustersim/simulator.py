@@ -269,12 +269,12 @@ class ClusterSimulator:
         self.config = config or SimConfig()
         self._perf = {pool.name: fleet.perf(pool) for pool in fleet.pools}
         self._coefficients = {
-            name: coefficients_from_perf(
-                perf,
+            pool.name: coefficients_from_perf(
+                self._perf[pool.name],
                 max_num_seqs=fleet.max_num_seqs,
-                max_num_batched_tokens=fleet.max_num_batched_tokens,
+                max_num_batched_tokens=fleet.batched_tokens(pool),
             )
-            for name, perf in self._perf.items()
+            for pool in fleet.pools
         }
         self._routes = [
             ModelRoute(model, (DeploymentRoute(self._deployment(model), "v1", 100),))
@@ -335,7 +335,7 @@ class ClusterSimulator:
             perf,
             max_model_len=self.fleet.max_model_len(perf),
             max_num_seqs=self.fleet.max_num_seqs,
-            max_num_batched_tokens=self.fleet.max_num_batched_tokens,
+            max_num_batched_tokens=self.fleet.batched_tokens(pool),
             enable_prefix_caching=self.fleet.enable_prefix_caching,
             clock_s=now_s,
             role=pool.role,

@@ -16,6 +16,9 @@ QUANTIZATIONS: tuple[str, ...] = tuple(BYTES_PER_PARAM)
 # KV cache element size: vLLM's "auto" keeps the model dtype (bf16 here).
 KV_BYTES_PER_ELEMENT: dict[str, int] = {"auto": 2, "bf16": 2, "fp8": 1}
 
+# vLLM gives a GPU of at least this much memory its larger scheduling defaults.
+VLLM_LARGE_GPU_BYTES = 70 * 2**30
+
 # vLLM's --quantization values mapped onto our three weight formats. None means unquantized.
 _VLLM_QUANTIZATION_ALIASES: dict[str, str] = {
     "bf16": "bf16",
@@ -38,6 +41,15 @@ class GpuSpec:
     fp8_tflops: float | None
     tdp_w: float
     usd_per_hour: float
+
+    @property
+    def default_max_num_batched_tokens(self) -> int:
+        """The prefill budget a step gets from vLLM's OpenAI server when the command line
+        names none, as the node agent launches it: `EngineArgs.get_batch_defaults` in
+        vllm/engine/arg_utils.py gives 8192 tokens on a GPU of 70 GiB or more that is not an
+        A100 (H100, H200, RTX PRO 6000) and 2048 on the others (L40S, L4, A100)."""
+        large = self.memory_gb * 1e9 >= VLLM_LARGE_GPU_BYTES and "a100" not in self.name.lower()
+        return 8192 if large else 2048
 
     def tflops_for(self, quantization: str) -> float:
         # GPUs without fp8 tensor cores run fp8 weights weight-only: dequantised to bf16 math.

@@ -18,7 +18,7 @@ def coefficients_from_perf(
     perf: PerfModel,
     *,
     max_num_seqs: int = 256,
-    max_num_batched_tokens: int = 8192,
+    max_num_batched_tokens: int | None = None,
     typical_context_tokens: int = 1024,
     typical_prompt_tokens: int = 512,
     long_prompt_tokens: int = 4096,
@@ -33,7 +33,9 @@ def coefficients_from_perf(
     by reading the weights once. Long prompts are then overestimated by at most that
     floor: on the safe side for an SLO check. KV beyond `typical_context_tokens` a sequence:
     the mid batch's step with twice the context, less its step, per extra token.
+    `max_num_batched_tokens` None: what vLLM picks for the GPU when the flag is not given.
     """
+    budget = max_num_batched_tokens or perf.gpu.default_max_num_batched_tokens
     mid_batch = max(2, min(32, perf.max_batch(typical_context_tokens, max_num_seqs)))
     step_one = perf.decode_step_s(1, typical_context_tokens)
     step_mid = perf.decode_step_s(mid_batch, mid_batch * typical_context_tokens)
@@ -55,7 +57,7 @@ def coefficients_from_perf(
         decode_s_per_seq=decode_s_per_seq,
         kv_capacity_tokens=perf.kv_capacity_tokens,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         kv_bytes_per_token=perf.kv_bytes_per_token,
         decode_s_per_kv_token=decode_s_per_kv_token,
         typical_context_tokens=typical_context_tokens,

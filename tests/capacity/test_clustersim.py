@@ -114,10 +114,31 @@ def test_a_lone_request_sees_exactly_the_engine_models_ttft() -> None:
     request = SimRequest("one", 1.0, 3000, 20, "acme", "interactive")
     result = simulate(homogeneous("A100-SXM-80GB", 1), [request])
     fleet = homogeneous("A100-SXM-80GB", 1)
-    engine = Engine(fleet.perf(fleet.pools[0]), max_model_len=131072)
+    pool = fleet.pools[0]
+    engine = Engine(
+        fleet.perf(pool), max_model_len=131072, max_num_batched_tokens=fleet.batched_tokens(pool)
+    )
     engine.add_request(EngineRequest("one", 3000, 20, 1.0))
     first = next(e for e in engine.advance(math.inf) if e.kind == "first_token")
     assert result.records[0].ttft_s == pytest.approx(first.time_s - 1.0)
+
+
+def test_an_l40s_prefills_a_long_prompt_in_vllms_2048_token_steps_unless_told_otherwise() -> None:
+    request = SimRequest("one", 1.0, 6000, 2, "acme", "interactive")
+    fleet = homogeneous("L40S-48GB", 1)
+    pool = fleet.pools[0]
+    assert fleet.batched_tokens(pool) == 2048
+    told = replace(fleet, max_num_batched_tokens=8192)
+    assert told.batched_tokens(pool) == 8192
+    ttfts = {}
+    for budget, spec in ((2048, fleet), (8192, told)):
+        engine = Engine(fleet.perf(pool), max_model_len=131072, max_num_batched_tokens=budget)
+        engine.add_request(EngineRequest("one", 6000, 2, 1.0))
+        first = next(e for e in engine.advance(math.inf) if e.kind == "first_token")
+        ttfts[budget] = simulate(spec, [request]).records[0].ttft_s
+        assert ttfts[budget] == pytest.approx(first.time_s - 1.0)
+    # Three steps of at most 2048 tokens, not one of 6000: the step times differ.
+    assert ttfts[2048] != pytest.approx(ttfts[8192])
 
 
 def test_a_static_fleet_costs_its_hourly_price_for_the_simulated_time() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs, load_model_specs, normalize_quantization
+from serving.router.coefficients import coefficients_from_perf
 
 
 def perf(gpu: str, model: str = "llama-3.1-8b", **kwargs: object) -> PerfModel:
@@ -24,6 +25,28 @@ def perf(gpu: str, model: str = "llama-3.1-8b", **kwargs: object) -> PerfModel:
 )
 def test_decode_floor_matches_the_documented_sanity_figures(gpu: str, expected_ms: float) -> None:
     assert perf(gpu).decode_floor_s() * 1e3 == pytest.approx(expected_ms, rel=0.10)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "budget"),
+    [
+        ("H200-SXM-141GB", 8192),
+        ("H100-SXM-80GB", 8192),
+        ("RTX-PRO-6000-96GB", 8192),
+        ("A100-SXM-80GB", 2048),  # 80 GB, but vLLM names the A100 out (its PR #17885)
+        ("L40S-48GB", 2048),
+        ("L4-24GB", 2048),
+    ],
+)
+def test_each_gpu_gets_the_prefill_budget_vllm_gives_it_and_the_router_knows_it(
+    gpu: str, budget: int
+) -> None:
+    # The node agent does not pass --max-num-batched-tokens, so vLLM's own default holds.
+    assert load_gpu_specs()[gpu].default_max_num_batched_tokens == budget
+    assert coefficients_from_perf(perf(gpu)).max_num_batched_tokens == budget
+    assert (
+        coefficients_from_perf(perf(gpu), max_num_batched_tokens=512).max_num_batched_tokens == 512
+    )
 
 
 def test_a_single_decode_step_adds_the_step_overhead_to_the_floor() -> None:
