@@ -72,8 +72,9 @@ the whole span. Still loose, the largest first:
   router can only avoid it by admitting in groups and letting them drain, which costs
   replicas of its own; a valid term must weigh the two, and none does yet. On uncached
   prompts this is most of the gap (`tests/capacity/test_lower_bound.py`'s spread stream,
-  nothing to route for but balance: bound 6, the simulator's smallest fleets 23 under
-  cost-aware and 27 under least load).
+  nothing to route for but balance: bound 6; the simulator's smallest L40S fleets are 20
+  under cost-aware and 26 under least load with vLLM's 2048-token steps, 11 and 22 with
+  512-token steps, and were 23 and 27 with 8192).
 - Requests outside the counted tiers cost nothing (a router could park them).
 - A step's prefill hides under its decode's memory time, so the terms are a maximum, never
   added.
