@@ -445,6 +445,13 @@ def check_engine_args(engine_args: Any) -> list[str]:
     for name in ("max_model_len", "max_num_seqs", "max_lora_rank"):
         if not isinstance(args[name], int) or isinstance(args[name], bool) or args[name] < 1:
             problems.append(f"{name} is a positive whole number.")
+    budget = args["max_num_batched_tokens"]
+    if budget is not None:
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            problems.append("max_num_batched_tokens is a positive whole number, or null.")
+        elif isinstance(args["max_num_seqs"], int) and budget < args["max_num_seqs"]:
+            # vLLM refuses to start otherwise (SchedulerConfig's check).
+            problems.append("max_num_batched_tokens is at least max_num_seqs.")
     if not isinstance(args["max_loras"], int) or args["max_loras"] < 0:
         problems.append("max_loras is a whole number, 0 to turn LoRA off.")
     utilization = args["gpu_memory_utilization"]

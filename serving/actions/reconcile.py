@@ -66,6 +66,7 @@ def replica_spec(replica: Replica) -> dict[str, Any]:
         "kv_cache_dtype": launch.kv_cache_dtype,
         "max_model_len": launch.max_model_len,
         "max_num_seqs": launch.max_num_seqs,
+        "max_num_batched_tokens": launch.max_num_batched_tokens,
         "gpu_memory_utilization": launch.gpu_memory_utilization,
         "enable_prefix_caching": launch.enable_prefix_caching,
         "enable_lora": launch.enable_lora,
@@ -129,6 +130,7 @@ class Launch:
     kv_cache_dtype: str
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int | None  # None: vLLM's own default for the GPU
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enable_lora: bool
@@ -221,6 +223,11 @@ def deployment_launch(deployment: Any) -> Launch:
         kv_cache_dtype=str(args.get("kv_cache_dtype") or "auto"),
         max_model_len=int(args.get("max_model_len") or min(8192, model.max_context)),
         max_num_seqs=int(args.get("max_num_seqs") or 256),
+        max_num_batched_tokens=(
+            None
+            if args.get("max_num_batched_tokens") is None
+            else int(args["max_num_batched_tokens"])
+        ),
         gpu_memory_utilization=float(args.get("gpu_memory_utilization") or 0.9),
         enable_prefix_caching=bool(args.get("enable_prefix_caching", True)),
         enable_lora=bool(args.get("enable_lora", False)) or bool(adapters),

@@ -147,6 +147,7 @@ def _replica_row(replica: Replica, launch: Launch) -> dict[str, Any]:
         "quantization": launch.quantization,
         "max_model_len": launch.max_model_len,
         "max_num_seqs": launch.max_num_seqs,
+        "max_num_batched_tokens": launch.max_num_batched_tokens,
         "kv_cache_dtype": launch.kv_cache_dtype,
         "gpu_memory_utilization": launch.gpu_memory_utilization,
         # LoRA slots: the router sends adapter requests only where adapters can be served.

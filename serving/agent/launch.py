@@ -139,6 +139,8 @@ def _engine_flags(spec: ReplicaSpec, host: str) -> list[str]:
         "--max-num-seqs",
         str(spec.max_num_seqs),
     ]
+    if spec.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.quantization is not None:
         flags += ["--quantization", spec.quantization]
     # "auto" is vLLM's default; leaving it out keeps the command line to what was asked for.

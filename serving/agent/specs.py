@@ -59,6 +59,7 @@ class ReplicaSpec:
     kv_cache_dtype: str = "auto"
     max_model_len: int = 4096
     max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: vLLM's own default for the GPU
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_lora: bool = False
@@ -90,6 +91,7 @@ class ReplicaSpec:
             "kv_cache_dtype": self.kv_cache_dtype,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "enable_prefix_caching": self.enable_prefix_caching,
             "enable_lora": self.enable_lora,
@@ -131,6 +133,11 @@ def parse_replica_spec(raw: Any) -> ReplicaSpec:
             kv_cache_dtype=str(raw.get("kv_cache_dtype") or "auto"),
             max_model_len=int(raw.get("max_model_len") or 4096),
             max_num_seqs=int(raw.get("max_num_seqs") or 256),
+            max_num_batched_tokens=(
+                None
+                if raw.get("max_num_batched_tokens") is None
+                else int(raw["max_num_batched_tokens"])
+            ),
             gpu_memory_utilization=float(raw.get("gpu_memory_utilization") or 0.9),
             enable_prefix_caching=bool(raw.get("enable_prefix_caching", True)),
             enable_lora=bool(raw.get("enable_lora", False)),

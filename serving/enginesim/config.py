@@ -59,6 +59,7 @@ class SimConfig:
     gpu_memory_utilization: float
     max_model_len: int
     max_num_seqs: int
+    max_num_batched_tokens: int
     quantization: str
     kv_cache_dtype: str
     enable_prefix_caching: bool
@@ -115,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    # None: what vLLM picks for the GPU (`GpuSpec.default_max_num_batched_tokens`).
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--quantization", "-q", default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     # vLLM v1 caches prefixes unless told not to.
@@ -234,6 +237,7 @@ def parse_args(argv: list[str]) -> SimConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or gpu.default_max_num_batched_tokens,
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,

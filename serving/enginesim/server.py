@@ -73,6 +73,7 @@ class EngineRunner:
             perf,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             max_loras=config.max_loras if config.enable_lora else 0,
         )

@@ -117,6 +117,7 @@ def replica_perf(
     max_num_seqs: int,
     kv_cache_dtype: str,
     gpu_memory_utilization: float,
+    max_num_batched_tokens: int | None = None,
 ) -> ReplicaPerf:
     gpu = load_gpu_specs().get(gpu_class)
     model = find_model_spec(model_spec)
@@ -131,7 +132,9 @@ def replica_perf(
             kv_cache_dtype=kv_cache_dtype or "auto",
             gpu_memory_utilization=gpu_memory_utilization,
         )
-        return coefficients_from_perf(perf, max_num_seqs=max_num_seqs)
+        return coefficients_from_perf(
+            perf, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        )
     except ValueError:
         return FALLBACK_PERF
 
@@ -145,6 +148,7 @@ def _replica_state(model: str, deployment: dict[str, Any], row: dict[str, Any]) 
         int(row.get("max_num_seqs") or 256),
         str(row.get("kv_cache_dtype") or "auto"),
         float(row.get("gpu_memory_utilization") or 0.9),
+        int(row["max_num_batched_tokens"]) if row.get("max_num_batched_tokens") else None,
     )
     return ReplicaState(
         replica_id=str(row["replica_id"]),

@@ -65,6 +65,44 @@ def test_a_replica_row_carries_endpoint_pool_and_price(
     assert row["price_per_hour"] == pytest.approx(float(pool.price_per_gpu_hour))
 
 
+def test_a_rows_prefill_budget_is_the_deployments_or_vllms_own_and_the_gateway_plans_with_it(
+    make_pool: MakePool,
+    make_deployment: MakeDeployment,
+    register: Register,
+    redis_client: redis.Redis,
+) -> None:
+    from serving.gateway.routing import build_snapshot
+
+    pool, secret = make_pool("l40s-eu", "L40S-48GB", "eu-west")
+    node = register(secret, "gpu-1", gpus=2)
+    told = make_deployment(pool, max_num_batched_tokens=512)
+    untold = make_deployment(pool, version="v2")
+    do_reconcile()
+    replicas = {d.pk: d.replicas.get() for d in (told, untold)}
+    send_heartbeat(
+        node,
+        replicas=[
+            replica_report(r.replica_id, "Ready", port=18001 + i)
+            for i, r in enumerate(replicas.values())
+        ],
+    )
+    publish_routing_table()
+    table = _table(redis_client)
+    rows = {
+        str(d["deployment_id"]): d["replicas"][0]
+        for d in table["models"]["llama-3.1-8b"]["deployments"]
+    }
+    assert rows[str(told.pk)]["max_num_batched_tokens"] == 512
+    assert rows[str(untold.pk)]["max_num_batched_tokens"] is None
+    state = build_snapshot(table).state
+    budgets = {}
+    for name, deployment in (("told", told), ("untold", untold)):
+        replica = state.replica(replicas[deployment.pk].replica_id)
+        assert replica is not None
+        budgets[name] = replica.perf.max_num_batched_tokens
+    assert budgets == {"told": 512, "untold": 2048}  # vLLM's own on an L40S
+
+
 def test_the_version_moves_only_when_the_content_changes(
     fleet: Fleet, redis_client: redis.Redis
 ) -> None:

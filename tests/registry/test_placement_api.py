@@ -102,6 +102,47 @@ def test_unknown_engine_arguments_are_refused(
     assert "turbo" in " ".join(response.json()["engine_args"])
 
 
+def _deploy_with_budget(staff: Any, version: Any, budget: object) -> Any:
+    return client_for(staff).post(
+        "/api/v1/deployments/",
+        {
+            "model_version": version.pk,
+            "pool": "l4-us-east",
+            "engine_args": {"max_num_batched_tokens": budget},
+        },
+        format="json",
+    )
+
+
+@pytest.mark.parametrize(
+    ("budget", "problem"),
+    [
+        (0, "positive whole number"),
+        (True, "positive whole number"),
+        ("2048", "positive whole number"),
+        (128, "at least max_num_seqs"),  # max_num_seqs is 256
+    ],
+)
+def test_a_prefill_budget_vllm_would_refuse_is_refused(
+    staff: Any, pools: dict[str, GpuPool], llama_8b: Model, budget: object, problem: str
+) -> None:
+    response = _deploy_with_budget(staff, approved_version(llama_8b, "v1", "bf16"), budget)
+    assert response.status_code == 400
+    assert problem in " ".join(response.json()["engine_args"])
+    assert not Deployment.objects.exists()
+
+
+def test_a_prefill_budget_is_kept_and_null_means_vllms_own(
+    staff: Any, pools: dict[str, GpuPool], llama_8b: Model
+) -> None:
+    version = approved_version(llama_8b, "v1", "bf16")
+    for budget in (512, None):
+        response = _deploy_with_budget(staff, version, budget)
+        assert response.status_code == 201, response.json()
+        deployment = Deployment.objects.get(pk=response.json()["id"])
+        assert deployment.effective_engine_args()["max_num_batched_tokens"] == budget
+
+
 def test_a_tenant_member_cannot_create_a_deployment(
     acme_user: Any, pools: dict[str, GpuPool], llama_8b: Model
 ) -> None:

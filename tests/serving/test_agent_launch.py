@@ -100,6 +100,23 @@ def test_a_tp2_fp8_lora_deployment_gets_exactly_the_vllm_argv() -> None:
     ]
 
 
+def test_a_prefill_budget_set_on_the_deployment_reaches_vllm_and_none_leaves_its_own() -> None:
+    told, _ = build_launch_command(parse_replica_spec(_spec(max_num_batched_tokens=512)), GPU_NODE)
+    at = told.index("--max-num-batched-tokens")
+    assert told[at + 1] == "512"
+    untold, _ = build_launch_command(parse_replica_spec(_spec()), GPU_NODE)
+    assert "--max-num-batched-tokens" not in untold
+    # The simulator takes the flag, and without it vLLM's default for the GPU it plays.
+    simulated, _ = build_launch_command(
+        parse_replica_spec(_spec(max_num_batched_tokens=512)), SIMULATED
+    )
+    assert parse_simulator_args(simulated[3:]).max_num_batched_tokens == 512
+    l40s = _spec(sim={"gpu_class": "L40S-48GB", "model_spec": "llama-3.1-8b"})
+    l40s.update(gpu_indices=[0], tensor_parallel_size=1, quantization=None, kv_cache_dtype="auto")
+    simulated, _ = build_launch_command(parse_replica_spec(l40s), SIMULATED)
+    assert parse_simulator_args(simulated[3:]).max_num_batched_tokens == 2048
+
+
 def test_the_replica_sees_only_its_gpus_and_gets_its_engine_key_outside_the_argv() -> None:
     argv, env = build_launch_command(parse_replica_spec(_spec()), GPU_NODE)
 
