@@ -54,7 +54,7 @@ decode step reading a sequence of context `x` takes at least `a + K x`, `a = t0 
    shared over the batch TPOT allows at the window's own contexts.
 6. **Shared TPOT budget.** The same requests, each at its own contexts: a request meeting
    TPOT tau spends at most `(out - 1) tau` in the steps it decodes in (TPOT is the time
-   from its first token to its last over `out - 1`, and it is in every step of that time).
+   from its first token to its last over `out - 1`; those steps are disjoint and lie in it).
    A step with c of them takes at least `a + K x` summed over their contexts, so over the
    steps `sum c s >= a D + sum_steps (sum sqrt(K x))^2 >= a D + S1^2 / m` (m steps,
    Cauchy-Schwarz twice) and `sum c s <= sum (out - 1) tau`: `m >= S1^2 / beta'` with
@@ -68,7 +68,7 @@ the whole span. Still loose, the largest first:
 - No term charges the prefill chunks that share steps with decodes. The engine runs a newly
   admitted prompt's chunk, up to `max_num_batched_tokens`, in one step with every running
   sequence, so each admission onto a replica lengthens a step of every request decoding
-  there: on an L40S a 3,000-token prompt is a 200 ms step against a 50 ms objective. A
+  there: on an L40S a 2048-token chunk is a step of about 140 ms against a 50 ms objective. A
   router can only avoid it by admitting in groups and letting them drain, which costs
   replicas of its own; a valid term must weigh the two, and none does yet. On uncached
   prompts this is most of the gap (`tests/capacity/test_lower_bound.py`'s spread stream,
