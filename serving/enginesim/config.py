@@ -218,6 +218,13 @@ def parse_args(argv: list[str]) -> SimConfig:
     if (args.sim_fixed_ttft_ms is None) != (args.sim_fixed_itl_ms is None):
         raise ConfigError("--sim-fixed-ttft-ms and --sim-fixed-itl-ms go together")
     gpu = gpus[args.sim_gpu_class]
+    budget = args.max_num_batched_tokens or gpu.default_max_num_batched_tokens
+    if budget < args.max_num_seqs:
+        # vLLM's SchedulerConfig refuses the same.
+        raise ConfigError(
+            f"max_num_batched_tokens ({budget}) must be greater than or equal to "
+            f"max_num_seqs ({args.max_num_seqs})."
+        )
     placement = check_placement(
         gpu,
         model_spec,
@@ -237,7 +244,7 @@ def parse_args(argv: list[str]) -> SimConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or gpu.default_max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.engine.tokens import estimate_prompt_tokens
 from serving.enginesim import build_app, parse_args
+from serving.enginesim.config import ConfigError
 
 BASE_FLAGS = [
     "meta-llama/Llama-3.1-8B-Instruct",
@@ -382,6 +383,14 @@ async def test_fixed_latency_mode_serves_many_concurrent_streams_on_time() -> No
     # the bound leaves room for a loaded machine (2.2 and 3.1 times ideal were seen in full
     # suites on two cores, where the client, the simulator and the suite share them).
     assert durations[len(durations) // 2] < ideal * 8
+
+
+def test_a_prefill_budget_below_max_num_seqs_is_refused_as_vllm_refuses_it() -> None:
+    with pytest.raises(ConfigError, match="must be greater than or equal to max_num_seqs"):
+        parse_args([*BASE_FLAGS, "--max-num-batched-tokens", "128", "--max-num-seqs", "256"])
+    assert (
+        parse_args([*BASE_FLAGS, "--max-num-batched-tokens", "256"]).max_num_batched_tokens == 256
+    )
 
 
 def test_an_unknown_flag_is_an_error() -> None:
