@@ -88,7 +88,7 @@ from serving.clustersim import (
     with_budget,
 )
 from serving.clustersim.families import FAMILIES, FamilyError, parse_families
-from serving.clustersim.fleet import FleetSpec
+from serving.clustersim.fleet import EngineBudget, FleetSpec, parse_engine_budget
 from serving.clustersim.report import TierFigures
 from serving.clustersim.workloads import (
     AZURE_CONV_CSV,
@@ -141,6 +141,8 @@ REQUESTS: list[SimRequest] = []
 SEARCH_POLICIES: tuple[str, ...] = DEFAULT_SEARCH_POLICIES
 GATEWAYS = 1
 TELEMETRY_INTERVAL_S: float | None = None
+# --engine-budget: the engines' prefill budget per step (FleetSpec.max_num_batched_tokens).
+ENGINE_BUDGET: EngineBudget = "platform"
 
 
 def run(fleet: FleetSpec, policy: str, router: RouterConfig) -> Summary:
@@ -150,7 +152,9 @@ def run(fleet: FleetSpec, policy: str, router: RouterConfig) -> Summary:
         gateways=GATEWAYS,
         telemetry_interval_s=TELEMETRY_INTERVAL_S,
     )
-    return summarize(simulate(fleet, REQUESTS, config))
+    return summarize(
+        simulate(replace(fleet, max_num_batched_tokens=ENGINE_BUDGET), REQUESTS, config)
+    )
 
 
 def run_task(task: tuple[FleetSpec, str, RouterConfig]) -> Summary:
@@ -673,6 +677,15 @@ def positive(text: str) -> float:
     return value
 
 
+def engine_budgets(classes: list[str]) -> str:
+    """The line naming each class's prefill budget per step under --engine-budget."""
+    budgets = []
+    for gpu in dict.fromkeys(classes):
+        fleet = replace(homogeneous(gpu, 1), max_num_batched_tokens=ENGINE_BUDGET)
+        budgets.append(f"{gpu} {fleet.batched_tokens(fleet.pools[0])}")
+    return f"engines: --engine-budget {ENGINE_BUDGET}, tokens per step: {', '.join(budgets)}"
+
+
 def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -774,6 +787,14 @@ def parse_arguments() -> argparse.Namespace:
         help="seconds between telemetry scrapes in every run; 0: each policy's own refresh "
         "interval (the default)",
     )
+    parser.add_argument(
+        "--engine-budget",
+        type=parse_engine_budget,
+        default="platform",
+        help="every engine's prefill budget per step: platform (what the platform launches "
+        "a deployment with: serving/capacity/step_budget.py), vllm (vLLM's default for the "
+        "GPU) or a number of tokens",
+    )
     args = parser.parse_args()
     if args.gateways < 1 or args.telemetry_interval < 0:
         parser.error("--gateways takes a count of at least 1, --telemetry-interval >= 0 s")
@@ -864,11 +885,13 @@ def load_family(args: argparse.Namespace, name: str) -> tuple[list[SimRequest], 
 
 
 def main() -> int:
-    global REQUESTS, GATEWAYS, TELEMETRY_INTERVAL_S, SEARCH_POLICIES
+    global REQUESTS, GATEWAYS, TELEMETRY_INTERVAL_S, SEARCH_POLICIES, ENGINE_BUDGET
     args = parse_arguments()
     GATEWAYS, TELEMETRY_INTERVAL_S = args.gateways, args.telemetry_interval or None
+    ENGINE_BUDGET = args.engine_budget
     SEARCH_POLICIES = args.policies
     print("command: " + " ".join([".venv/bin/python", "bench/routing.py", *sys.argv[1:]]))
+    print(engine_budgets(args.gpus + [g for mix in args.mixes for g in mix]))
     started = time.perf_counter()
     verdicts: list[str] = []
     entries: list[dict[str, object]] = []
@@ -891,7 +914,8 @@ def main() -> int:
     print("\n" + "\n".join(verdicts))
     if args.json is not None:
         try:
-            args.json.write_text(json.dumps({"smallest": entries}, indent=2) + "\n")
+            written = {"engine_budget": ENGINE_BUDGET, "smallest": entries}
+            args.json.write_text(json.dumps(written, indent=2) + "\n")
         except OSError as error:
             print(f"routing.py: error: --json {args.json}: {error.strerror}", file=sys.stderr)
             return 2

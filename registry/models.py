@@ -206,9 +206,10 @@ class Adapter(models.Model):
 DEFAULT_ENGINE_ARGS: dict[str, object] = {
     "max_model_len": 8192,
     "max_num_seqs": 256,
-    # Prompt tokens an engine step may compute; None leaves vLLM's own choice for the GPU
-    # (2048, or 8192 on 70 GB GPUs but the A100). Smaller steps keep decodes sharing a step
-    # with a prefill chunk within a tighter TPOT, at the cost of more steps per prompt.
+    # Prompt tokens an engine step may compute. None: the platform chooses per pool class for
+    # the deployment's tier, the largest chunk whose step with a decode batch fits its TPOT
+    # objective (serving.actions.reconcile.launch_budget), and leaves vLLM's own (2048, or
+    # 8192 on 70 GB GPUs but the A100) where the tier has none or the class is not catalogued.
     "max_num_batched_tokens": None,
     "gpu_memory_utilization": 0.9,
     "kv_cache_dtype": "auto",

@@ -23,6 +23,8 @@ from registry.actions import do_note_canary_placement
 from registry.models import Deployment
 from serving import telemetry
 from serving.actions.credentials import engine_api_key
+from serving.capacity.step_budget import chosen_max_num_batched_tokens
+from serving.engine.perf import PerfModel
 from serving.engine.placement import fits
 from serving.engine.specs import (
     ModelSpec,
@@ -31,6 +33,7 @@ from serving.engine.specs import (
     normalize_quantization,
 )
 from serving.models import Gpu, Node, Replica, ReplicaEvent
+from serving.router import DEFAULT_SLO_TIERS
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +133,8 @@ class Launch:
     kv_cache_dtype: str
     max_model_len: int
     max_num_seqs: int
-    max_num_batched_tokens: int | None  # None: vLLM's own default for the GPU
+    # The deployment's own, or the platform's choice (`launch_budget`); None: vLLM's own.
+    max_num_batched_tokens: int | None
     gpu_memory_utilization: float
     enable_prefix_caching: bool
     enable_lora: bool
@@ -199,6 +203,30 @@ def deployments_to_run() -> list[Any]:
     )
 
 
+def launch_budget(deployment: Any, args: dict[str, Any], quantization: str) -> int | None:
+    """The prefill budget of the deployment's engine steps: its own when its engine arguments
+    name one; else, colocated, the platform's choice for its pool's GPU class and its tier's
+    TPOT objective (`serving.capacity.step_budget`). None leaves vLLM's own: on a CPU or
+    uncatalogued class, for a tier without a TPOT objective, and on disaggregated phases (a
+    prefill replica runs no decodes beside its chunks, a decode replica no prompts)."""
+    if args.get("max_num_batched_tokens") is not None:
+        return int(args["max_num_batched_tokens"])
+    tier = DEFAULT_SLO_TIERS.get(str(deployment.slo_tier))
+    gpu = load_gpu_specs().get(deployment.pool.gpu_class.name)
+    if deployment.decode_pool_id is not None or tier is None or gpu is None:
+        return None
+    try:
+        perf = PerfModel(
+            gpu,
+            deployment.model_version.model.spec(),
+            quantization,
+            int(deployment.tensor_parallel),
+        )
+    except ValueError:
+        return None
+    return chosen_max_num_batched_tokens(perf, tier.tpot_s, int(args.get("max_num_seqs") or 256))
+
+
 def deployment_launch(deployment: Any) -> Launch:
     version = deployment.model_version
     model = version.model
@@ -223,11 +251,7 @@ def deployment_launch(deployment: Any) -> Launch:
         kv_cache_dtype=str(args.get("kv_cache_dtype") or "auto"),
         max_model_len=int(args.get("max_model_len") or min(8192, model.max_context)),
         max_num_seqs=int(args.get("max_num_seqs") or 256),
-        max_num_batched_tokens=(
-            None
-            if args.get("max_num_batched_tokens") is None
-            else int(args["max_num_batched_tokens"])
-        ),
+        max_num_batched_tokens=launch_budget(deployment, args, quantization),
         gpu_memory_utilization=float(args.get("gpu_memory_utilization") or 0.9),
         enable_prefix_caching=bool(args.get("enable_prefix_caching", True)),
         enable_lora=bool(args.get("enable_lora", False)) or bool(adapters),

@@ -36,7 +36,13 @@ from pathlib import Path
 
 from serving.capacity.autoscaler import AutoscalerConfig
 from serving.clustersim.families import FAMILIES
-from serving.clustersim.fleet import AutoscaleBounds, FleetSpec, PoolSpec, pool_name
+from serving.clustersim.fleet import (
+    AutoscaleBounds,
+    FleetSpec,
+    PoolSpec,
+    parse_engine_budget,
+    pool_name,
+)
 from serving.clustersim.report import format_summary, plot, summarize, write_csv
 from serving.clustersim.simulator import SimConfig, SimResult, simulate
 from serving.clustersim.workloads import (
@@ -201,6 +207,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         help="seconds between telemetry scrapes; 0: the policy's own refresh interval",
     )
+    parser.add_argument(
+        "--engine-budget",
+        type=parse_engine_budget,
+        default="platform",
+        help="every engine's prefill budget per step: platform (what the platform launches "
+        "an interactive deployment with), vllm (vLLM's default for the GPU) or a number of "
+        "tokens",
+    )
 
 
 def positive(text: str) -> float:
@@ -231,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     fleet = parse_fleet(args.fleet, args.autoscale, args.model)
+    fleet = replace(fleet, max_num_batched_tokens=args.engine_budget)
     config = SimConfig(
         policy=args.policy,
         autoscaler=AutoscalerConfig() if args.autoscale else None,
@@ -243,6 +258,8 @@ def run(args: argparse.Namespace) -> int:
     result = simulate(fleet, requests, config)
     summary = summarize(result)
     print(format_summary(summary))
+    steps = ", ".join(f"{pool.gpu_class} {fleet.batched_tokens(pool)}" for pool in fleet.pools)
+    print(f"  prompt tokens per engine step: {steps} (--engine-budget {args.engine_budget})")
     if args.autoscale:
         print(f"  scaling decisions: {len(result.scaling_events)}")
     if args.out:

@@ -13,10 +13,14 @@ weight shard leaves a GPU room for KV: a bf16 70B (141 GB of weights) needs TP 4
 
 from __future__ import annotations
 
+from argparse import ArgumentTypeError
 from dataclasses import dataclass, field
+from typing import Literal
 
+from serving.capacity.step_budget import chosen_max_num_batched_tokens
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs, load_model_specs
+from serving.router import DEFAULT_SLO_TIERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +66,13 @@ class FleetSpec:
     model: str = "llama-3.1-8b"
     quantization: str = "bf16"
     max_num_seqs: int = 256
-    # None: vLLM's own default for each pool's GPU (`GpuSpec.default_max_num_batched_tokens`),
-    # which is what a replica the node agent launches runs with.
-    max_num_batched_tokens: int | None = None
+    # The prefill budget of an engine step: a number of tokens; "platform", what the platform
+    # launches a deployment with when its engine arguments name none (serving.actions.
+    # reconcile.launch_budget: chosen per class for `slo_tier`'s TPOT objective); "vllm",
+    # vLLM's own default for each pool's GPU (`GpuSpec.default_max_num_batched_tokens`).
+    max_num_batched_tokens: EngineBudget = "platform"
+    # The tier the fleet's deployment is planned for, as `Deployment.slo_tier`.
+    slo_tier: str = "interactive"
     enable_prefix_caching: bool = True
     # Engine flags per pool are derived: max_model_len is the model's context, or what the
     # pool's KV cache holds when that is less (vLLM refuses to start otherwise).
@@ -103,9 +111,14 @@ class FleetSpec:
 
     def batched_tokens(self, pool: PoolSpec) -> int:
         """The prefill budget of one engine step on the pool's replicas."""
-        if self.max_num_batched_tokens is not None:
+        if isinstance(self.max_num_batched_tokens, int):
             return self.max_num_batched_tokens
-        return load_gpu_specs()[pool.gpu_class].default_max_num_batched_tokens
+        vllm = load_gpu_specs()[pool.gpu_class].default_max_num_batched_tokens
+        tier = DEFAULT_SLO_TIERS.get(self.slo_tier)
+        if self.max_num_batched_tokens == "vllm" or pool.role != "colocated" or tier is None:
+            return vllm
+        chosen = chosen_max_num_batched_tokens(self.perf(pool), tier.tpot_s, self.max_num_seqs)
+        return vllm if chosen is None else chosen
 
     def max_model_len(self, perf: PerfModel, block_size: int = 16) -> int:
         held = perf.kv_capacity_tokens // block_size * block_size
@@ -121,6 +134,19 @@ class FleetSpec:
             + (f" TP{p.tensor_parallel}" if several and p.tensor_parallel > 1 else "")
             for p in self.pools
         )
+
+
+EngineBudget = int | Literal["platform", "vllm"]
+
+
+def parse_engine_budget(text: str) -> EngineBudget:
+    """A command line's --engine-budget (argparse's `type`): platform, vllm or a positive
+    number of tokens."""
+    if text in ("platform", "vllm"):
+        return text  # type: ignore[return-value]
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    raise ArgumentTypeError(f"{text!r}: platform, vllm or a positive number of tokens")
 
 
 def pool_name(gpu_class: str) -> str:

@@ -123,22 +123,28 @@ def test_a_lone_request_sees_exactly_the_engine_models_ttft() -> None:
     assert result.records[0].ttft_s == pytest.approx(first.time_s - 1.0)
 
 
-def test_an_l40s_prefills_a_long_prompt_in_vllms_2048_token_steps_unless_told_otherwise() -> None:
+def test_an_l40s_prefills_a_long_prompt_in_the_steps_its_engine_was_launched_with() -> None:
     request = SimRequest("one", 1.0, 6000, 2, "acme", "interactive")
     fleet = homogeneous("L40S-48GB", 1)
     pool = fleet.pools[0]
-    assert fleet.batched_tokens(pool) == 2048
+    vllm = replace(fleet, max_num_batched_tokens="vllm")
     told = replace(fleet, max_num_batched_tokens=8192)
-    assert told.batched_tokens(pool) == 8192
-    ttfts = {}
-    for budget, spec in ((2048, fleet), (8192, told)):
+    batch = replace(fleet, slo_tier="batch")
+    # The platform's choice for the interactive tier's 50 ms (serving.capacity.step_budget),
+    # vLLM's own on an L40S, a deployment's own, and vLLM's again for a tier without TPOT.
+    budgets = {spec.batched_tokens(pool): spec for spec in (fleet, vllm, told, batch)}
+    assert list(budgets) == [512, 2048, 8192]
+    assert batch.batched_tokens(pool) == 2048
+    ttfts: dict[int, float] = {}
+    for budget, spec in budgets.items():
         engine = Engine(fleet.perf(pool), max_model_len=131072, max_num_batched_tokens=budget)
         engine.add_request(EngineRequest("one", 6000, 2, 1.0))
         first = next(e for e in engine.advance(math.inf) if e.kind == "first_token")
-        ttfts[budget] = simulate(spec, [request]).records[0].ttft_s
-        assert ttfts[budget] == pytest.approx(first.time_s - 1.0)
-    # Three steps of at most 2048 tokens, not one of 6000: the step times differ.
-    assert ttfts[2048] != pytest.approx(ttfts[8192])
+        ttft = simulate(spec, [request]).records[0].ttft_s
+        assert ttft == pytest.approx(first.time_s - 1.0)
+        ttfts[budget] = first.time_s - 1.0
+    # Twelve steps of at most 512 tokens, three of 2048, or one of 6000: the times differ.
+    assert len({round(ttft, 6) for ttft in ttfts.values()}) == 3
 
 
 def test_a_static_fleet_costs_its_hourly_price_for_the_simulated_time() -> None:
@@ -153,6 +159,8 @@ def test_compute_and_bandwidth_utilisation_follow_the_workloads_shape() -> None:
     fleet = homogeneous("H100-SXM-80GB", 1)
     prefill_heavy = [SimRequest(f"p{i}", i * 0.05, 4000, 2, "acme", "batch") for i in range(200)]
     decode_heavy = [SimRequest(f"d{i}", i * 0.05, 50, 400, "acme", "batch") for i in range(200)]
+    # Planned for the batch tier, as this work is: the engine keeps vLLM's 8192-token steps.
+    fleet = replace(fleet, slo_tier="batch")
     reading = summarize(simulate(fleet, prefill_heavy))
     writing = summarize(simulate(fleet, decode_heavy))
     for summary in (reading, writing):
@@ -164,6 +172,10 @@ def test_compute_and_bandwidth_utilisation_follow_the_workloads_shape() -> None:
     assert reading.compute_utilization > 0.9
     assert reading.compute_utilization > reading.bandwidth_utilization
     assert writing.bandwidth_utilization > writing.compute_utilization
+    # Planned for the interactive tier, the same engine prefills in 1024-token steps, each
+    # paying the step's fixed part and a weights read: it computes for less of the time.
+    interactive = summarize(simulate(replace(fleet, slo_tier="interactive"), prefill_heavy))
+    assert interactive.compute_utilization < reading.compute_utilization - 0.03
 
 
 def test_cost_aware_routing_sends_batch_work_to_the_cheapest_gpus() -> None:

@@ -200,6 +200,7 @@ def test_the_simulator_cli_runs_a_family(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "cost_aware on 1x L40S-48GB" in done.stdout
+    assert "prompt tokens per engine step: L40S-48GB 512 (--engine-budget platform)" in done.stdout
     assert any(tmp_path.iterdir())
 
 
@@ -238,3 +239,10 @@ def test_routing_refuses_an_unknown_policy_with_status_2() -> None:
     done = run_script("bench/routing.py", "--families", "chat", "--policies", "fastest")
     assert done.returncode == 2
     assert "--policies: unknown fastest" in done.stderr
+
+
+@pytest.mark.parametrize("budget", ["0", "big", "-512"])
+def test_routing_refuses_an_engine_budget_that_is_not_a_name_or_a_count(budget: str) -> None:
+    done = run_script("bench/routing.py", "--families", "chat", f"--engine-budget={budget}")
+    assert done.returncode == 2
+    assert f"--engine-budget: {budget!r}: platform, vllm or a positive number" in done.stderr

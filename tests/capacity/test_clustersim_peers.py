@@ -5,18 +5,23 @@ that do not all fit in every replica's KV cache."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from serving.clustersim import SimConfig, SimRequest, Summary, homogeneous, simulate, summarize
+from serving.clustersim.fleet import FleetSpec
 from serving.clustersim.workloads import salted_blocks
 from serving.router import POLICIES
 
 # 64 tenants x 8,192-token system prompts: 512k tokens of prefix, more than one H100's KV
-# (about 400k tokens of an 8B model), so round robin keeps evicting what it needs.
+# (about 400k tokens of an 8B model), so round robin keeps evicting what it needs. The
+# engines run vLLM's own 8192-token steps, as the projects' published benchmarks ran them.
+# On the platform's 1024-token steps round robin's re-prefills stall decodes less, and it
+# keeps 94 % of the SLO against the prefix-aware peers' 98-100 % (the last test).
 TENANTS = 64
 SYSTEM_TOKENS = 8192
-FLEET = homogeneous("H100-SXM-80GB", 4)
+FLEET = replace(homogeneous("H100-SXM-80GB", 4), max_num_batched_tokens="vllm")
 
 
 def shared_prefix_workload(rate: float, duration_s: float, seed: int = 0) -> list[SimRequest]:
@@ -33,12 +38,17 @@ def shared_prefix_workload(rate: float, duration_s: float, seed: int = 0) -> lis
     return requests
 
 
-def run(policy: str, requests: list[SimRequest], interval_s: float | None = None) -> Summary:
+def run(
+    policy: str,
+    requests: list[SimRequest],
+    interval_s: float | None = None,
+    fleet: FleetSpec = FLEET,
+) -> Summary:
     """The policy with its own metrics refresh (`refresh_interval_s`) unless told otherwise."""
     if interval_s is None:
         interval_s = getattr(POLICIES[policy], "refresh_interval_s", None) or 2.0
     config = SimConfig(policy=policy, telemetry_interval_s=interval_s)
-    return summarize(simulate(FLEET, requests, config))
+    return summarize(simulate(fleet, requests, config))
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +89,15 @@ def test_llm_d_herds_when_its_metrics_are_as_stale_as_the_default_scrape() -> No
     fresh = run("llm_d_epp", busy)
     stale = run("llm_d_epp", busy, interval_s=2.0)
     assert slo(fresh) >= slo(stale) + 0.1
+
+
+@pytest.mark.parametrize("peer", ["llm_d_epp", "dynamo_kv", "production_stack_prefix"])
+def test_prefix_awareness_still_pays_on_the_platforms_engines(
+    peer: str, workload: list[SimRequest]
+) -> None:
+    platform = replace(FLEET, max_num_batched_tokens="platform")
+    assert platform.batched_tokens(platform.pools[0]) == 1024
+    spread = run("round_robin", workload, fleet=platform)
+    figures = run(peer, workload, fleet=platform)
+    assert slo(figures) >= slo(spread) + 0.03
+    assert figures.ttft_p50_s <= spread.ttft_p50_s / 2

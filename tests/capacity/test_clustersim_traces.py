@@ -244,10 +244,14 @@ def test_routing_reports_null_when_no_fleet_up_to_the_limit_meets_the_slo(
     out = tmp_path / "search.json"
     done = run_script(
         "bench/routing.py", "--trace", str(trace), "--format", "mooncake", "--rate", "100",
-        "--max-replicas", "1", "--json", str(out), *SEARCH_ARGS,
+        "--max-replicas", "1", "--json", str(out), "--engine-budget", "vllm", *SEARCH_ARGS,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    for entry in json.loads(out.read_text())["smallest"]:
+    # At vLLM's own budget (on the platform's smaller one, one replica meets it).
+    written = json.loads(out.read_text())
+    assert written["engine_budget"] == "vllm"
+    assert "engines: --engine-budget vllm, tokens per step: L40S-48GB 2048" in done.stdout
+    for entry in written["smallest"]:
         assert entry["replicas"] is None and entry["usd_per_hour"] is None
         assert 0.0 <= entry["attainment"] < 0.99
         # A floor, not a prediction: the burst's work fits one replica's compute and

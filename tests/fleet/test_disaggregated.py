@@ -109,6 +109,9 @@ def test_the_agent_is_told_each_phases_connector_and_launches_vllm_with_it(
     flag = argv.index("--kv-transfer-config")
     assert argv[flag + 1] == '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
     assert deployment.replicas.count() == 2
+    # Neither phase runs decodes beside prompt chunks: both keep vLLM's own step budget.
+    assert by_phase["prefill"]["max_num_batched_tokens"] is None
+    assert "--max-num-batched-tokens" not in argv
 
 
 def test_shared_storage_makes_a_producer_and_a_consumer_on_the_agents_directory(
@@ -131,6 +134,7 @@ def test_shared_storage_makes_a_producer_and_a_consumer_on_the_agents_directory(
         )
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         roles[config["kv_role"]] = config
+        assert "--max-num-batched-tokens" not in argv  # a CPU class: vLLM's own budget
     assert set(roles) == {"kv_producer", "kv_consumer"}
     for config in roles.values():
         assert config["kv_connector"] == "ExampleConnector"

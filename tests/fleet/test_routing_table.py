@@ -65,20 +65,27 @@ def test_a_replica_row_carries_endpoint_pool_and_price(
     assert row["price_per_hour"] == pytest.approx(float(pool.price_per_gpu_hour))
 
 
-def test_a_rows_prefill_budget_is_the_deployments_or_vllms_own_and_the_gateway_plans_with_it(
+def test_a_rows_prefill_budget_is_the_deployments_or_the_platforms_and_the_gateway_plans_with_it(
     make_pool: MakePool,
     make_deployment: MakeDeployment,
     register: Register,
     redis_client: redis.Redis,
 ) -> None:
+    from registry.models import Deployment
     from serving.gateway.routing import build_snapshot
 
     pool, secret = make_pool("l40s-eu", "L40S-48GB", "eu-west")
-    node = register(secret, "gpu-1", gpus=2)
-    told = make_deployment(pool, max_num_batched_tokens=512)
-    untold = make_deployment(pool, version="v2")
+    node = register(secret, "gpu-1", gpus=4)
+    deployments = {
+        "told": make_deployment(pool, max_num_batched_tokens=4096),
+        "interactive": make_deployment(pool, version="v2"),
+        "standard": make_deployment(pool, version="v3"),
+        "batch": make_deployment(pool, version="v4"),
+    }
+    for tier in ("interactive", "batch"):
+        Deployment.objects.filter(pk=deployments[tier].pk).update(slo_tier=tier)
     do_reconcile()
-    replicas = {d.pk: d.replicas.get() for d in (told, untold)}
+    replicas = {name: d.replicas.get() for name, d in deployments.items()}
     send_heartbeat(
         node,
         replicas=[
@@ -92,15 +99,17 @@ def test_a_rows_prefill_budget_is_the_deployments_or_vllms_own_and_the_gateway_p
         str(d["deployment_id"]): d["replicas"][0]
         for d in table["models"]["llama-3.1-8b"]["deployments"]
     }
-    assert rows[str(told.pk)]["max_num_batched_tokens"] == 512
-    assert rows[str(untold.pk)]["max_num_batched_tokens"] is None
+    launched = {name: rows[str(d.pk)]["max_num_batched_tokens"] for name, d in deployments.items()}
+    # The deployment's own; else the largest chunk whose step with a decode batch fits the
+    # tier's TPOT on an L40S (50 ms: 512, 100 ms: 1024); a tier without one leaves vLLM's.
+    assert launched == {"told": 4096, "interactive": 512, "standard": 1024, "batch": None}
     state = build_snapshot(table).state
     budgets = {}
-    for name, deployment in (("told", told), ("untold", untold)):
-        replica = state.replica(replicas[deployment.pk].replica_id)
+    for name in deployments:
+        replica = state.replica(replicas[name].replica_id)
         assert replica is not None
         budgets[name] = replica.perf.max_num_batched_tokens
-    assert budgets == {"told": 512, "untold": 2048}  # vLLM's own on an L40S
+    assert budgets == {**launched, "batch": 2048}  # vLLM's own on an L40S
 
 
 def test_the_version_moves_only_when_the_content_changes(
