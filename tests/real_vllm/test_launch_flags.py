@@ -1,5 +1,6 @@
 """Every command line the agent can write is one vLLM 0.32 takes: the argv builder's output for
-GPU and CPU specs (tensor parallel, fp8 and AWQ, fp8 KV cache, LoRA, prefix caching off),
+GPU and CPU specs (tensor parallel, fp8 and AWQ, fp8 KV cache, LoRA, prefix caching off, the
+prefill budget per step the platform chose or left to vLLM),
 parsed by vLLM's own argument parser from the installed CPU build, with the values it read.
 The GPU-only flags cannot run here; this proves vLLM accepts them as written."""
 
@@ -28,7 +29,8 @@ for argv in json.load(sys.stdin):
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     read.append({name: getattr(args, name) for name in (
         "model", "served_model_name", "host", "port", "tensor_parallel_size",
-        "gpu_memory_utilization", "max_model_len", "max_num_seqs", "quantization",
+        "gpu_memory_utilization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        "quantization",
         "kv_cache_dtype", "enable_prefix_caching", "enable_lora", "max_loras", "max_lora_rank")})
     kv = args.kv_transfer_config
     read[-1]["kv_transfer_config"] = None if kv is None else {
@@ -48,6 +50,7 @@ BASE: dict[str, Any] = {
     "kv_cache_dtype": "fp8",
     "max_model_len": 16384,
     "max_num_seqs": 128,
+    "max_num_batched_tokens": 1024,
     "gpu_memory_utilization": 0.92,
     "enable_prefix_caching": True,
     "enable_lora": True,
@@ -72,9 +75,15 @@ SPECS = [
         "tensor_parallel_size": 1,
         "quantization": None,
         "kv_cache_dtype": "auto",
+        "max_num_batched_tokens": None,  # a CPU class: vLLM's own
     },
     # Disaggregated phases: a GPU decode replica on NIXL, a CPU prefill replica on shared storage.
-    {**BASE, "kv_transfer": {"connector": "NixlConnector", "role": "kv_both"}},
+    # Neither phase runs decodes beside prompt chunks: both keep vLLM's own budget.
+    {
+        **BASE,
+        "max_num_batched_tokens": None,
+        "kv_transfer": {"connector": "NixlConnector", "role": "kv_both"},
+    },
     {
         **BASE,
         "model": "file:///var/models/tiny-llama/base",
@@ -82,6 +91,7 @@ SPECS = [
         "tensor_parallel_size": 1,
         "quantization": None,
         "kv_cache_dtype": "auto",
+        "max_num_batched_tokens": None,
         "kv_transfer": {"connector": "ExampleConnector", "role": "kv_producer"},
     },
 ]
@@ -117,6 +127,8 @@ def test_vllm_parses_every_command_line_the_agent_writes_to_the_values_of_the_sp
             spec.max_model_len,
             spec.max_num_seqs,
         )
+        # Left out (None), vLLM picks its own for the device when it starts.
+        assert values["max_num_batched_tokens"] == spec.max_num_batched_tokens
         assert values["quantization"] == spec.quantization
         assert values["kv_cache_dtype"] == spec.kv_cache_dtype
         assert values["enable_prefix_caching"] is spec.enable_prefix_caching
@@ -139,5 +151,6 @@ def test_vllm_parses_every_command_line_the_agent_writes_to_the_values_of_the_sp
             "kv_connector_extra_config": {"shared_storage_path": "/srv/kv"},
         },
     ]
+    assert [values["max_num_batched_tokens"] for values in read] == [1024] * 3 + [None] * 3
     assert read[0]["model"] == "meta-llama/Llama-3.1-70B-Instruct"
     assert read[3]["model"] == "/var/models/tiny-llama/base"
