@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from registry.models import Deployment, Model
+from serving.actions.reconcile import launch_budget
 from serving.models import GpuPool
 from tests.registry.conftest import approved_version, client_for
 
@@ -132,15 +133,20 @@ def test_a_prefill_budget_vllm_would_refuse_is_refused(
     assert not Deployment.objects.exists()
 
 
-def test_a_prefill_budget_is_kept_and_null_means_vllms_own(
-    staff: Any, pools: dict[str, GpuPool], llama_8b: Model
+@pytest.mark.parametrize("budget", [512, None])
+def test_a_prefill_budget_is_kept_and_null_leaves_the_choice_to_the_platform(
+    staff: Any, pools: dict[str, GpuPool], llama_8b: Model, budget: int | None
 ) -> None:
     version = approved_version(llama_8b, "v1", "bf16")
-    for budget in (512, None):
-        response = _deploy_with_budget(staff, version, budget)
-        assert response.status_code == 201, response.json()
-        deployment = Deployment.objects.get(pk=response.json()["id"])
-        assert deployment.effective_engine_args()["max_num_batched_tokens"] == budget
+    response = _deploy_with_budget(staff, version, budget)
+    assert response.status_code == 201, response.json()
+    answer = response.json()
+    assert answer["effective_engine_args"]["max_num_batched_tokens"] == budget
+    deployment = Deployment.objects.get(pk=answer["id"])
+    assert deployment.effective_engine_args()["max_num_batched_tokens"] == budget
+    # What reconcile launches with; null's choice per class and tier is tested with the
+    # routing table (tests/fleet/test_routing_table.py). An L4's standard tier: 256.
+    assert launch_budget(deployment, deployment.effective_engine_args(), "bf16") == (budget or 256)
 
 
 def test_a_tenant_member_cannot_create_a_deployment(
