@@ -209,7 +209,8 @@ DEFAULT_ENGINE_ARGS: dict[str, object] = {
     # Prompt tokens an engine step may compute. None: the platform chooses per pool class for
     # the deployment's tier, the largest chunk whose step with a decode batch fits its TPOT
     # objective (serving.actions.reconcile.launch_budget), and leaves vLLM's own (2048, or
-    # 8192 on 70 GB GPUs but the A100) where the tier has none or the class is not catalogued.
+    # 8192 on 70 GB GPUs but the A100) where the tier has none, the class is not catalogued
+    # or the deployment is disaggregated.
     "max_num_batched_tokens": None,
     "gpu_memory_utilization": 0.9,
     "kv_cache_dtype": "auto",

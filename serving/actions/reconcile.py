@@ -221,6 +221,8 @@ def launch_budget(deployment: Any, args: dict[str, Any], quantization: str) -> i
             deployment.model_version.model.spec(),
             quantization,
             int(deployment.tensor_parallel),
+            kv_cache_dtype=str(args.get("kv_cache_dtype") or "auto"),
+            gpu_memory_utilization=float(args.get("gpu_memory_utilization") or 0.9),
         )
     except ValueError:
         return None

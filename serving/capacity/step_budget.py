@@ -10,16 +10,20 @@ chunk's pace and miss TPOT, whichever replica the router picks.
 
 The rule: the largest power of two, from 256 or `max_num_seqs` (vLLM refuses less) up to
 vLLM's largest default (8192), whose full chunk run with a typical decode batch still fits in one
-TPOT objective. A step's time is the roofline's `max(memory, compute)`, so a chunk is almost
-free while its compute hides under the weights and KV read (about 500 tokens on an L40S,
-1,000 on an H100) and costs its compute beyond that: below the chosen budget prefill
-throughput is what the class gives, above it decodes pay. A tier without a TPOT objective
+TPOT objective. A step's time is the roofline's `max(memory, compute)`, so a chunk is free
+while its compute hides under the weights and KV read (about 450 tokens beside that batch on
+an L40S, 300 on an H100) and costs its compute beyond that; prefill throughput is nearly the
+class's from there on (an L40S computes 512 tokens in 40 ms and 2048 in 150 ms), while
+every larger chunk lengthens each decode's step. A tier without a TPOT objective
 keeps vLLM's own choice (None): nothing reads at the decode's pace. A class so slow that even
 the smallest chunk misses gets the smallest: it costs its decodes least.
 
 Figures (llama-3.1-8b bf16, 32 sequences decoding at 1,024 tokens of context, 50 ms):
 H100 and H200 1024 (a 2048 chunk takes 56 ms), RTX PRO 6000 512 (1024: 56 ms), A100 512
-(46 ms), L40S 512 (40 ms; 1024: 76 ms), L4 256 (its decode step alone is 100 ms).
+(46 ms), L40S 512 (40 ms; 1024: 76 ms), L4 256 (the smallest: with the 19 sequences its KV
+holds at 1,024 tokens its decode step alone is 91 ms). The timed step carries the chunk and the
+batch's tokens together, where vLLM counts the decodes within the budget: one batch (32
+tokens) longer than vLLM's, on the safe side.
 Measured in the cluster simulator over 120 s of every workload family, and why it is the
 default: bench/RESULTS.md, "The engine's prefill budget".
 """

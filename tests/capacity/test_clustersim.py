@@ -132,8 +132,9 @@ def test_an_l40s_prefills_a_long_prompt_in_the_steps_its_engine_was_launched_wit
     batch = replace(fleet, slo_tier="batch")
     # The platform's choice for the interactive tier's 50 ms (serving.capacity.step_budget),
     # vLLM's own on an L40S, a deployment's own, and vLLM's again for a tier without TPOT.
-    budgets = {spec.batched_tokens(pool): spec for spec in (fleet, vllm, told, batch)}
-    assert list(budgets) == [512, 2048, 8192]
+    budgets = {512: fleet, 2048: vllm, 8192: told}
+    for budget, spec in budgets.items():
+        assert spec.batched_tokens(pool) == budget
     assert batch.batched_tokens(pool) == 2048
     ttfts: dict[int, float] = {}
     for budget, spec in budgets.items():

@@ -11,7 +11,12 @@ from django.core.exceptions import ValidationError
 
 from registry.actions import do_create_deployment, do_update_deployment
 from registry.models import Deployment, ModelVersion
-from serving.actions.reconcile import KV_CONNECTOR_LINKS, desired_replica_specs, do_reconcile
+from serving.actions.reconcile import (
+    KV_CONNECTOR_LINKS,
+    desired_replica_specs,
+    do_reconcile,
+    launch_budget,
+)
 from serving.actions.routing_table import build_routing_table
 from serving.agent.launch import LaunchSettings, build_launch_command
 from serving.agent.specs import SpecError, parse_replica_spec, with_port
@@ -120,6 +125,8 @@ def test_shared_storage_makes_a_producer_and_a_consumer_on_the_agents_directory(
     pool, secret = make_pool("cpu", "CPU-X86-2C", "local")
     register(secret, "cpu-1", gpus=2, name="CPU", memory_mb=8192)
     deployment = make_deployment(pool, model="llama-3.2-1b")
+    # Colocated on a class the engine model does not know (a CPU): vLLM's own budget.
+    assert launch_budget(deployment, deployment.effective_engine_args(), "bf16") is None
     do_update_deployment(deployment, decode_pool=pool, kv_connector="shared_storage")
     do_reconcile()
     (node,) = Node.objects.all()
@@ -134,7 +141,7 @@ def test_shared_storage_makes_a_producer_and_a_consumer_on_the_agents_directory(
         )
         config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         roles[config["kv_role"]] = config
-        assert "--max-num-batched-tokens" not in argv  # a CPU class: vLLM's own budget
+        assert "--max-num-batched-tokens" not in argv  # a disaggregated phase: vLLM's own
     assert set(roles) == {"kv_producer", "kv_consumer"}
     for config in roles.values():
         assert config["kv_connector"] == "ExampleConnector"

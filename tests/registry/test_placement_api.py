@@ -103,12 +103,12 @@ def test_unknown_engine_arguments_are_refused(
     assert "turbo" in " ".join(response.json()["engine_args"])
 
 
-def _deploy_with_budget(staff: Any, version: Any, budget: object) -> Any:
+def _deploy_with_budget(staff: Any, version: Any, budget: object, pool: str = "l4-us-east") -> Any:
     return client_for(staff).post(
         "/api/v1/deployments/",
         {
             "model_version": version.pk,
-            "pool": "l4-us-east",
+            "pool": pool,
             "engine_args": {"max_num_batched_tokens": budget},
         },
         format="json",
@@ -133,20 +133,34 @@ def test_a_prefill_budget_vllm_would_refuse_is_refused(
     assert not Deployment.objects.exists()
 
 
-@pytest.mark.parametrize("budget", [512, None])
+@pytest.mark.parametrize(
+    ("pool", "budget", "launched"),
+    [
+        ("l4", 512, 512),
+        # The platform's choice for the standard tier's 100 ms: the largest chunk whose step
+        # with a decode batch fits (an H100's 2048 is 56 ms, its 4096 113 ms); on an L4 even
+        # 512 outlasts it (112 ms), so the smallest, 256.
+        ("h100", None, 2048),
+        ("l4", None, 256),
+    ],
+)
 def test_a_prefill_budget_is_kept_and_null_leaves_the_choice_to_the_platform(
-    staff: Any, pools: dict[str, GpuPool], llama_8b: Model, budget: int | None
+    staff: Any,
+    pools: dict[str, GpuPool],
+    llama_8b: Model,
+    pool: str,
+    budget: int | None,
+    launched: int,
 ) -> None:
     version = approved_version(llama_8b, "v1", "bf16")
-    response = _deploy_with_budget(staff, version, budget)
+    response = _deploy_with_budget(staff, version, budget, pools[pool].name)
     assert response.status_code == 201, response.json()
     answer = response.json()
     assert answer["effective_engine_args"]["max_num_batched_tokens"] == budget
     deployment = Deployment.objects.get(pk=answer["id"])
-    assert deployment.effective_engine_args()["max_num_batched_tokens"] == budget
-    # What reconcile launches with; null's choice per class and tier is tested with the
-    # routing table (tests/fleet/test_routing_table.py). An L4's standard tier: 256.
-    assert launch_budget(deployment, deployment.effective_engine_args(), "bf16") == (budget or 256)
+    assert deployment.slo_tier == "standard"
+    # What reconcile launches with (the routing table test covers the other tiers).
+    assert launch_budget(deployment, deployment.effective_engine_args(), "bf16") == launched
 
 
 def test_a_tenant_member_cannot_create_a_deployment(

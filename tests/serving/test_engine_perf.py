@@ -41,7 +41,8 @@ def test_decode_floor_matches_the_documented_sanity_figures(gpu: str, expected_m
 def test_each_gpu_gets_the_prefill_budget_vllm_gives_it_and_the_router_knows_it(
     gpu: str, budget: int
 ) -> None:
-    # The node agent does not pass --max-num-batched-tokens, so vLLM's own default holds.
+    # What vLLM picks when --max-num-batched-tokens is not passed (a tier without TPOT, a
+    # disaggregated phase, a CPU class): the coefficients use it unless told another.
     assert load_gpu_specs()[gpu].default_max_num_batched_tokens == budget
     assert coefficients_from_perf(perf(gpu)).max_num_batched_tokens == budget
     assert (
