@@ -683,7 +683,10 @@ def engine_budgets(classes: list[str]) -> str:
     for gpu in dict.fromkeys(classes):
         fleet = replace(homogeneous(gpu, 1), max_num_batched_tokens=ENGINE_BUDGET)
         budgets.append(f"{gpu} {fleet.batched_tokens(fleet.pools[0])}")
-    return f"engines: --engine-budget {ENGINE_BUDGET}, tokens per step: {', '.join(budgets)}"
+    planned = " (for the interactive tier)" if ENGINE_BUDGET == "platform" else ""
+    return f"engines: --engine-budget {ENGINE_BUDGET}{planned}, tokens per step: " + ", ".join(
+        budgets
+    )
 
 
 def parse_arguments() -> argparse.Namespace:

@@ -81,6 +81,15 @@ class FleetSpec:
     # replica's port is one of these.
     kv_link: str = "infiniband-ndr-400"
 
+    def __post_init__(self) -> None:
+        budget = self.max_num_batched_tokens
+        named = budget in ("platform", "vllm")
+        if not named and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            # None once meant vLLM's own: refused rather than read as the platform's.
+            raise ValueError(
+                f"max_num_batched_tokens is 'platform', 'vllm' or a positive count, not {budget!r}"
+            )
+
     @property
     def disaggregated(self) -> bool:
         return any(pool.role != "colocated" for pool in self.pools)

@@ -395,3 +395,9 @@ def test_under_least_load_the_saving_against_least_load_is_exactly_zero() -> Non
     assert len(summary.share_by_gpu) == 2
     assert summary.saving_vs_least_load_usd == 0
     assert summary.baseline_work_cost_usd == summary.work_cost_usd > 0
+
+
+@pytest.mark.parametrize("budget", [None, "auto", 0, True])
+def test_a_fleet_refuses_a_prefill_budget_that_is_not_a_name_or_a_count(budget: object) -> None:
+    with pytest.raises(ValueError, match="'platform', 'vllm' or a positive count"):
+        replace(homogeneous("L40S-48GB", 1), max_num_batched_tokens=budget)  # type: ignore[arg-type]
