@@ -799,6 +799,10 @@ def parse_arguments() -> argparse.Namespace:
         "GPU) or a number of tokens",
     )
     args = parser.parse_args()
+    try:
+        replace(homogeneous("L40S-48GB", 1), max_num_batched_tokens=args.engine_budget)
+    except ValueError as error:
+        parser.error(f"--engine-budget: {error}")
     if args.gateways < 1 or args.telemetry_interval < 0:
         parser.error("--gateways takes a count of at least 1, --telemetry-interval >= 0 s")
     if args.trace is not None and args.traces is not None:

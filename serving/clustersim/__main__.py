@@ -245,7 +245,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     fleet = parse_fleet(args.fleet, args.autoscale, args.model)
-    fleet = replace(fleet, max_num_batched_tokens=args.engine_budget)
+    try:
+        fleet = replace(fleet, max_num_batched_tokens=args.engine_budget)
+    except ValueError as error:
+        print(f"error: --engine-budget: {error}", file=sys.stderr)
+        return 2
     config = SimConfig(
         policy=args.policy,
         autoscaler=AutoscalerConfig() if args.autoscale else None,

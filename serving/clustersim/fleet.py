@@ -89,6 +89,10 @@ class FleetSpec:
             raise ValueError(
                 f"max_num_batched_tokens is 'platform', 'vllm' or a positive count, not {budget!r}"
             )
+        if isinstance(budget, int) and budget < self.max_num_seqs:  # vLLM refuses to start too
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is below max_num_seqs ({self.max_num_seqs})"
+            )
 
     @property
     def disaggregated(self) -> bool:

@@ -401,3 +401,8 @@ def test_under_least_load_the_saving_against_least_load_is_exactly_zero() -> Non
 def test_a_fleet_refuses_a_prefill_budget_that_is_not_a_name_or_a_count(budget: object) -> None:
     with pytest.raises(ValueError, match="'platform', 'vllm' or a positive count"):
         replace(homogeneous("L40S-48GB", 1), max_num_batched_tokens=budget)  # type: ignore[arg-type]
+
+
+def test_a_fleet_refuses_a_prefill_budget_below_max_num_seqs_as_vllm_does() -> None:
+    with pytest.raises(ValueError, match=r"\(128\) is below max_num_seqs \(256\)"):
+        replace(homogeneous("L40S-48GB", 1), max_num_batched_tokens=128)

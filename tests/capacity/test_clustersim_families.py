@@ -246,3 +246,17 @@ def test_routing_refuses_an_engine_budget_that_is_not_a_name_or_a_count(budget: 
     done = run_script("bench/routing.py", "--families", "chat", f"--engine-budget={budget}")
     assert done.returncode == 2
     assert f"--engine-budget: {budget!r}: platform, vllm or a positive number" in done.stderr
+
+
+def test_routing_refuses_an_engine_budget_below_max_num_seqs_with_status_2() -> None:
+    done = run_script("bench/routing.py", "--families", "chat", "--engine-budget", "128")
+    assert done.returncode == 2
+    assert "--engine-budget: max_num_batched_tokens (128) is below max_num_seqs (256)" in (
+        done.stderr
+    )
+
+
+def test_the_simulator_cli_refuses_an_engine_budget_below_max_num_seqs_with_status_2() -> None:
+    done = run_script("-m", "serving.clustersim", "--duration", "1", "--engine-budget", "128")
+    assert done.returncode == 2
+    assert "--engine-budget: max_num_batched_tokens (128) is below max_num_seqs" in done.stderr
