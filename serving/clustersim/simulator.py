@@ -268,11 +268,13 @@ class ClusterSimulator:
         self.fleet = fleet
         self.config = config or SimConfig()
         self._perf = {pool.name: fleet.perf(pool) for pool in fleet.pools}
+        # Each pool's step budget, decided once (the platform's is a search over the roofline).
+        self._budgets = {pool.name: fleet.batched_tokens(pool) for pool in fleet.pools}
         self._coefficients = {
             pool.name: coefficients_from_perf(
                 self._perf[pool.name],
                 max_num_seqs=fleet.max_num_seqs,
-                max_num_batched_tokens=fleet.batched_tokens(pool),
+                max_num_batched_tokens=self._budgets[pool.name],
             )
             for pool in fleet.pools
         }
@@ -335,7 +337,7 @@ class ClusterSimulator:
             perf,
             max_model_len=self.fleet.max_model_len(perf),
             max_num_seqs=self.fleet.max_num_seqs,
-            max_num_batched_tokens=self.fleet.batched_tokens(pool),
+            max_num_batched_tokens=self._budgets[pool.name],
             enable_prefix_caching=self.fleet.enable_prefix_caching,
             clock_s=now_s,
             role=pool.role,
