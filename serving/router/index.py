@@ -195,6 +195,7 @@ class RouterState:
                 self._groups.setdefault(replica.deployment_id, []).append(group)
             self._replicas[replica.replica_id] = replica
             self._group_of[replica.replica_id] = group
+            self.prefix_index.hold_at_most(replica.replica_id, replica.perf.kv_capacity_tokens)
             self._live.setdefault(replica.deployment_id, ReplicaSet())
             self._by_load.setdefault(replica.deployment_id, LoadBuckets())
             if replica.healthy:

@@ -239,9 +239,20 @@ class RequestPredictor:
         if waiting > inflight:
             ahead += (waiting - inflight) * self.queued_tokens
         to_prefill = ahead + new_tokens
-        # One step per K prompt tokens at least, each paying the fixed prefill overhead.
-        steps = 1 + to_prefill // perf.max_num_batched_tokens
-        ttft = steps * perf.prefill_base_s + per_token * to_prefill
+        # Each step gives every running decode its token first and the prompts the rest of
+        # the budget K, and takes at least the batch's decode step: prefill advances by
+        # K - batch tokens a step, at the pace of its compute or of the decodes, the slower.
+        room = perf.max_num_batched_tokens - batch
+        if room < 1:
+            room = 1
+        full_steps = to_prefill // room
+        last = to_prefill - full_steps * room
+        floor = decode_step if batch else 0.0
+        full = perf.prefill_base_s + per_token * room
+        ttft = full_steps * (full if full > floor else floor)
+        if last:
+            tail = perf.prefill_base_s + per_token * last
+            ttft += tail if tail > floor else floor
         if batch:
             ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
         if load >= perf.max_num_seqs:

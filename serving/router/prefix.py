@@ -29,13 +29,32 @@ SEPARATOR = "\x1f"  # ASCII unit separator; a replica id holding one is refused
 class PrefixIndex:
     """At most `capacity_blocks` (tenant, block) entries, least recently recorded evicted
     first; each remembers the last `replicas_per_block` distinct replicas it was sent to
-    (a new replica beyond that pushes out the one that got the block first)."""
+    (a new replica beyond that pushes out the one that got the block first).
 
-    def __init__(self, capacity_blocks: int = 200_000, replicas_per_block: int = 4) -> None:
-        if capacity_blocks <= 0 or replicas_per_block <= 0:
-            raise ValueError("PrefixIndex needs a positive capacity and replicas per block")
+    A replica whose KV capacity is known (`hold_at_most`) also forgets, least recently
+    recorded there first, the blocks beyond what its KV holds. vLLM keeps every computed
+    block's hash until the block is reused, and reuses the least recently used free block
+    first (`FreeKVCacheBlockQueue`, vllm/v1/core/kv_cache_utils.py): a replica's prefix
+    cache is about the last KV capacity's worth of blocks written there. Without this a
+    busy replica is credited with conversations it evicted long ago, and its TTFT is
+    predicted as if their prompts were cached. llm-d's approximate prefix scorer bounds
+    each server's LRU the same way, at a fixed 31,250 blocks (`lruCapacityPerServer`).
+    """
+
+    def __init__(
+        self, capacity_blocks: int = 200_000, replicas_per_block: int = 4, block_tokens: int = 16
+    ) -> None:
+        if capacity_blocks <= 0 or replicas_per_block <= 0 or block_tokens <= 0:
+            raise ValueError(
+                "PrefixIndex needs a positive capacity, replicas per block and block size"
+            )
         self._capacity = capacity_blocks
         self._replicas_per_block = replicas_per_block
+        self._block_tokens = block_tokens
+        # Per replica with a known KV capacity: its blocks, least recently recorded first,
+        # and how many it holds at most.
+        self._held: dict[str, OrderedDict[int, None]] = {}
+        self._held_at_most: dict[str, int] = {}
         # Tenants are few and long-lived; numbering them keeps keys plain ints. The table
         # grows only with new tenants (a tenant whose blocks all aged out keeps its number).
         self._tenant_numbers: dict[str, int] = {}
@@ -48,6 +67,11 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def hold_at_most(self, replica_id: str, kv_tokens: int) -> None:
+        """The replica's KV capacity in tokens: it is credited with at most that many of
+        the prompt tokens recorded there, the most recent."""
+        self._held_at_most[replica_id] = max(1, kv_tokens // self._block_tokens)
 
     def longest_matches(self, tenant: str, hashes: Sequence[int]) -> dict[str, int]:
         """Replicas holding the longest recorded run of leading blocks -> its length,
@@ -93,14 +117,27 @@ class PrefixIndex:
         alone = SEPARATOR + replica_id + SEPARATOR  # one string shared by every new block
         appended = replica_id + SEPARATOR
         full = self._replicas_per_block + 1  # separators in a full block's holders
+        at_most = self._held_at_most.get(replica_id)
+        held = None
+        if at_most is not None:
+            held = self._held.get(replica_id)
+            if held is None:
+                held = self._held[replica_id] = OrderedDict()
         # Last to first: see longest_matches for why earlier blocks must end up fresher.
+        # A replica's own blocks are refreshed in the same order, so it forgets a prompt's
+        # later blocks before its earlier ones, and what it holds stays a prefix.
         for block_hash in reversed(hashes):
             key = block_hash << TENANT_BITS | tenant_number
+            if held is not None:
+                if key in held:
+                    held.move_to_end(key)
+                else:
+                    held[key] = None
             holders = blocks.get(key)
             if holders is None:
                 blocks[key] = alone
                 if len(blocks) > self._capacity:
-                    blocks.popitem(last=False)
+                    self._forget(*blocks.popitem(last=False))
                 continue
             if alone not in holders:
                 if holders.count(SEPARATOR) >= full:  # drop the oldest holder
@@ -108,6 +145,34 @@ class PrefixIndex:
                 # Assigning to an existing OrderedDict key keeps its place; moved below.
                 blocks[key] = holders + appended
             blocks.move_to_end(key)
+        if held is not None and at_most is not None:
+            while len(held) > at_most:
+                self._evict(held.popitem(last=False)[0], alone)
+
+    def _forget(self, key: int, holders: str) -> None:
+        """A block the index no longer holds leaves its holders' own records too."""
+        if not self._held:
+            return
+        start = 1
+        end = holders.find(SEPARATOR, start)
+        while end >= 0:
+            held = self._held.get(holders[start:end])
+            if held is not None:
+                held.pop(key, None)
+            start = end + 1
+            end = holders.find(SEPARATOR, start)
+
+    def _evict(self, key: int, alone: str) -> None:
+        """The replica (`alone`: its id between separators) no longer holds the block."""
+        blocks = self._blocks
+        holders = blocks.get(key)
+        if holders is None:
+            return
+        if holders == alone:
+            del blocks[key]
+        elif alone in holders:
+            # Assigning to an existing OrderedDict key keeps its place.
+            blocks[key] = holders.replace(alone, SEPARATOR, 1)
 
     def _number_tenant(self, tenant: str) -> int:
         number = len(self._tenant_numbers)
