@@ -13,7 +13,9 @@ times over (with Redis away nothing syncs, and that is all of this gateway's own
     ahead       = prefill_pending_tokens         prompts sent there not yet prefilled
                 + max(0, waiting - inflight) * assumed_queued_prompt_tokens
                                                  (queued requests of other gateways)
-    prefill(n)  = (1 + n // K) * prefill_base_s + prefill_s_per_token * n
+    room        = K - batch                      prompt tokens a step leaves the prompts
+    prefill(n)  = n // room steps of max(step if batch, prefill_base_s + prefill_s_per_token
+                  * room), and one of the rest alike
     TTFT        = (decode step if batch else 0)  wait for the step boundary
                 + prefill(ahead + prompt_tokens - cached_prefix_tokens)
                 + (adapter_load_s if the adapter is not resident)
@@ -33,6 +35,13 @@ A full batch (`load >= B`) admits a new sequence only when one finishes: the wai
 sequences queued ahead of ours over the rate at which the replica finishes them, the
 decayed rate of the finishes counted there scaled up by `load / inflight` (the share of
 the replica's load the counts hold); with no finish seen yet it is left out.
+
+vLLM gives each running decode its token before any prompt gets one, so the prompts share
+K - batch tokens a step, and a step that carries decodes lasts at least their decode step
+(weights and KV read): prefill queued behind a busy batch moves at the slower of its compute
+and the decodes' pace, not at the prefill rate of an idle engine. The cached prefix is what
+the router's prefix index credits the replica with, which forgets what the replica's KV
+cannot hold (`PrefixIndex.hold_at_most`).
 
 The engine schedules chunked prefill FIFO, so prompts ahead of ours delay our first token,
 and prompts arriving after ours share our decode steps. vLLM schedules the running decodes

@@ -3,6 +3,8 @@ policy's predictions use it: queued prefill delays TTFT, prompts sent interrupt 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from serving.router import CostAware, Reason, RouterConfig, RouterState, predict
@@ -263,3 +265,31 @@ def test_a_gateway_takes_what_the_others_do_not_know_yet_once_per_gateway() -> N
     target = state.replica("a")
     assert target is not None
     assert (target.inflight, target.unsynced, target.unsynced_prefill_tokens) == (0, 0, 0)
+
+
+def test_prompts_queued_behind_a_decode_batch_prefill_at_the_decodes_pace() -> None:
+    """vLLM gives each running decode its token first: prompts share K - batch tokens a step,
+    and a step carrying the decodes lasts at least their decode step."""
+    ask = request(prompt_tokens=200)
+    perf = replace(replica("x", L40S).perf, max_num_batched_tokens=512)
+    queued = 20_000
+    busy = replica("busy", L40S, perf=perf, running=200, prefill_pending_tokens=queued)
+    idle = replica("idle", L40S, perf=perf, prefill_pending_tokens=queued)
+    to_prefill = queued + 200
+    decode_step = perf.decode_base_s + perf.decode_s_per_seq * 201
+    room = 512 - 200
+    chunk = perf.prefill_base_s + perf.prefill_s_per_token * room
+    last = perf.prefill_base_s + perf.prefill_s_per_token * (to_prefill % room)
+    expected = (
+        to_prefill // room * max(decode_step, chunk)
+        + max(decode_step, last)
+        + perf.decode_base_s
+        + perf.decode_s_per_seq * 200  # the step under way when it arrives
+    )
+    assert predict(busy, ask, NOW, CONFIG).ttft_s == pytest.approx(expected)
+    # With no decode running the same queue goes in full budgets at the prefill slope.
+    full = perf.prefill_base_s + perf.prefill_s_per_token * 512
+    tail = perf.prefill_base_s + perf.prefill_s_per_token * (to_prefill % 512)
+    idle_expected = to_prefill // 512 * full + tail
+    assert predict(idle, ask, NOW, CONFIG).ttft_s == pytest.approx(idle_expected)
+    assert expected > 1.5 * idle_expected

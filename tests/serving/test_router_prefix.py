@@ -166,3 +166,63 @@ def test_a_replica_id_holding_the_holder_separator_is_refused_and_records_nothin
         index.record("acme", (1, 2), "b\x1fa")
     assert len(index) == 1
     assert index.longest_matches("acme", (1, 2)) == {"a": 1}
+
+
+def test_a_replica_is_credited_with_no_more_than_its_kv_holds_the_most_recent_first() -> None:
+    """vLLM reuses the least recently used free block first: a replica holds about the last
+    KV capacity's worth of blocks written there, and forgets a prompt's tail first."""
+    index = PrefixIndex(block_tokens=16)
+    index.hold_at_most("small", 5 * 16)  # five blocks of KV
+    index.record("acme", [1, 2, 3], "small")
+    index.record("acme", [1, 2, 3], "big")
+    assert index.longest_matches("acme", [1, 2, 3]) == {"small": 3, "big": 3}
+    index.record("acme", [7, 8, 9], "small")  # six blocks written: block 3 goes first
+    assert index.longest_matches("acme", [7, 8, 9]) == {"small": 3}
+    # The replica with no known capacity still holds all of it; the small one, a prefix.
+    assert index.longest_matches("acme", [1, 2, 3]) == {"big": 3}
+    assert index.longest_matches("acme", [1, 2]) == {"small": 2, "big": 2}
+    # Recording again refreshes 1 and 2, so the next block written pushes out 9, the tail
+    # of the prompt now least recently recorded.
+    index.record("acme", [1, 2], "small")
+    index.record("acme", [4], "small")
+    assert index.longest_matches("acme", [1, 2]) == {"small": 2, "big": 2}
+    assert index.longest_matches("acme", [7, 8, 9]) == {"small": 2}
+
+
+def test_a_block_held_only_by_a_replica_that_forgot_it_leaves_the_index() -> None:
+    index = PrefixIndex(block_tokens=16)
+    index.hold_at_most("r", 2 * 16)
+    index.record("acme", [1, 2], "r")
+    index.record("acme", [5, 6], "r")
+    assert index.longest_matches("acme", [1, 2]) == {}
+    assert len(index) == 2
+
+
+def test_a_block_the_index_evicts_leaves_its_holders_own_records() -> None:
+    """The global LRU and a replica's own stay consistent: a block evicted from the index
+    does not count against the replica's capacity afterwards."""
+    index = PrefixIndex(capacity_blocks=3, block_tokens=16)
+    index.hold_at_most("r", 3 * 16)
+    index.record("acme", [1, 2, 3], "s")
+    index.record("acme", [4, 5], "r")  # evicts 3 and 2 (s's), 4 and 5 now r's
+    index.record("acme", [6], "r")  # evicts 1; r holds 4, 5, 6: within its three blocks
+    assert index.longest_matches("acme", [4, 5]) == {"r": 2}
+    assert index.longest_matches("acme", [6]) == {"r": 1}
+
+
+def test_a_replica_without_known_capacity_is_bounded_only_by_the_index() -> None:
+    index = PrefixIndex()
+    index.record("acme", list(range(1, 1001)), "r")
+    assert index.longest_matches("acme", list(range(1, 1001))) == {"r": 1000}
+
+
+def test_the_router_state_bounds_each_replica_by_its_kv_capacity() -> None:
+    from tests.serving.test_router import fleet, replica
+
+    small = replica("small")
+    state = fleet(small)
+    blocks = small.perf.kv_capacity_tokens // 16
+    hashes = list(range(1, blocks + 11))
+    state.prefix_index.record("acme", hashes, "small")
+    # The first blocks recorded last (a prompt is refreshed last to first) are kept.
+    assert state.prefix_index.longest_matches("acme", hashes) == {"small": blocks}
