@@ -1,7 +1,8 @@
 """An approximate, router-side index of which replica holds which prompt prefix.
 
 Like llm-d's approximate prefix-cache scorer: we never ask the engines what they cache;
-we remember where we sent each prefix and assume it is still there. Entries are keyed by
+we remember where we sent each prefix and assume it is still there while the replica's KV
+could still hold it (`PrefixIndex.hold_at_most`). Entries are keyed by
 (tenant, block hash): the caller already salts hashes per tenant, and keying by tenant as
 well means even a hash collision or a caller that forgot the salt cannot turn one
 tenant's cached prompt into another tenant's hit (a timing side channel).
@@ -50,6 +51,8 @@ class PrefixIndex:
             )
         self._capacity = capacity_blocks
         self._replicas_per_block = replicas_per_block
+        # Tokens a hashed block stands for: `prompt_block_hashes`' block size, which
+        # `RouterConfig.prefix_block_tokens` also counts cached tokens in.
         self._block_tokens = block_tokens
         # Per replica with a known KV capacity: its blocks, least recently recorded first,
         # and how many it holds at most.
