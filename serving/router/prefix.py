@@ -54,8 +54,8 @@ class PrefixIndex:
         # Tokens a hashed block stands for: `prompt_block_hashes`' block size, which
         # `RouterConfig.prefix_block_tokens` also counts cached tokens in.
         self._block_tokens = block_tokens
-        # Per replica with a known KV capacity: its blocks, least recently recorded first,
-        # and how many it holds at most.
+        # Per replica with a known KV capacity (`hold_at_most`): its blocks, least recently
+        # recorded first, and how many it holds at most.
         self._held: dict[str, OrderedDict[int, None]] = {}
         self._held_at_most: dict[str, int] = {}
         # Tenants are few and long-lived; numbering them keeps keys plain ints. The table
@@ -75,6 +75,7 @@ class PrefixIndex:
         """The replica's KV capacity in tokens: it is credited with at most that many of
         the prompt tokens recorded there, the most recent."""
         self._held_at_most[replica_id] = max(1, kv_tokens // self._block_tokens)
+        self._held.setdefault(replica_id, OrderedDict())
 
     def longest_matches(self, tenant: str, hashes: Sequence[int]) -> dict[str, int]:
         """Replicas holding the longest recorded run of leading blocks -> its length,
@@ -120,12 +121,7 @@ class PrefixIndex:
         alone = SEPARATOR + replica_id + SEPARATOR  # one string shared by every new block
         appended = replica_id + SEPARATOR
         full = self._replicas_per_block + 1  # separators in a full block's holders
-        at_most = self._held_at_most.get(replica_id)
-        held = None
-        if at_most is not None:
-            held = self._held.get(replica_id)
-            if held is None:
-                held = self._held[replica_id] = OrderedDict()
+        held = self._held.get(replica_id)  # None: no known KV capacity
         # Last to first: see longest_matches for why earlier blocks must end up fresher.
         # A replica's own blocks are refreshed in the same order, so it forgets a prompt's
         # later blocks before its earlier ones, and what it holds stays a prefix.
@@ -148,7 +144,8 @@ class PrefixIndex:
                 # Assigning to an existing OrderedDict key keeps its place; moved below.
                 blocks[key] = holders + appended
             blocks.move_to_end(key)
-        if held is not None and at_most is not None:
+        if held is not None:
+            at_most = self._held_at_most[replica_id]
             while len(held) > at_most:
                 self._evict(held.popitem(last=False)[0], alone)
 
