@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 FALLBACK_PERF = ReplicaPerf(
     prefill_s_per_token=0.0002,
     prefill_base_s=0.02,
+    compute_base_s=0.02,
     decode_base_s=0.02,
     decode_s_per_seq=0.0005,
     kv_capacity_tokens=100_000,

@@ -50,13 +50,21 @@ class ReplicaPerf:
     prefill time of n new tokens  ~ prefill_base_s + prefill_s_per_token * n
     decode step with b sequences  ~ decode_base_s + decode_s_per_seq * b
                                   + decode_s_per_kv_token * max(0, kv - b * typical_context)
+    step computing n tokens       ~ max(its decode step, or decode_base_s with no decode,
+                                        compute_base_s + prefill_s_per_token * n)
 
-    The first two terms are the fit at `typical_context_tokens` of KV per sequence; a batch
+    The decode terms are the fit at `typical_context_tokens` of KV per sequence; a batch
     holding more KV than that (long prompts) reads it every step, which the third adds.
+    `prefill_base_s` is at least a one-token prefill (reading the weights once), so the
+    first line is a whole prompt's prefill from above. One engine step streams the weights
+    and KV while it computes, and lasts the longer of the two: a step of n tokens (prefill
+    chunks and decodes alike) computes for `compute_base_s` plus the slope, without the
+    weights' read that `prefill_base_s` holds, and reads for at least `decode_base_s`.
     """
 
     prefill_s_per_token: float
     prefill_base_s: float
+    compute_base_s: float
     decode_base_s: float
     decode_s_per_seq: float
     kv_capacity_tokens: int

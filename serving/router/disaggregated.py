@@ -3,7 +3,8 @@ colocated replica where that is predicted cheaper.
 
 For a pair (P prefills, D decodes), with the terms of `predict.py`:
 
-    prefill     = steps x prefill_base_s + prefill_s_per_token x (queued on P + new tokens)
+    prefill     = P's idle prefill of (queued on P + new tokens), in steps of K tokens each
+                  the longer of its compute and the weights' read (`idle_prefill_s`)
                   (new tokens: the prompt less what P's prefix cache holds for the tenant)
     transfer    = latency + prompt_tokens x kv_bytes_per_token / bandwidth
                   (the slower end of P's and D's links, `KvLink.transfer_s`)
@@ -56,7 +57,7 @@ from serving.router.contracts import (
     SloTier,
 )
 from serving.router.index import RouterState
-from serving.router.predict import RequestPredictor, is_candidate
+from serving.router.predict import RequestPredictor, idle_prefill_s, is_candidate
 
 
 class Option(NamedTuple):
@@ -99,9 +100,7 @@ def prefill_terms(
     ahead = replica.prefill_pending_tokens
     if replica.waiting > replica.inflight:
         ahead += (replica.waiting - replica.inflight) * config.assumed_queued_prompt_tokens
-    to_prefill = ahead + new_tokens
-    steps = 1 + to_prefill // perf.max_num_batched_tokens
-    seconds = steps * perf.prefill_base_s + perf.prefill_s_per_token * to_prefill
+    seconds = idle_prefill_s(perf, ahead + new_tokens)
     own = perf.prefill_base_s + perf.prefill_s_per_token * new_tokens
     return PrefillTerms(seconds * _factor(replica, now, config), own, blocks)
 

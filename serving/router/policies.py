@@ -35,7 +35,13 @@ from serving.router.contracts import (
     pickle_by_constructor,
 )
 from serving.router.index import LoadBuckets, ReplicaGroup, RouterState, queue_load
-from serving.router.predict import Prediction, RequestPredictor, is_candidate, predict
+from serving.router.predict import (
+    Prediction,
+    RequestPredictor,
+    idle_prefill_s,
+    is_candidate,
+    predict,
+)
 
 
 class Policy(Protocol):
@@ -468,7 +474,7 @@ def _can_meet_when_idle(
     """Whether an idle replica of this shape could meet the SLO (prefix cache aside)."""
     if perf.decode_base_s + perf.decode_s_per_seq > tpot_limit:
         return False
-    return perf.prefill_base_s + perf.prefill_s_per_token * request.prompt_tokens <= ttft_limit
+    return idle_prefill_s(perf, request.prompt_tokens) <= ttft_limit
 
 
 # An option as a plain tuple, since a NamedTuple pays a Python-level __new__ per candidate:

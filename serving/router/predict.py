@@ -14,15 +14,16 @@ times over (with Redis away nothing syncs, and that is all of this gateway's own
                 + max(0, waiting - inflight) * assumed_queued_prompt_tokens
                                                  (queued requests of other gateways)
     room        = K - batch                      prompt tokens a step leaves the prompts
-    prefill(n)  = n // room steps of max(step if batch, prefill_base_s + prefill_s_per_token
-                  * room), and one of the rest alike
+    compute(n)  = compute_base_s + prefill_s_per_token * n    a step computing n tokens
+    prefill(n)  = n // room steps of max(step if batch else decode_base_s, compute(K)), and
+                  one of the rest, max(same, compute(batch + rest))
     TTFT        = (decode step if batch else 0)  wait for the step boundary
                 + prefill(ahead + prompt_tokens - cached_prefix_tokens)
                 + (adapter_load_s if the adapter is not resident)
                 + (load - B + 1) / finish rate   when the batch is full: wait for a slot
     rate        = prompt tokens sent here per second, ours included (see below)
     chunk       = min(K, max(rate / prefills sent per second, prefill queued now + ours))
-    mixed       = max(step, prefill_base_s + prefill_s_per_token * chunk)
+    mixed       = max(step, compute(chunk + batch + 1))
     share       = min(max_prefill_share, rate / chunk * mixed)   time in mixed steps
     kv          = max(kv_usage * kv_capacity_tokens, batch * context per sequence)
                 + prompt_tokens                  (context per sequence: the in-flight
@@ -70,6 +71,7 @@ from typing import NamedTuple
 
 from serving.router.contracts import (
     PROMPT_RATE_WINDOW_S,
+    ReplicaPerf,
     ReplicaState,
     RouterConfig,
     RouteRequest,
@@ -251,16 +253,20 @@ class RequestPredictor:
         # Each step gives every running decode its token first and the prompts the rest of
         # the budget K, and takes at least the batch's decode step: prefill advances by
         # K - batch tokens a step, at the pace of its compute or of the decodes, the slower.
+        # A step computes its decodes' tokens and its chunk's while it reads the weights and
+        # the decodes' KV, and lasts the longer: at least the decode step, or with no decode
+        # the weights' read (decode_base_s).
         room = perf.max_num_batched_tokens - batch
         if room < 1:
             room = 1
         full_steps = to_prefill // room
         last = to_prefill - full_steps * room
-        floor = decode_step if batch else 0.0
-        full = perf.prefill_base_s + per_token * room
+        floor = decode_step if batch else perf.decode_base_s
+        compute_base = perf.compute_base_s + per_token * batch
+        full = compute_base + per_token * room
         ttft = full_steps * (full if full > floor else floor)
         if last:
-            tail = perf.prefill_base_s + per_token * last
+            tail = compute_base + per_token * last
             ttft += tail if tail > floor else floor
         if batch:
             ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
@@ -286,7 +292,7 @@ class RequestPredictor:
             chunk = float(to_prefill)  # prompts queued now go in together
         if chunk > perf.max_num_batched_tokens:
             chunk = float(perf.max_num_batched_tokens)
-        mixed_step = perf.prefill_base_s + per_token * chunk
+        mixed_step = perf.compute_base_s + per_token * (chunk + batch + 1)
         if mixed_step > decode_step:
             share = prompts / chunk * mixed_step
             if share > self.max_share:
@@ -303,6 +309,21 @@ class RequestPredictor:
         if self.now - replica.telemetry_at > self.stale_after_s:
             factor *= self.stale_penalty
         return ttft, tpot, factor, batch
+
+
+def idle_prefill_s(perf: ReplicaPerf, tokens: int) -> float:
+    """An idle engine's prefill of `tokens`, in steps of `max_num_batched_tokens`: each the
+    longer of its compute and the weights' read (`decode_base_s`), as `latency` counts the
+    steps of a replica with no decode running."""
+    budget = perf.max_num_batched_tokens if perf.max_num_batched_tokens >= 1 else 1
+    full_steps, rest = divmod(tokens if tokens >= 1 else 1, budget)
+    floor = perf.decode_base_s
+    full = perf.compute_base_s + perf.prefill_s_per_token * budget
+    seconds = full_steps * (full if full > floor else floor)
+    if rest:
+        tail = perf.compute_base_s + perf.prefill_s_per_token * rest
+        seconds += tail if tail > floor else floor
+    return seconds
 
 
 def is_candidate(

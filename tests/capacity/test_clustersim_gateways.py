@@ -70,7 +70,9 @@ def digest(result: SimResult) -> str:
 # a finish before it happened (an engine step begun before an arrival and ending after it).
 # cost_aware's again when batch requests were routed with a bound on their wait
 # (`RouterConfig.untimed_ttft_s`) instead of meeting on every replica, and when the L40S
-# engines took vLLM's own prefill budget for their GPU (2048 tokens a step, not 8192). The
+# engines took vLLM's own prefill budget for their GPU (2048 tokens a step, not 8192), and
+# when the router's steps learned to compute while they read the weights
+# (`ReplicaPerf.compute_base_s`). The
 # runs keep that budget (`max_num_batched_tokens="vllm"`): the platform's smaller one is an
 # engine flag, not a gateway change, and has its own tests (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -78,7 +80,7 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "d371cd381a2187e2",
+        "5913a045824e3da4",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

@@ -7,10 +7,12 @@ from dataclasses import replace
 
 import pytest
 
+from serving.engine.perf import PerfModel
+from serving.engine.specs import load_gpu_specs, load_model_specs
 from serving.router import CostAware, Reason, RouterConfig, RouterState, predict
 from serving.router.contracts import PROMPT_RATE_WINDOW_S, ReplicaState
-from serving.router.predict import Prediction
-from tests.serving.test_router import A100, H100, L40S, NOW, fleet, replica, request
+from serving.router.predict import Prediction, idle_prefill_s
+from tests.serving.test_router import A100, H100, L40S, MODEL, NOW, fleet, replica, request
 
 CONFIG = RouterConfig()
 
@@ -116,12 +118,15 @@ def _step(target: ReplicaState, batch: int) -> float:
     return target.perf.decode_base_s + target.perf.decode_s_per_seq * batch
 
 
-def _tpot_with_own_prefill(target: ReplicaState, step: float, prompt_tokens: int) -> float:
+def _tpot_with_own_prefill(
+    target: ReplicaState, step: float, prompt_tokens: int, decodes: int
+) -> float:
     """The TPOT of decode steps of `step` seconds when the request's own prompt is the only
-    prefill sent there: its one mixed step, of the prompt's compute or the decode step,
-    whichever is longer, fills `share` of the time; every step advances a token."""
+    prefill sent there: its one mixed step, of the compute of the prompt and the `decodes`
+    beside it or the decode step, whichever is longer, fills `share` of the time; every
+    step advances a token."""
     perf = target.perf
-    mixed = perf.prefill_base_s + perf.prefill_s_per_token * prompt_tokens
+    mixed = perf.compute_base_s + perf.prefill_s_per_token * (prompt_tokens + decodes)
     if mixed <= step:
         return step
     share = mixed / PROMPT_RATE_WINDOW_S  # one prompt per window, in one mixed step
@@ -147,9 +152,9 @@ def test_each_sequences_whole_context_lengthens_the_predicted_decode_step() -> N
     excess = 30 * 4_000 + 4_000 - 31 * typical
     step = _step(long, 31)
     assert perf.decode_s_per_kv_token > 0
-    assert short_tpot == pytest.approx(_tpot_with_own_prefill(short, step, 4_000))
+    assert short_tpot == pytest.approx(_tpot_with_own_prefill(short, step, 4_000, 31))
     long_step = step + perf.decode_s_per_kv_token * excess
-    assert long_tpot == pytest.approx(_tpot_with_own_prefill(long, long_step, 4_000))
+    assert long_tpot == pytest.approx(_tpot_with_own_prefill(long, long_step, 4_000, 31))
     assert long_tpot > short_tpot
     # Finished, the requests take their context with them.
     for _ in range(30):
@@ -166,7 +171,7 @@ def test_a_batch_at_the_fits_context_predicts_what_it_did_before() -> None:
         state.request_started("busy", 0, None, context_tokens=typical)
     step = _step(busy, 21)
     predicted = predict(busy, request(prompt_tokens=typical), NOW, CONFIG).tpot_s
-    assert predicted == pytest.approx(_tpot_with_own_prefill(busy, step, typical))
+    assert predicted == pytest.approx(_tpot_with_own_prefill(busy, step, typical, 21))
 
 
 def test_short_prompts_ride_in_the_decode_step_and_cost_no_time_per_token() -> None:
@@ -181,7 +186,7 @@ def test_short_prompts_ride_in_the_decode_step_and_cost_no_time_per_token() -> N
     assert target.prompt_rate > 0.0
     ask = request(prompt_tokens=8)
     perf = target.perf
-    assert perf.prefill_base_s + perf.prefill_s_per_token * 8 < _step(target, 41)
+    assert perf.compute_base_s + perf.prefill_s_per_token * (8 + 41) < _step(target, 41)
     tpot = predict(target, ask, NOW, CONFIG).tpot_s
     assert tpot == pytest.approx(predict(quiet, ask, NOW, CONFIG).tpot_s)
     assert tpot < 1.01 * _step(target, 41)
@@ -199,7 +204,7 @@ def test_every_mixed_step_advances_the_decode_so_time_per_token_stays_below_a_mi
         state.request_started("a", 4_000, NOW - n * 0.005)
     state.request_first_token("a", 200 * 4_000)  # all prefilled: no queue to batch together
     perf = target.perf
-    mixed = perf.prefill_base_s + perf.prefill_s_per_token * 4_000
+    mixed = perf.compute_base_s + perf.prefill_s_per_token * (4_000 + 11)
     tpot = predict(target, request(prompt_tokens=4_000), NOW, CONFIG).tpot_s
     assert _step(target, 11) < tpot <= mixed
     assert tpot > 0.9 * mixed  # the share is capped at 95 %: nearly every step is mixed
@@ -278,8 +283,9 @@ def test_prompts_queued_behind_a_decode_batch_prefill_at_the_decodes_pace() -> N
     to_prefill = queued + 200
     decode_step = perf.decode_base_s + perf.decode_s_per_seq * 201
     room = 512 - 200
-    chunk = perf.prefill_base_s + perf.prefill_s_per_token * room
-    last = perf.prefill_base_s + perf.prefill_s_per_token * (to_prefill % room)
+    # A step computes the 200 decodes' tokens and the chunk's.
+    chunk = perf.compute_base_s + perf.prefill_s_per_token * 512
+    last = perf.compute_base_s + perf.prefill_s_per_token * (200 + to_prefill % room)
     expected = (
         to_prefill // room * max(decode_step, chunk)
         + max(decode_step, last)
@@ -287,9 +293,64 @@ def test_prompts_queued_behind_a_decode_batch_prefill_at_the_decodes_pace() -> N
         + perf.decode_s_per_seq * 200  # the step under way when it arrives
     )
     assert predict(busy, ask, NOW, CONFIG).ttft_s == pytest.approx(expected)
-    # With no decode running the same queue goes in full budgets at the prefill slope.
-    full = perf.prefill_base_s + perf.prefill_s_per_token * 512
-    tail = perf.prefill_base_s + perf.prefill_s_per_token * (to_prefill % 512)
-    idle_expected = to_prefill // 512 * full + tail
+    # With no decode running the same queue goes in full budgets at the prefill slope, each
+    # step at least the weights' read.
+    full = perf.compute_base_s + perf.prefill_s_per_token * 512
+    tail = perf.compute_base_s + perf.prefill_s_per_token * (to_prefill % 512)
+    idle_expected = to_prefill // 512 * max(full, perf.decode_base_s) + max(
+        tail, perf.decode_base_s
+    )
     assert predict(idle, ask, NOW, CONFIG).ttft_s == pytest.approx(idle_expected)
     assert expected > 1.5 * idle_expected
+
+
+def _engine_prefill_s(engine: PerfModel, prompt_tokens: int, budget: int) -> float:
+    """The engine model's prefill of a prompt on an idle engine, chunk by chunk, each chunk
+    attending to the ones before it."""
+    done, seconds = 0, 0.0
+    while done < prompt_tokens:
+        chunk = min(budget, prompt_tokens - done)
+        seconds += engine.prefill_s(chunk, done)
+        done += chunk
+    return seconds
+
+
+@pytest.mark.parametrize(("gpu_class", "budget"), [(L40S, 512), (H100, 1024), (A100, 2048)])
+@pytest.mark.parametrize("prompt_tokens", [100, 512, 1_500, 4_096])
+def test_an_idle_prefill_is_predicted_at_the_engine_models_pace(
+    gpu_class: str, budget: int, prompt_tokens: int
+) -> None:
+    """Each step of a chunked prefill computes while it reads the weights: the prediction
+    follows the engine model's steps (attention included) within 5 % for prompts up to the
+    fit's long prompt. With the weights' read added to every step's compute, a 512-token
+    prompt on an L40S was predicted at 2.5 times its time."""
+    engine = PerfModel(load_gpu_specs()[gpu_class], load_model_specs()[MODEL])
+    target = replica("idle", gpu_class)
+    target = replace(target, perf=replace(target.perf, max_num_batched_tokens=budget))
+    expected = _engine_prefill_s(engine, prompt_tokens, budget)
+    predicted = predict(target, request(prompt_tokens=prompt_tokens), NOW, CONFIG).ttft_s
+    assert predicted == pytest.approx(expected, rel=0.05)
+    assert idle_prefill_s(target.perf, prompt_tokens) == pytest.approx(predicted)
+
+
+def test_a_prompt_behind_a_decode_batch_is_predicted_at_the_engine_models_steps() -> None:
+    """30 sequences decoding at 2,000 tokens of context on an L40S taking 512 tokens a step:
+    every step carries their 30 tokens and 482 of the prompt's, and lasts the longer of its
+    compute and its read. The prediction follows the engine model's steps within 5 %."""
+    engine = PerfModel(load_gpu_specs()[L40S], load_model_specs()[MODEL])
+    busy = replica("busy", L40S, running=30)
+    busy = replace(busy, perf=replace(busy.perf, max_num_batched_tokens=512))
+    state = fleet(busy)
+    for _ in range(30):
+        state.request_started("busy", 0, None, context_tokens=2_000)
+    prompt_tokens, context = 4_000, 30 * 2_000
+    seconds = engine.decode_step_s(30, context)  # the step under way when it arrives
+    done = 0
+    while done < prompt_tokens:
+        chunk = min(512 - 30, prompt_tokens - done)
+        attention = chunk * (done + chunk)
+        seconds += engine.batch_step_s(30 + chunk, context + done, attention)
+        done += chunk
+        context += 30
+    predicted = predict(busy, request(prompt_tokens=prompt_tokens), NOW, CONFIG).ttft_s
+    assert predicted == pytest.approx(seconds, rel=0.05)
