@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs, load_model_specs
 from serving.router import (
+    DEFAULT_SLO_TIERS,
     POLICIES,
     CostAware,
     DeploymentRoute,
@@ -370,6 +371,34 @@ def test_a_batch_prompt_goes_where_it_pushes_no_chat_request_past_its_tpot_objec
     assert batch_picks(two_equal(protected=True)) == {"spare"}
     # The same fleet without the objective: the two are a near tie, drawn at random.
     assert batch_picks(two_equal(protected=False)) == {"chat", "spare"}
+
+
+def test_a_looser_tiers_request_gathers_where_no_tighter_tier_decodes() -> None:
+    # Both replicas meet a standard request's SLO and harm no one decoding there. The draw
+    # of two takes the one using less of its limit: "mixed" (30 ms a token of the 40 ms
+    # the interactive request there allows) over "loose" (63 ms of standard's 80). But
+    # "mixed" carries the interactive tier and "loose" standard work only: standard work
+    # gathers there, and the replica carrying the interactive tier keeps its steps short.
+    standard_tpot_s = DEFAULT_SLO_TIERS["standard"].tpot_s
+
+    def state(objectives: bool) -> RouterState:
+        fleet_state = fleet(replica("mixed", running=2), replica("loose", running=150), seed=3)
+        fleet_state.request_started(
+            "mixed", 300, None, tpot_objective_s=INTERACTIVE_TPOT_S if objectives else None
+        )
+        fleet_state.request_started(
+            "loose", 300, None, tpot_objective_s=standard_tpot_s if objectives else None
+        )
+        return fleet_state
+
+    def picks(fleet_state: RouterState, tier: str) -> set[str | None]:
+        policy = CostAware(fleet_state)
+        return {chosen_id(policy, request(tier=tier, request_id=f"{tier}{n}")) for n in range(30)}
+
+    assert picks(state(objectives=True), "standard") == {"loose"}
+    assert picks(state(objectives=True), "interactive") == {"mixed"}  # 63 ms misses
+    # Without the objectives in flight, the one using less of its limit.
+    assert picks(state(objectives=False), "standard") == {"mixed"}
 
 
 def test_a_looser_tier_harmful_everywhere_takes_the_least_harmful_of_equal_prices() -> None:
