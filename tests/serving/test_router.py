@@ -412,6 +412,42 @@ def test_a_looser_tier_harmful_everywhere_takes_the_least_harmful_of_equal_price
     assert batch_picks(state) == {"lighter"}  # 44 ms there, 48 ms on the busier one
 
 
+def test_a_looser_tier_harmful_everywhere_gathers_where_fewest_tighter_requests_decode() -> None:
+    # A 2,000-token standard prompt pushes the interactive requests on either replica past
+    # their guard (48 ms a token on "few", 44 ms on "many", against 40 ms), and meets its
+    # own objectives within the margin on both. The least harm alone would take "many";
+    # but "few" carries one interactive request and "many" three: standard work gathers
+    # where it harms the fewest, so the others keep short steps. Unless its prompt would
+    # wait there past the margin of the interactive TTFT objective: a replica gathering
+    # looser work fills its decode batch, never its queue.
+    def state(queued: int) -> RouterState:
+        fleet_state = fleet(
+            replica("few", running=40, prefill_pending_tokens=queued),
+            replica("many", running=30),
+            seed=3,
+        )
+        fleet_state.request_started("few", 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+        for _ in range(3):
+            fleet_state.request_started("many", 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+        return fleet_state
+
+    def picks(fleet_state: RouterState) -> set[str | None]:
+        policy = CostAware(fleet_state)
+        asks = (
+            request(tier="standard", prompt_tokens=2_000, request_id=f"s{n}") for n in range(30)
+        )
+        return {chosen_id(policy, ask) for ask in asks}
+
+    decision = CostAware(state(0)).choose(request(tier="standard", prompt_tokens=2_000), NOW)
+    assert decision.reason == Reason.LEAST_BAD
+    assert picks(state(0)) == {"few"}
+    few = predict(state(12_000).replica("few"), request(prompt_tokens=2_000), NOW, RouterConfig())  # type: ignore[arg-type]
+    standard_ttft_s = DEFAULT_SLO_TIERS["standard"].ttft_s
+    assert standard_ttft_s is not None
+    assert 0.8 < few.ttft_s < 0.8 * standard_ttft_s  # it meets there, but waits
+    assert picks(state(12_000)) == {"many"}
+
+
 def test_on_the_least_bad_path_harm_decides_within_the_near_tie_and_price_past_it() -> None:
     # Both replicas are harmful to the interactive request decoding there (as above); the
     # busier one is a little cheaper. Within the near tie the less harmful takes the batch
