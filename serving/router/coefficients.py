@@ -34,8 +34,9 @@ def coefficients_from_perf(
     prompts are overestimated by at most that floor: on the safe side for an SLO check.
     `compute_base_s` is the same line's own intercept, without the floor: one step of a
     chunked prefill computes while it reads the weights, so a 512-token step on an L40S
-    takes 38 ms in the engine model where the floored line says 67 ms. KV beyond `typical_context_tokens` a sequence:
-    the mid batch's step with twice the context, less its step, per extra token.
+    takes 38 ms in the engine model where the floored line says 67 ms. KV beyond
+    `typical_context_tokens` a sequence: the mid batch's step with twice the context, less
+    its step, per extra token.
     `max_num_batched_tokens` None: what vLLM picks for the GPU when the flag is not given.
     """
     budget = max_num_batched_tokens or perf.gpu.default_max_num_batched_tokens

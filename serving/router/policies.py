@@ -69,6 +69,11 @@ def _slo_violation(ttft_s: float, tpot_s: float, tier: SloTier) -> float:
     return ratio
 
 
+def _tpot_objective(tier: SloTier) -> float:
+    """The tier's TPOT objective; infinity for a tier without one."""
+    return tier.tpot_s if tier.tpot_s is not None else math.inf
+
+
 def _tighter_in_flight(replica: ReplicaState, tpot_s: float) -> int:
     """The requests in flight on the replica (this gateway's count) whose TPOT objective is
     tighter than `tpot_s`."""
@@ -779,7 +784,7 @@ class CostAware:
             if self._yields(tier):
                 # A looser tier gathers where nothing tighter than itself decodes, leaving
                 # the replicas that carry the tightest tier their short steps.
-                own = tier.tpot_s if tier.tpot_s is not None else math.inf
+                own = _tpot_objective(tier)
                 apart = [o for o in harmless if o[_REPLICA].tightest_tpot_s >= own]
                 if apart:
                     return apart
@@ -797,7 +802,7 @@ class CostAware:
         between equal counts, the least harm, then the cheaper."""
         margin = self.config.slo_margin
         wait_s = (self._tightest_ttft_s or 0.0) * margin
-        own_tpot = tier.tpot_s if tier.tpot_s is not None else math.inf
+        own_tpot = _tpot_objective(tier)
         chosen = near[0][3]
         best: tuple[int, int, float, float] | None = None
         for own, harm, rank, option in near:

@@ -256,18 +256,8 @@ class RequestPredictor:
         # A step computes its decodes' tokens and its chunk's while it reads the weights and
         # the decodes' KV, and lasts the longer: at least the decode step, or with no decode
         # the weights' read (decode_base_s).
-        room = perf.max_num_batched_tokens - batch
-        if room < 1:
-            room = 1
-        full_steps = to_prefill // room
-        last = to_prefill - full_steps * room
         floor = decode_step if batch else perf.decode_base_s
-        compute_base = perf.compute_base_s + per_token * batch
-        full = compute_base + per_token * room
-        ttft = full_steps * (full if full > floor else floor)
-        if last:
-            tail = compute_base + per_token * last
-            ttft += tail if tail > floor else floor
+        ttft = prefill_steps_s(perf, to_prefill, batch, floor)
         if batch:
             ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
         if load >= perf.max_num_seqs:
@@ -311,19 +301,30 @@ class RequestPredictor:
         return ttft, tpot, factor, batch
 
 
+def prefill_steps_s(perf: ReplicaPerf, tokens: int, batch: int, floor: float) -> float:
+    """`tokens` of prompt prefilled beside `batch` running decodes: steps of K - batch prompt
+    tokens (at least one), each computing its decodes' tokens and its chunk's and lasting
+    at least `floor` (the decode step, or the weights' read with no decode)."""
+    room = perf.max_num_batched_tokens - batch
+    if room < 1:
+        room = 1
+    full_steps = tokens // room
+    last = tokens - full_steps * room
+    per_token = perf.prefill_s_per_token
+    compute_base = perf.compute_base_s + per_token * batch
+    full = compute_base + per_token * room
+    seconds = full_steps * (full if full > floor else floor)
+    if last:
+        tail = compute_base + per_token * last
+        seconds += tail if tail > floor else floor
+    return seconds
+
+
 def idle_prefill_s(perf: ReplicaPerf, tokens: int) -> float:
     """An idle engine's prefill of `tokens`, in steps of `max_num_batched_tokens`: each the
     longer of its compute and the weights' read (`decode_base_s`), as `latency` counts the
     steps of a replica with no decode running."""
-    budget = perf.max_num_batched_tokens if perf.max_num_batched_tokens >= 1 else 1
-    full_steps, rest = divmod(tokens if tokens >= 1 else 1, budget)
-    floor = perf.decode_base_s
-    full = perf.compute_base_s + perf.prefill_s_per_token * budget
-    seconds = full_steps * (full if full > floor else floor)
-    if rest:
-        tail = perf.compute_base_s + perf.prefill_s_per_token * rest
-        seconds += tail if tail > floor else floor
-    return seconds
+    return prefill_steps_s(perf, tokens if tokens >= 1 else 1, 0, perf.decode_base_s)
 
 
 def is_candidate(
