@@ -515,9 +515,11 @@ class CostAware:
     adapter_bonus if the adapter is loaded). Candidates: every replica holding the prefix,
     a few holding the adapter, and per group (cheapest first, stopping once a group cannot
     beat the best price found, and skipping groups too slow to meet the SLO even when idle)
-    all members of a small group or `samples_per_group` random ones of a large group. Among candidates within
-    `near_tie_fraction` of the cheapest, two are drawn and the one using less of its
-    objective on the clock that binds (TTFT or TPOT) wins.
+    all members of a small group or `samples_per_group` random ones of a large group, and
+    as many again, up to `redraws_when_unsettled` times, while those hold none to settle
+    on (`_settled`). Among candidates within `near_tie_fraction` of the cheapest, two are
+    drawn and the one using less of its objective on the clock that binds (TTFT or TPOT)
+    wins.
 
     Every sequence on a replica decodes in the same steps, so a request's predicted TPOT
     there is what it brings every sequence there to. The router knows the TPOT objectives
@@ -603,7 +605,14 @@ class CostAware:
         price among those meeting the SLO."""
         candidates = _Candidates(request, now, self.config, tier, matches)
         self._consider_holders(version, request, matches, candidates)
-        self._consider_groups(self._groups(version), request, candidates)
+        groups = self._groups(version)
+        self._consider_groups(groups, request, candidates)
+        for _ in range(self.config.redraws_when_unsettled):
+            if self._settled(candidates, tier):
+                break
+            # Drawn replicas are not drawn again (`_Candidates.seen`), so small groups,
+            # scanned in full, add nothing.
+            self._consider_groups(groups, request, candidates)
         return candidates
 
     def _groups(self, version: VersionRoute) -> list[ReplicaGroup]:
@@ -766,6 +775,24 @@ class CostAware:
             baseline,
             queue_advised=violation > tolerable,
         )
+
+    def _settled(self, candidates: _Candidates, tier: SloTier) -> bool:
+        """Whether the options drawn hold one `_ties` would settle on at its first
+        choice: a harmless near tie meeting the SLO and, for a looser tier than the
+        tightest, one on a replica where no tighter tier decodes."""
+        if candidates.best_meeting == math.inf:
+            return False
+        limit = candidates.best_meeting * candidates.near_tie
+        own = _tpot_objective(tier) if self._yields(tier) else 0.0
+        for option in candidates.options:
+            if (
+                option[_MEETS]
+                and option[_RANK] <= limit
+                and candidates.harmless(option)
+                and option[_REPLICA].tightest_tpot_s >= own
+            ):
+                return True
+        return False
 
     def _ties(self, candidates: _Candidates, tier: SloTier) -> list[_Option]:
         """The options to draw two from: those meeting the SLO within the near tie of the

@@ -325,6 +325,39 @@ def test_cost_aware_finds_cheap_capacity_in_a_large_fleet_by_sampling() -> None:
     assert decision.meets_slo
 
 
+def test_a_draw_with_nothing_to_settle_on_draws_again() -> None:
+    # 16 of 20 L40S decode 150 sequences each: an interactive request there misses its
+    # TPOT objective. Two drawn from the 20 are both busy 63 % of the time; six drawn (the
+    # first draw and two more) 21 %. A request routed to a busy replica is the draw's loss.
+    replicas = [replica(f"busy{n}", running=150) for n in range(16)]
+    replicas += [replica(f"idle{n}", running=2) for n in range(4)]
+
+    def share_on_idle(redraws: int) -> float:
+        policy = CostAware(fleet(*replicas, seed=5), RouterConfig(redraws_when_unsettled=redraws))
+        asks = (request(tier="interactive", request_id=f"i{n}") for n in range(400))
+        picks = [chosen_id(policy, ask) for ask in asks]
+        return sum(pick is not None and pick.startswith("idle") for pick in picks) / len(picks)
+
+    once, thrice = share_on_idle(0), share_on_idle(2)
+    assert 0.27 < once < 0.47  # 37 % expected
+    assert 0.69 < thrice < 0.89  # 79 % expected
+
+
+def test_a_draw_that_settles_draws_nothing_more() -> None:
+    # Every replica idle: the first draw settles, and the same seed makes the same choices
+    # whether redraws are allowed or not (a redraw would take numbers from the generator).
+    replicas = [replica(f"r{n}", running=n % 3) for n in range(20)]
+
+    def picks(redraws: int) -> list[str | None]:
+        policy = CostAware(fleet(*replicas, seed=5), RouterConfig(redraws_when_unsettled=redraws))
+        return [
+            chosen_id(policy, request(tier="interactive", request_id=f"i{n}")) for n in range(50)
+        ]
+
+    assert picks(2) == picks(0)
+    assert len(set(picks(0))) > 5  # the draws do differ from one request to the next
+
+
 # The decode step a request brings its neighbours to
 
 INTERACTIVE_TPOT_S = 0.05
