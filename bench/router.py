@@ -8,10 +8,10 @@ with different seeds and shows the round with the median p99, because a shared m
 noise lands in the tail), with PASS/FAIL against the target
 (p99 under 50 us; the target is set for the cost-aware policy, the others are shown
 against it for comparison). The fleet is llama-3.1-8b on H100, A100, L40S and L4 in two
-regions, in a 90/10 canary split, with random load, a few stale, unhealthy and
-breaker-open replicas; requests mix tiers, tenants with shared prefixes, LoRA adapters
-and region restrictions. In-flight counts move as requests start and finish, outside
-the timed section, as they would in the gateway.
+regions, in a 90/10 canary split, with random load (0-64 sequences running, plus `--busy`),
+a few stale, unhealthy and breaker-open replicas; requests mix tiers, tenants with shared
+prefixes, LoRA adapters and region restrictions. In-flight counts move as requests start
+and finish, outside the timed section, as they would in the gateway.
 
 `--baseline REV` loads serving/router/policies.py and serving/router/prefix.py as of git
 revision REV beside the current ones and runs the two interleaved (alternating which goes first), each cell `--rounds`
@@ -69,13 +69,13 @@ def gpu_shapes() -> dict[str, tuple[ReplicaPerf, float]]:
     return shapes
 
 
-def build_fleet(size: int, rng: random.Random, now: float) -> list[ReplicaState]:
+def build_fleet(size: int, rng: random.Random, now: float, busy: int = 0) -> list[ReplicaState]:
     shapes = gpu_shapes()
     replicas = []
     for index in range(size):
         gpu_class = GPU_CLASSES[index % len(GPU_CLASSES)]
         perf, price = shapes[gpu_class]
-        running = rng.randint(0, 64)
+        running = rng.randint(0, 64) + busy
         replicas.append(
             ReplicaState(
                 replica_id=f"r{index}",
@@ -131,6 +131,7 @@ def measure(
     seed: int,
     policies: dict[str, type] | None = None,
     prefix_index: type[PrefixIndex] = PrefixIndex,
+    busy: int = 0,
 ) -> tuple[int, float, float]:
     rng = random.Random(seed)
     now = 1_000.0
@@ -140,7 +141,9 @@ def measure(
             (DeploymentRoute("stable", "v1", 90), DeploymentRoute("canary", "v2", 10)),
         )
     ]
-    state = RouterState(routes, build_fleet(size, rng, now), seed=seed, prefix_index=prefix_index())
+    state = RouterState(
+        routes, build_fleet(size, rng, now, busy), seed=seed, prefix_index=prefix_index()
+    )
     policy = (policies or POLICIES)[policy_name](state)
     requests = build_requests(decisions, rng)
     in_flight: list[str] = []
@@ -242,6 +245,7 @@ def compare(args: argparse.Namespace, sizes: list[int]) -> int:
                             args.seed + n,
                             policies,
                             prefix_index,
+                            args.busy,
                         )
                     )
             for name, rounds in results.items():
@@ -265,6 +269,13 @@ def main() -> int:
         help="rounds per cell; the table shows the round with the median p99 (shared machines are noisy)",
     )
     parser.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        help="sequences added to every replica's running count: a busy fleet, where fewer"
+        " of cost-aware's draws settle and it draws again",
+    )
+    parser.add_argument(
         "--baseline",
         help="git revision whose serving/router/policies.py and prefix.py run interleaved"
         " beside the current ones",
@@ -280,7 +291,7 @@ def main() -> int:
         for size in sizes:
             rounds = sorted(
                 (
-                    measure(policy_name, size, args.decisions, args.seed + n)
+                    measure(policy_name, size, args.decisions, args.seed + n, busy=args.busy)
                     for n in range(args.rounds)
                 ),
                 key=lambda result: result[2],
