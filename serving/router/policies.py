@@ -783,6 +783,7 @@ class CostAware:
         if candidates.best_meeting == math.inf:
             return False
         limit = candidates.best_meeting * candidates.near_tie
+        # The tightest tier settles on any replica: no objective in flight is below 0.
         own = _tpot_objective(tier) if self._yields(tier) else 0.0
         for option in candidates.options:
             if (
