@@ -234,7 +234,7 @@ class RouterConfig:
     # tier, none is free of tighter tiers' requests), up to this many more draws of
     # `samples_per_group` per group before deciding: a busy fleet is where the choice
     # matters. Generation over 21 L40S, interactive requests within both clocks on three
-    # seeds: 91.55 / 89.23 / 92.19 % with none, 95.73 / 97.88 / 97.97 % with one, 99.22 /
+    # seeds: 90.65 / 90.42 / 91.00 % with none, 95.73 / 97.88 / 97.97 % with one, 99.22 /
     # 99.48 / 99.39 % with two (least load needs 22).
     redraws_when_unsettled: int = 2
     # When nothing meets the SLO and the least bad misses it by more than this factor,
