@@ -357,7 +357,12 @@ class ClusterSimulator:
             role=pool.role,
             kv_link=KvLink(self._link.gbytes_per_s, self._link.latency_s),
         )
-        states = [view] + [replace(view) for _ in range(1, self.config.gateways)]
+        # Each gateway's own copy: `replace` alone would share the view's dict of TPOT
+        # objectives in flight, so every gateway's start counted once per gateway and the
+        # tightest objective went stale on all but the one that saw its count reach zero.
+        states = [view] + [
+            replace(view, inflight_tpot_objectives={}) for _ in range(1, self.config.gateways)
+        ]
         replica = SimReplica(
             replica_id, pool, engine, states, now_s, ready_s, port=LinkPort(self._link)
         )
