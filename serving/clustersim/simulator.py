@@ -343,26 +343,29 @@ class ClusterSimulator:
             role=pool.role,
         )
         model = self.fleet.pool_model(pool)
-        view = ReplicaState(
-            replica_id=replica_id,
-            deployment_id=self._deployment(model),
-            model=model,
-            version="v1",
-            pool=pool.name,
-            gpu_class=pool.gpu_class,
-            region=pool.region,
-            price_per_hour=pool.price_per_replica_hour,
-            perf=self._coefficients[pool.name],
-            telemetry_at=ready_s,
-            role=pool.role,
-            kv_link=KvLink(self._link.gbytes_per_s, self._link.latency_s),
-        )
-        # Each gateway's own copy: `replace` alone would share the view's dict of TPOT
-        # objectives in flight, so every gateway's start counted once per gateway and the
-        # tightest objective went stale on all but the one that saw its count reach zero.
-        states = [view] + [
-            replace(view, inflight_tpot_objectives={}) for _ in range(1, self.config.gateways)
-        ]
+        deployment_id = self._deployment(model)
+        kv_link = KvLink(self._link.gbytes_per_s, self._link.latency_s)
+
+        def view() -> ReplicaState:
+            return ReplicaState(
+                replica_id=replica_id,
+                deployment_id=deployment_id,
+                model=model,
+                version="v1",
+                pool=pool.name,
+                gpu_class=pool.gpu_class,
+                region=pool.region,
+                price_per_hour=pool.price_per_replica_hour,
+                perf=self._coefficients[pool.name],
+                telemetry_at=ready_s,
+                role=pool.role,
+                kv_link=kv_link,
+            )
+
+        # Each gateway's own view, built afresh: a copy (`dataclasses.replace`) would share
+        # its dict of TPOT objectives in flight, so that every start counted once per
+        # gateway and the tightest objective went stale on all but one gateway.
+        states = [view() for _ in range(self.config.gateways)]
         replica = SimReplica(
             replica_id, pool, engine, states, now_s, ready_s, port=LinkPort(self._link)
         )
