@@ -16,6 +16,9 @@ Redis layout (one hash per deployment, refreshed TTL `STATS_TTL_S` on each write
           finish:{reason}    successful requests by finish reason (stop, length, ...)
           len:{upper}        successful requests by output tokens, bucket upper bound in tokens
           ttft:{k}           time to first token, bucket k covers (2^((k-1)/8), 2^(k/8)] ms
+          ttft_slo:{k}       time to first token over its tier's TTFT objective, in the same
+                             buckets read as 1/1000 (1.0, the objective, is the 1 s edge);
+                             requests of a tier without one record none (the autoscaler's)
           tpot:{k}           time per output token, same buckets
 
 This module imports nothing from Django: the gateway imports it on the hot path.
@@ -32,6 +35,8 @@ from typing import Any, Protocol
 
 STATS_KEY = "registry:rollout:stats:{deployment_id}"
 STATS_TTL_S = 7 * 24 * 3600
+# The histogram of TTFT over the request's tier's objective (the autoscaler's TTFT signal).
+TTFT_OVER_OBJECTIVE = "ttft_slo"
 
 # Eight latency buckets per doubling: a p99 read from them is within ~4.5% of the true one,
 # fine enough for ratio gates of 1.3x and more.
@@ -140,11 +145,15 @@ def request_fields(
     output_tokens: int = 0,
     finish_reason: str | None = None,
     refused: bool = False,
+    ttft_objective_s: float | None = None,
 ) -> dict[str, int]:
-    """The hash increments that record one settled request."""
+    """The hash increments that record one settled request. `ttft_objective_s`: its tier's
+    TTFT objective, None where the tier has none."""
     fields: dict[str, int] = {"requests": 1}
     if ttft_s is not None:
         fields[f"ttft:{latency_bucket(ttft_s)}"] = 1
+        if ttft_objective_s:
+            fields[f"{TTFT_OVER_OBJECTIVE}:{latency_bucket(ttft_s / ttft_objective_s)}"] = 1
     if tpot_s is not None:
         fields[f"tpot:{latency_bucket(tpot_s)}"] = 1
     if not ok:

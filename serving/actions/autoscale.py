@@ -6,21 +6,25 @@ disaggregated one on its own (prefill replicas on `pool`, counted by `replicas_*
 replicas on `decode_pool`, counted by `decode_replicas_*`), each on its own signals, within its
 own bounds and its own pool's free GPUs:
 - colocated: load (running + waiting) against the decode batch a replica carries within the
-  tier's TPOT objective while prefilling within its TTFT one, KV cache use, and the TTFT p95;
+  tier's TPOT objective while prefilling within its TTFT one, KV cache use, and the p95 of
+  TTFT against each request's own tier's objective;
 - decode: load against the decode batch within TPOT alone, on the decode pool's GPU class, and
   KV cache use (the decode replicas hold every stream's KV). Not TTFT: they never prefill;
 - prefill: load, mostly its waiting queue, against the typical prompts whose prefills, one after
-  another, fit the TTFT objective, and the deployment's TTFT p95 (TTFT is the prefill side's
-  clock). Not KV use: what a prefill replica holds is waiting for the decode side to pull it.
+  another, fit the TTFT objective, and the deployment's TTFT p95 against the objectives (TTFT
+  is the prefill side's clock). Not KV use: what a prefill replica holds is waiting for the decode side to pull it.
 
 Per fleet with room to scale (an active deployment's phase whose max exceeds its min), every beat:
 1. one sample of its ready replicas, appended to a short Redis list, so the window survives
    worker restarts and any worker can run the next beat. The sample holds
    - running and waiting requests (summed) and KV cache use (averaged), from
      `routing:telemetry`;
-   - (colocated and prefill) the p95 time to first token of the requests the gateways settled
-     since the last reading, from the per-deployment TTFT histogram the gateway's settle already
-     writes (`registry.rollout_metrics`, counters in its one settle round trip). The loop keeps
+   - (colocated and prefill) the p95 of each request's time to first token over its own
+     tier's TTFT objective, among the requests the gateways settled since the last reading,
+     from the per-deployment histogram the gateway's settle already writes
+     (`registry.rollout_metrics`' `ttft_slo:*`, counters in its one settle round trip). One
+     deployment serves every tier, and a standard or batch prompt queued for seconds is on
+     time: read against one objective it would scale the fleet for nothing. The loop keeps
      a snapshot of that histogram (a mark) and reads the difference; until at least
      `MIN_TTFT_REQUESTS` requests have settled since the mark there is no p95 and the mark
      stays, so a quiet deployment's one long prompt is not read as a missed SLO;
@@ -62,7 +66,7 @@ from django.conf import settings
 
 from registry.actions import do_scale_deployment
 from registry.models import Deployment
-from registry.rollout_metrics import quantile_from_buckets, stats_key
+from registry.rollout_metrics import TTFT_OVER_OBJECTIVE, quantile_from_buckets, stats_key
 from serving.capacity.autoscaler import (
     AutoscalerConfig,
     FleetSample,
@@ -81,7 +85,8 @@ logger = logging.getLogger(__name__)
 
 SAMPLES_KEY = "autoscale:samples:{deployment_id}"
 RAW_KEY = "autoscale:raw:{deployment_id}"
-# The TTFT histogram's counters when the loop last read a p95: {"at_s": ..., "counts": {...}}.
+# The TTFT-over-objective histogram's counters when the loop last read a p95:
+# {"at_s": ..., "counts": {...}}.
 TTFT_MARK_KEY = "autoscale:ttft-mark:{deployment_id}"
 # Hash: field = the minute's index within two periods (`history_slot`), value = [minute start,
 # highest reactive raw recommendation of that minute]. At most 2 x period / 60 fields,
@@ -229,16 +234,12 @@ def _perf_model(deployment: Deployment, gpu_class: str) -> PerfModel | None:
 
 def phase_config(deployment: Deployment, phase: str) -> AutoscalerConfig:
     """The signals each fleet scales on (module docstring)."""
-    tier = DEFAULT_SLO_TIERS.get(deployment.slo_tier)
-    ttft_slo_s = tier.ttft_s if tier else None
     target = target_running(deployment, phase)
     if phase == DECODE:
-        return AutoscalerConfig(target_running_per_replica=target, ttft_slo_s=None)
+        return AutoscalerConfig(target_running_per_replica=target, ttft_signal=False)
     if phase == PREFILL:
-        return AutoscalerConfig(
-            target_running_per_replica=target, ttft_slo_s=ttft_slo_s, kv_target=None
-        )
-    return AutoscalerConfig(target_running_per_replica=target, ttft_slo_s=ttft_slo_s)
+        return AutoscalerConfig(target_running_per_replica=target, kv_target=None)
+    return AutoscalerConfig(target_running_per_replica=target)
 
 
 def pool_capacity(deployment: Deployment, phase: str = COLOCATED) -> int:
@@ -265,7 +266,7 @@ def sample(
     deployment: Deployment,
     telemetry: dict[str, dict[str, Any]],
     now_s: float,
-    ttft_p95_s: float | None = None,
+    ttft_p95_of_objective: float | None = None,
     phase: str = COLOCATED,
 ) -> FleetSample:
     ready = Replica.objects.filter(deployment=deployment, phase=phase, state=Replica.State.READY)
@@ -276,17 +277,18 @@ def sample(
         running=sum(int(row.get("running") or 0) for row in rows),
         waiting=sum(int(row.get("waiting") or 0) for row in rows),
         kv_usage=sum(float(row.get("kv") or 0.0) for row in rows) / len(rows) if rows else 0.0,
-        ttft_p95_s=ttft_p95_s,
+        ttft_p95_of_objective=ttft_p95_of_objective,
     )
 
 
-def observed_ttft_p95(
+def observed_ttft_p95_of_objective(
     client: redis.Redis, deployment_id: int, now_s: float, window_s: float
 ) -> float | None:
-    """The p95 time to first token of the deployment's requests settled since the last
-    reading, from the gateway's TTFT histogram (`registry.rollout_metrics`; buckets of 9%,
-    interpolated). None until `MIN_TTFT_REQUESTS` have settled since the mark; a mark older
-    than `window_s` (the loop stopped, or traffic is thin) starts over."""
+    """The p95 of TTFT over each request's own tier's objective, among the deployment's
+    requests settled since the last reading, from the gateway's histogram
+    (`registry.rollout_metrics`' `ttft_slo:*`; buckets of 9%, interpolated). None until
+    `MIN_TTFT_REQUESTS` with an objective have settled since the mark; a mark older than
+    `window_s` (the loop stopped, or traffic is thin) starts over."""
     mark_key = TTFT_MARK_KEY.format(deployment_id=deployment_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(mark_key)
@@ -295,7 +297,7 @@ def observed_ttft_p95(
     counts = {
         name: int(value)
         for name, value in ((_text(n), v) for n, v in counters.items())
-        if name.startswith("ttft:")
+        if name.startswith(f"{TTFT_OVER_OBJECTIVE}:")
     }
     p95 = None
     mark = orjson.loads(stored) if stored else None
@@ -303,7 +305,7 @@ def observed_ttft_p95(
         since: dict[str, int] = mark["counts"]
         # A counter below its mark: the hash expired and restarted, so it counts from zero.
         window = {
-            int(name.removeprefix("ttft:")): n - since.get(name, 0)
+            int(name.removeprefix(f"{TTFT_OVER_OBJECTIVE}:")): n - since.get(name, 0)
             if n >= since.get(name, 0)
             else n
             for name, n in counts.items()
@@ -424,12 +426,12 @@ def do_autoscale_deployment(
     counts = phase_counts(deployment, phase)
     current = counts.desired
     # The TTFT mark is the deployment's: only the phase that TTFT measures reads it.
-    ttft_p95_s = (
-        observed_ttft_p95(client, deployment.pk, now_s, config.window_s)
+    ttft_p95 = (
+        observed_ttft_p95_of_objective(client, deployment.pk, now_s, config.window_s)
         if phase != DECODE
         else None
     )
-    point = sample(deployment, telemetry, now_s, ttft_p95_s, phase)
+    point = sample(deployment, telemetry, now_s, ttft_p95, phase)
     samples = [
         FleetSample(**row)
         for row in _remember(

@@ -6,10 +6,14 @@ Signals, sampled from replica telemetry every few seconds and averaged over a wi
   within its TPOT objective (`target_running_per_replica`);
 - KV use: the mean fraction of KV cache in use, against `kv_target` (above ~0.9 vLLM preempts);
 - queue depth: requests waiting; a persistent queue means every replica is full;
-- TTFT: the observed p95 against the tier's objective; ignored while replicas are starting,
-  since it is the latency of the fleet without them.
+- TTFT: the p95 of each request's TTFT as a fraction of its own tier's objective (requests of
+  a tier without one are not counted); ignored while replicas are starting, since it is the
+  latency of the fleet without them. Each request against its own tier, not every request
+  against one objective: a fleet serving several tiers queues the looser tiers' prompts by
+  design (a standard prompt may wait 3 s, a batch one has no bound), and read against the
+  tightest tier's 1 s that wait orders replicas nothing needs.
 
-    needed  = replicas x max(load / target_running, kv / kv_target, ttft_p95 / ttft_slo)
+    needed  = replicas x max(load / target_running, kv / kv_target, ttft_p95_of_objective)
     desired = ceil(needed x (1 + warm_buffer))
 
 Up is eager: a higher desired count applies at once (capped at `max_step_up_factor` times the
@@ -24,7 +28,7 @@ clamped to the deployment's min and max and to what the pool has room for.
 
 A signal that is not the fleet's is turned off with None. The caller runs this once per fleet
 of interchangeable replicas: a colocated deployment's, or one phase of a disaggregated one.
-Its decode replicas never prefill, so TTFT is not theirs (`ttft_slo_s=None`); its prefill
+Its decode replicas never prefill, so TTFT is not theirs (`ttft_signal=False`); its prefill
 replicas hand each prompt's KV to the decode side, so KV held there is the hand-over's backlog,
 not prefill capacity (`kv_target=None`).
 """
@@ -42,7 +46,8 @@ class AutoscalerConfig:
     target_running_per_replica: float = 64.0
     # None: KV use is not this fleet's signal (a disaggregated deployment's prefill replicas).
     kv_target: float | None = 0.75
-    ttft_slo_s: float | None = 1.0
+    # False: TTFT is not this fleet's clock (a disaggregated deployment's decode replicas).
+    ttft_signal: bool = True
     warm_buffer: float = 0.125
     scale_down_stabilization_s: float = 300.0
     # Scale down only when the recommendation is below current x (1 - hysteresis).
@@ -70,7 +75,9 @@ class FleetSample:
     running: int
     waiting: int
     kv_usage: float
-    ttft_p95_s: float | None = None
+    # The p95 of each settled request's TTFT over its own tier's TTFT objective (above 1: the
+    # objectives are missed); None: too few requests with an objective settled to say.
+    ttft_p95_of_objective: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +117,11 @@ def needed_replicas(
     candidates = {"load": load / config.target_running_per_replica}
     if config.kv_target is not None:
         candidates["kv"] = replicas * kv / config.kv_target
-    ttfts = [s.ttft_p95_s for s in samples if s.ttft_p95_s is not None]
-    if latency and config.ttft_slo_s and ttfts:
+    ttfts = [s.ttft_p95_of_objective for s in samples if s.ttft_p95_of_objective is not None]
+    if latency and config.ttft_signal and ttfts:
         # Latency over its objective means the others underestimate (a prefill-bound fleet
         # shows little KV use): ask for as many more replicas as the SLO is missed by.
-        candidates["ttft"] = replicas * (sum(ttfts) / len(ttfts)) / config.ttft_slo_s
+        candidates["ttft"] = replicas * sum(ttfts) / len(ttfts)
     reason = max(candidates, key=lambda name: candidates[name])
     return candidates[reason], reason
 

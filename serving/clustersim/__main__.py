@@ -266,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  prompt tokens per engine step: {steps} (--engine-budget {args.engine_budget})")
     if args.autoscale:
         print(f"  scaling decisions: {len(result.scaling_events)}")
+        for at_s, pool, replicas, reason in result.scaling_events:
+            print(f"    {at_s:7.0f} s  {pool} -> {replicas} ({reason})")
     if args.out:
         paths = write_csv(result, summary, args.out) + plot(result, summary, args.out)
         print("  wrote " + ", ".join(str(p) for p in paths))

@@ -321,6 +321,7 @@ class ClusterSimulator:
         self._samples: dict[str, deque[FleetSample]] = {p.name: deque() for p in fleet.pools}
         self._raw: dict[str, deque[tuple[float, int]]] = {p.name: deque() for p in fleet.pools}
         self._history: dict[str, list[tuple[float, int]]] = {p.name: [] for p in fleet.pools}
+        # Per pool, each first token's TTFT over its tier's objective since the last sample.
         self._recent_ttft: dict[str, list[float]] = {p.name: [] for p in fleet.pools}
         self._timeline: list[TimePoint] = []
         self._scaling: list[tuple[float, str, int, str]] = []
@@ -533,7 +534,10 @@ class ClusterSimulator:
             if kind == FIRST_TOKEN:
                 record.first_token_s = event.time_s
                 self._count(record, event.time_s, "request_first_token", replica.replica_id, prompt)
-                self._recent_ttft[replica.pool.name].append(event.time_s - record.request.arrival_s)
+                tier = self.config.router.slo_tiers.get(record.request.tier)
+                if tier is not None and tier.ttft_s:
+                    ttft = event.time_s - record.request.arrival_s
+                    self._recent_ttft[replica.pool.name].append(ttft / tier.ttft_s)
             elif kind == FINISHED:
                 record.finished_s = event.time_s
                 record.output_tokens = event.output_tokens
@@ -709,7 +713,7 @@ class ClusterSimulator:
         p95 = None
         if ttfts:
             ttfts.sort()
-            p95 = ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]
+            p95 = ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))]  # of the objectives
             self._recent_ttft[pool] = []
         samples = self._samples[pool]
         samples.append(

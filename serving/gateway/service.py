@@ -596,7 +596,9 @@ class Gateway:
             await self._queue_limiter_settle(pipeline, event, reservation)
         add_usage_event(pipeline, event)
         if rollout_deployment_id is not None:
-            _count_for_rollout(pipeline, rollout_deployment_id, event)
+            tier = self.router_config.slo_tiers.get(event.priority)
+            objective = tier.ttft_s if tier is not None else None
+            _count_for_rollout(pipeline, rollout_deployment_id, event, objective)
         return pipeline
 
     async def _queue_limiter_settle(
@@ -614,9 +616,13 @@ class Gateway:
 
 
 def _count_for_rollout(
-    pipeline: Pipeline | ClusterPipeline, deployment_id: str, event: UsageEvent
+    pipeline: Pipeline | ClusterPipeline,
+    deployment_id: str,
+    event: UsageEvent,
+    ttft_objective_s: float | None,
 ) -> None:
-    """The request's counters for its deployment's rollout (registry.rollout_metrics)."""
+    """The request's counters for its deployment's rollout and autoscaler
+    (registry.rollout_metrics); `ttft_objective_s`: its tier's, None where it has none."""
     ttft_ms, completion_tokens = event.ttft_ms, event.completion_tokens
     tpot_s = None
     if ttft_ms is not None and completion_tokens > 1:
@@ -629,6 +635,7 @@ def _count_for_rollout(
         tpot_s=tpot_s,
         output_tokens=completion_tokens,
         finish_reason=event.finish_reason or None,
+        ttft_objective_s=ttft_objective_s,
     )
 
 

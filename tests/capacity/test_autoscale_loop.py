@@ -23,7 +23,7 @@ from serving.actions.autoscale import (
     TYPICAL_PROMPT_TOKENS,
     do_autoscale,
     history_slot,
-    observed_ttft_p95,
+    observed_ttft_p95_of_objective,
     target_running,
 )
 from serving.actions.gpu_classes import sync_gpu_classes
@@ -150,12 +150,25 @@ def test_the_celery_task_runs_the_loop(
     assert deployment.replicas_desired > 2
 
 
-def settle(client: redis.Redis, deployment: Deployment, count: int, ttft_s: float) -> None:
-    """What the gateway's settle pipeline records per request (registry.rollout_metrics)."""
+def settle(
+    client: redis.Redis,
+    deployment: Deployment,
+    count: int,
+    ttft_s: float,
+    objective_s: float | None = 1.0,
+) -> None:
+    """What the gateway's settle pipeline records per request (registry.rollout_metrics);
+    `objective_s`: the request's tier's TTFT objective (interactive's by default)."""
     pipe = client.pipeline(transaction=False)
     for _ in range(count):
         add_request(
-            pipe, deployment.pk, ok=True, ttft_s=ttft_s, output_tokens=50, finish_reason="stop"
+            pipe,
+            deployment.pk,
+            ok=True,
+            ttft_s=ttft_s,
+            output_tokens=50,
+            finish_reason="stop",
+            ttft_objective_s=objective_s,
         )
     pipe.execute()
 
@@ -171,6 +184,24 @@ def test_a_missed_ttft_objective_scales_up_when_queue_and_kv_look_fine(
     deployment.refresh_from_db()
     assert (before.desired, before.reason) == (2, "hold")
     assert (deployment.replicas_desired, after.reason) == (4, "up on ttft")
+
+
+def test_looser_tiers_waiting_within_their_own_objectives_scale_nothing(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    # A standard prompt queued 2.5 s (objective 3 s) and a batch one 20 s (none) are on time,
+    # though either is past the interactive tier's 1 s.
+    deployment, replicas = fleet()
+    report(redis_client, replicas, running=2, kv=0.1)
+    do_autoscale(redis_client, now_s=1000.0)
+    settle(redis_client, deployment, 40, ttft_s=2.5, objective_s=3.0)
+    settle(redis_client, deployment, 40, ttft_s=20.0, objective_s=None)
+    settle(redis_client, deployment, 40, ttft_s=0.3)
+    [outcome] = do_autoscale(redis_client, now_s=1010.0)
+    assert (outcome.desired, outcome.reason) == (2, "hold")
+    settle(redis_client, deployment, 40, ttft_s=4.0, objective_s=3.0)  # now standard is late
+    [outcome] = do_autoscale(redis_client, now_s=1020.0)
+    assert (outcome.desired, outcome.reason) == (3, "up on ttft")
 
 
 def test_a_handful_of_slow_requests_is_not_a_missed_objective(
@@ -201,10 +232,10 @@ def test_the_p95_reads_the_gateways_ttft_histogram_within_a_bucket(
     fleet: Callable[..., Any], redis_client: redis.Redis
 ) -> None:
     deployment, _ = fleet()
-    observed_ttft_p95(redis_client, deployment.pk, now_s=1000.0, window_s=45.0)
+    observed_ttft_p95_of_objective(redis_client, deployment.pk, now_s=1000.0, window_s=45.0)
     settle(redis_client, deployment, 90, ttft_s=0.2)
-    settle(redis_client, deployment, 10, ttft_s=2.0)
-    p95 = observed_ttft_p95(redis_client, deployment.pk, now_s=1010.0, window_s=45.0)
+    settle(redis_client, deployment, 10, ttft_s=6.0, objective_s=3.0)  # twice its objective
+    p95 = observed_ttft_p95_of_objective(redis_client, deployment.pk, now_s=1010.0, window_s=45.0)
     assert p95 is not None and 1.8 < p95 <= 2.0 * 1.1
 
 

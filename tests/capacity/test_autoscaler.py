@@ -14,7 +14,7 @@ from serving.capacity.autoscaler import (
     recommend,
 )
 
-CONFIG = AutoscalerConfig(target_running_per_replica=50.0, ttft_slo_s=1.0)
+CONFIG = AutoscalerConfig(target_running_per_replica=50.0)
 WIDE = ReplicaBounds(1, 100)
 
 
@@ -46,8 +46,21 @@ def test_the_warm_buffer_is_added_to_what_the_load_needs() -> None:
 
 
 def test_ttft_over_its_objective_scales_up_even_with_little_load() -> None:
+    # ttft: the p95 of TTFT over each request's own objective; 2.0, missed twice over.
     decision = recommend(window(4, 5, ttft=2.0), now_s=100, current=4, bounds=WIDE, config=CONFIG)
     assert decision.desired == 8
+
+
+def test_ttft_within_the_objectives_orders_nothing() -> None:
+    decision = recommend(window(4, 5, ttft=0.8), now_s=100, current=4, bounds=WIDE, config=CONFIG)
+    assert (decision.desired, decision.reason) == (4, "hold")
+
+
+def test_a_fleet_whose_clock_ttft_is_not_ignores_it() -> None:
+    # A disaggregated deployment's decode replicas never prefill.
+    decode = AutoscalerConfig(target_running_per_replica=50.0, ttft_signal=False)
+    decision = recommend(window(4, 5, ttft=2.0), now_s=100, current=4, bounds=WIDE, config=decode)
+    assert (decision.desired, decision.reason) == (4, "hold")
 
 
 def test_a_fleet_whose_signal_kv_is_not_ignores_kv_use() -> None:

@@ -209,6 +209,35 @@ def test_the_autoscaler_adds_replicas_when_load_outgrows_the_fleet() -> None:
     assert result.scaling_events[0][3].startswith("up")
 
 
+@pytest.mark.parametrize(
+    ("rate_per_s", "looser", "looser_p95_over_s"),
+    [(3.0, "standard", 1.0), (4.0, "batch", 5.0)],
+)
+def test_the_autoscaler_reads_each_requests_ttft_against_its_own_tiers_objective(
+    rate_per_s: float, looser: str, looser_p95_over_s: float
+) -> None:
+    """The same prompts on one L40S: late for interactive (1 s), on time for a looser tier
+    (standard's 3 s; batch has none), so only interactive's scale the pool on TTFT."""
+    fleet = FleetSpec(pools=(PoolSpec("l40s", "L40S-48GB", 1, autoscale=AutoscaleBounds(1, 6)),))
+    config = SimConfig(
+        policy="least_load",
+        # Load and KV use stay out of it: TTFT is the only signal that can move the pool.
+        autoscaler=AutoscalerConfig(target_running_per_replica=256.0, kv_target=None),
+        cold_start_s=30.0,
+    )
+
+    def run(tier: str) -> tuple[float, list[str]]:
+        requests = poisson(rate_per_s, 180.0, tenants=(Tenant("acme", tier),), seed=5)
+        result = simulate(fleet, requests, config)
+        return summarize(result).ttft_p95_s, [event[3] for event in result.scaling_events]
+
+    interactive_p95, interactive_scaling = run("interactive")
+    looser_p95, looser_scaling = run(looser)
+    assert interactive_p95 > 1.0 and "up on ttft" in interactive_scaling
+    assert looser_p95 > looser_p95_over_s  # queued past interactive's objective, and
+    assert "up on ttft" not in looser_scaling  # within its own (or with none)
+
+
 def test_replicas_added_by_the_autoscaler_are_paid_for_from_their_cold_start() -> None:
     fleet = FleetSpec(
         pools=(PoolSpec("h100", "H100-SXM-80GB", 1, autoscale=AutoscaleBounds(1, 6)),)
