@@ -30,7 +30,11 @@ interactive requests do and the fleet keeps up with every tier (no tier's TTFT p
       is the baseline of the cost target: the cheapest homogeneous fleet that meets the SLO,
       routed as well as we can. Each row names the class's lower bound (the fewest replicas
       on which any router could meet the SLO: serving/capacity/lower_bound.py) and the
-      fleet as a multiple of it; --json FILE writes this search (`lower_bound_replicas`);
+      fleet as a multiple of it, and the class's sustained floor (every tier's work per
+      second of the arrival span at the engine's best efficiency: below it no router keeps
+      up with the traffic for long; a fleet found below it met only because the run ended
+      first, and its row says so); --json FILE writes this search (`lower_bound_replicas`,
+      `sustained_floor_replicas`);
   (a) all four policies on the smallest H100 fleet meeting it;
   (b) a heterogeneous fleet of (a)'s hourly budget (the first `--mixes` entry's shares, in
       whole replicas, never over budget), all four policies on it;
@@ -43,7 +47,9 @@ FLOPS (or bandwidth) per dollar is better than the baseline class's. Fleet verdi
 workload, from (h): cost-aware's cheapest fleet over the classes searched is at most 0.85x
 the best faithful peer's (llm_d_epp, production_stack_*, dynamo_kv, round_robin) and never
 dearer than least-load's; every policy's cheapest fleet is within 1.25x its class's lower
-bound.
+bound. A failed 0.85x verdict says "out of reach" where every homogeneous fleet of 0.85x the
+peer's price is below its class's sustained floor (judged only when every fleet found is at
+or above its floor, that is when the run was long enough to show it).
 
 Tenants: acme and globex interactive (60 % of traffic), initech standard (25 %), umbrella
 batch (15 %); router SLO tiers are the defaults (interactive TTFT 1 s, TPOT 50 ms),
@@ -77,7 +83,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serving.capacity.lower_bound import lower_bound_replicas
+from serving.capacity.lower_bound import lower_bound_replicas, sustained_replicas
 from serving.clustersim import (
     SimConfig,
     SimRequest,
@@ -378,6 +384,19 @@ def lower_bounds(router: RouterConfig, gpus: list[str]) -> dict[str, int | None]
     return bounds
 
 
+def sustained_floors(gpus: list[str]) -> dict[str, float]:
+    """Per GPU class, the replicas every tier's work in REQUESTS needs per second of its
+    arrival span at the engine's best efficiency (`sustained_replicas`): below it a fleet
+    serving the traffic continuously falls behind, whatever routes it."""
+    floors = {}
+    for gpu in gpus:
+        fleet = homogeneous(gpu, 1)
+        floors[gpu] = sustained_replicas(
+            REQUESTS, fleet.perf(fleet.pools[0]), max_num_seqs=fleet.max_num_seqs
+        )
+    return floors
+
+
 def of_bound(replicas: int | None, bound: int | None) -> str:
     """A fleet as a multiple of its class's lower bound ('-' where either is missing)."""
     if replicas is None or not bound:
@@ -391,20 +410,25 @@ def search_homogeneous(
     max_size: int,
     pool: Pool,
     bounds: dict[str, int | None],
+    floors: dict[str, float],
 ) -> list[tuple[str, str, SizeSearch]]:
     """(h): per GPU class and policy, the smallest homogeneous fleet meeting the SLO, with
-    the class's lower bound and the fleet as a multiple of it."""
+    the class's lower bound and the fleet as a multiple of it, and its sustained floor."""
     specs = load_gpu_specs()
     tasks = [(g, p, router, max_size, bounds.get(g)) for g in gpus for p in SEARCH_POLICIES]
     searches = []
     for gpu, policy, found in pool.imap(smallest_meeting, tasks):
         searches.append((gpu, policy, found))
         bound = bounds.get(gpu)
-        against = f"bound {bound if bound is not None else 'none'}"
+        against = f"bound {bound if bound is not None else 'none'}, floor {floors[gpu]:.2f}"
         if found.replicas is not None and found.summary is not None:
             hourly = found.replicas * specs[gpu].usd_per_hour
+            short = (
+                " (below the floor: the run ended first)" if found.replicas < floors[gpu] else ""
+            )
             print(
-                f"{row('(h)', found.summary, hourly)} {against} {of_bound(found.replicas, bound)}"
+                f"{row('(h)', found.summary, hourly)} {against} "
+                f"{of_bound(found.replicas, bound)}{short}"
             )
         else:
             print(f"(h) {policy:<16} {gpu:<56} {not_met(found, max_size)} ({against})")
@@ -425,12 +449,13 @@ def search_entries(
     trace: str,
     searches: list[tuple[str, str, SizeSearch]],
     bounds: dict[str, int | None],
+    floors: dict[str, float],
     family: str | None = None,
 ) -> list[dict[str, object]]:
     """--json's rows: the fleet found, its price, the interactive both-clock attainment on
-    it (on the largest fleet tried when none met; null when none ran) and the class's lower
-    bound (null when no fleet of the class can meet the SLO); `family` names the workload
-    family (then `trace` does too), null for a trace."""
+    it (on the largest fleet tried when none met; null when none ran), the class's lower
+    bound (null when no fleet of the class can meet the SLO) and its sustained floor;
+    `family` names the workload family (then `trace` does too), null for a trace."""
     specs = load_gpu_specs()
     return [
         {
@@ -440,6 +465,7 @@ def search_entries(
             "gpu_class": gpu,
             "replicas": found.replicas,
             "lower_bound_replicas": bounds.get(gpu),
+            "sustained_floor_replicas": round(floors[gpu], 2) if gpu in floors else None,
             "usd_per_hour": (
                 round(found.replicas * specs[gpu].usd_per_hour, 4)
                 if found.replicas is not None
@@ -463,26 +489,30 @@ def bench_trace(
     gpus: list[str],
     max_size: int,
     pool: Pool,
-) -> tuple[list[str], list[tuple[str, str, SizeSearch]], dict[str, int | None]]:
-    """The trace in REQUESTS through (h) to (c): its verdicts, (h)'s searches and the lower
-    bound per class."""
+) -> tuple[list[str], list[tuple[str, str, SizeSearch]], dict[str, int | None], dict[str, float]]:
+    """The trace in REQUESTS through (h) to (c): its verdicts, (h)'s searches, and the lower
+    bound and the sustained floor per class."""
     verdicts: list[str] = []
     print(f"\n== {name}: {len(REQUESTS)} requests over {REQUESTS[-1].arrival_s:.0f} s ==")
     if not any(r.tier == "interactive" for r in REQUESTS):
         print("(h) no interactive request in this trace: the SLO has nothing to judge")
         empty = SizeSearch(None, 0, None)
         searches = [(g, p, empty) for g in gpus for p in SEARCH_POLICIES]
-        return [f"{name}: no interactive request"], searches, {}
+        return [f"{name}: no interactive request"], searches, {}, {}
     bounds = lower_bounds(router, gpus)
-    print(HEADER + "   (h): the class's lower bound, the fleet as a multiple of it")
-    searches = search_homogeneous(router, gpus, max_size, pool, bounds)
+    floors = sustained_floors(gpus)
+    print(
+        HEADER + "   (h): the class's lower bound and sustained floor, the fleet as a "
+        "multiple of the bound"
+    )
+    searches = search_homogeneous(router, gpus, max_size, pool, bounds, floors)
     smallest = {
         (gpu, policy): (found.replicas, found.summary)
         for gpu, policy, found in searches
         if found.replicas is not None and found.summary is not None
     }
     if not smallest:
-        return [f"{name}: no homogeneous fleet meets the SLO"], searches, bounds
+        return [f"{name}: no homogeneous fleet meets the SLO"], searches, bounds, floors
     (base_gpu, base_policy), (base_count, base_summary) = min(
         smallest.items(), key=lambda item: item[1][1].cost_per_million_tokens
     )
@@ -548,7 +578,7 @@ def bench_trace(
         f"{name}: p99 TTFT on (b) cost-aware {ca:.3f} s vs least-load {ll:.3f} s: {better:+.0%} "
         f"lower: {'PASS' if better >= P99_TARGET else 'FAIL'} (target >= {P99_TARGET:.0%})"
     )
-    return verdicts, searches, bounds
+    return verdicts, searches, bounds, floors
 
 
 def mixed_fleet_verdict(name: str, fleet: FleetSpec, results: dict[str, Summary]) -> str:
@@ -597,17 +627,40 @@ def cheapest_fleets(
     return best
 
 
+def steady(searches: list[tuple[str, str, SizeSearch]], floors: dict[str, float]) -> bool:
+    """Whether every fleet found is at or above its class's sustained floor. One below it met
+    the SLO only because the run ended before its backlog told (a window shorter than the
+    requests' lives), and then the floor says nothing of what the run could find."""
+    return all(
+        found.replicas >= floors.get(gpu, 0.0) for gpu, _, found in searches if found.replicas
+    )
+
+
+def out_of_reach(usd_per_hour: float, floors: dict[str, float]) -> bool:
+    """Whether every homogeneous fleet costing at most `usd_per_hour` is below its class's
+    sustained floor, so that no router serves the traffic on it for long."""
+    specs = load_gpu_specs()
+    return all(
+        math.floor(usd_per_hour / specs[gpu].usd_per_hour + 1e-9) < floor
+        for gpu, floor in floors.items()
+    )
+
+
 def verdict(value: float, target: float) -> str:
     return "PASS" if value <= target else "FAIL"
 
 
 def fleet_verdicts(
-    name: str, searches: list[tuple[str, str, SizeSearch]], bounds: dict[str, int | None]
+    name: str,
+    searches: list[tuple[str, str, SizeSearch]],
+    bounds: dict[str, int | None],
+    floors: dict[str, float] | None = None,
 ) -> list[str]:
     """The fleet verdicts of one workload: cost-aware's cheapest fleet (over the classes
     searched) against the best faithful peer's and least-load's, and every policy's cheapest
     fleet as a multiple of its class's lower bound. A policy meeting the SLO on no fleet
-    counts as infinitely dear."""
+    counts as infinitely dear. A failed target that `floors` put out of reach says so: every
+    homogeneous fleet of the target's price is below its class's sustained floor."""
     cheapest = cheapest_fleets(searches, bounds)
     policies = list(dict.fromkeys(policy for _, policy, _ in searches))
 
@@ -644,10 +697,19 @@ def fleet_verdicts(
         else:
             ratio = ours.usd_per_hour / rival.usd_per_hour
         shown = f"{ratio:.2f}x" if math.isfinite(ratio) else "inf"
+        reach = ""
+        if (
+            rival is not None
+            and floors
+            and verdict(ratio, target) == "FAIL"
+            and steady(searches, floors)
+            and out_of_reach(target * rival.usd_per_hour, floors)
+        ):
+            reach = "; out of reach: at that price every class is below its sustained floor"
         lines.append(
             f"{name}: cost-aware ({fleet('cost_aware')}) / {label} "
             f"({fleet(rival.policy) if rival else 'none meets it'}) = {shown}: "
-            f"{verdict(ratio, target)} (target <= {target:.2f}x)"
+            f"{verdict(ratio, target)} (target <= {target:.2f}x{reach})"
         )
     for policy in policies:
         found = cheapest.get(policy)
@@ -913,11 +975,11 @@ def main() -> int:
             return 2
         # Forked after REQUESTS is set: workers inherit it.
         with get_context("fork").Pool(args.workers) as pool:
-            trace_verdicts, searches, bounds = bench_trace(
+            trace_verdicts, searches, bounds, floors = bench_trace(
                 label, router, args.mixes, args.gpus, args.max_replicas, pool
             )
-        verdicts += trace_verdicts + fleet_verdicts(name, searches, bounds) + [""]
-        entries += search_entries(name, searches, bounds, name if is_family else None)
+        verdicts += trace_verdicts + fleet_verdicts(name, searches, bounds, floors) + [""]
+        entries += search_entries(name, searches, bounds, floors, name if is_family else None)
     print("\n" + "\n".join(verdicts))
     if args.json is not None:
         try:

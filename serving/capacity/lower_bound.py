@@ -87,6 +87,26 @@ the whole span. Still loose, the largest first:
 Not proven: a preempted request's recompute step samples a token without reading its KV,
 which 4's inside part, 5 and 6 count as a read (D still holds: the request first waits out a
 whole step, at least `a`, more than that read).
+
+**The sustained floor** (`sustained_replicas`) is a second figure, of another question: how
+many replicas the workload's work needs at the engine's best efficiency, every tier's, batch
+included, per second of its arrival span. Every request must be served some time, and a
+fleet serving the traffic continuously must keep up with it on average, or its queue grows
+without end whatever the router does. The bound above counts only what the objectives force
+into a window and lets a router park every request outside the counted tiers; on workloads
+whose decode dominates, that leaves out most of the work. The floor does not bound a finite
+run: a run ending with a backlog can drain it after its arrivals stop, so a fleet below the
+floor can look as if it met the SLO over a short run. It is a steady-state figure: for
+traffic that goes on (the families are stationary samples; bursty and diurnal ones repeat),
+below it no router can keep up, and its mean hides their peaks, so there it is low.
+
+Derivation, in the notation above. Every step takes at least `t0 + W + K x` its sequences'
+contexts and at least `t0 + F x` its computed tokens, so the fleet's steps take at least
+each of: (memory) `a x m + K x U`, with m steps and U the contexts read by every decode
+token (prompt + i for the i-th), `m >= D / max_num_seqs` (every decode token of every tier
+is in one step, at most `max_num_seqs` a step); (compute) `F x (new + D)`, new the prompt
+tokens no earlier request's blocks hold. Their larger over the span from the first arrival
+to the last is the floor, in replicas, not rounded.
 """
 
 from __future__ import annotations
@@ -236,6 +256,32 @@ def lower_bound_replicas(
             _budget_replicas(arrived, engine, low, high, may_miss),
         )
     return replicas
+
+
+def sustained_replicas(
+    requests: Iterable[BoundRequest], perf: PerfModel, *, max_num_seqs: int = 256
+) -> float:
+    """Replicas of `perf`'s class and TP that every tier's work needs, on average over the
+    arrival span, at the engine's best efficiency (module docstring: the sustained floor).
+    0.0 without requests or with all of them arriving at once."""
+    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    if not ordered:
+        return 0.0
+    span = ordered[-1].arrival_s - ordered[0].arrival_s
+    if span <= 0:
+        return 0.0
+    seen: set[int] = set()
+    new = decode = context = 0.0
+    for request in ordered:
+        new += max(1, _new_tokens(request, seen))  # the last token is always computed
+        tokens = max(0, request.output_tokens - 1)
+        decode += tokens
+        context += tokens * max(1, request.prompt_tokens) + tokens * (tokens - 1) / 2
+    fixed_s = perf.step_overhead_s + perf.memory_time_s(0)
+    kv_token_s = perf.memory_time_s(1) - perf.memory_time_s(0)
+    memory_s = fixed_s * decode / max_num_seqs + kv_token_s * context
+    compute_s = perf.compute_time_s(new + decode)
+    return max(memory_s, compute_s) / span
 
 
 def _counted_work(

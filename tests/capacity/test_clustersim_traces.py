@@ -33,7 +33,7 @@ from serving.clustersim.workloads import (
 from serving.router import RouterConfig, SloTier
 
 REPO = Path(__file__).resolve().parents[2]
-L40S = "L40S-48GB"
+H100, L40S = "H100-SXM-80GB", "L40S-48GB"
 
 
 def write_mooncake(path: Path, count: int, *, spacing_ms: int = 250, start_ms: int = 0) -> Path:
@@ -232,6 +232,8 @@ def test_routing_writes_the_homogeneous_search_as_json(tmp_path: Path) -> None:
         assert entry["replicas"] == 1
         # The floor no router goes below: here the one replica the search found.
         assert entry["lower_bound_replicas"] == 1
+        # Sixty requests' work per second of their span: a fraction of one replica.
+        assert 0.0 < entry["sustained_floor_replicas"] < 1.0
         assert entry["usd_per_hour"] == pytest.approx(0.99)
         assert entry["attainment"] >= 0.99
 
@@ -360,3 +362,27 @@ def test_routing_refuses_bad_input_with_status_2(
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_failed_fleet_target_below_every_sustained_floor_is_called_out_of_reach() -> None:
+    """Generation's figures: the best peer's cheapest fleet is 5 H100 ($17.45/h); 0.85x of it
+    buys 4 H100 (floor 4.39) or 14 L40S (floor 15.36): no router keeps up on either."""
+    searches = [
+        (H100, "cost_aware", routing.SizeSearch(5, 5, None)),
+        (H100, "dynamo_kv", routing.SizeSearch(5, 5, None)),
+        (L40S, "cost_aware", routing.SizeSearch(21, 21, None)),
+        (L40S, "dynamo_kv", routing.SizeSearch(23, 23, None)),
+    ]
+    bounds: dict[str, int | None] = {H100: 2, L40S: 8}
+    out = routing.fleet_verdicts("generation", searches, bounds, {H100: 4.39, L40S: 15.36})
+    [peer] = [line for line in out if "best faithful peer" in line]
+    assert "FAIL" in peer and "out of reach" in peer
+    # With room under the floor of either class, the failure is cost-aware's own.
+    within = routing.fleet_verdicts("generation", searches, bounds, {H100: 3.9, L40S: 15.36})
+    [peer] = [line for line in within if "best faithful peer" in line]
+    assert "FAIL" in peer and "out of reach" not in peer
+    # A fleet found below its floor met only because the run ended first: no verdict on it.
+    short = [*searches[:2], (L40S, "cost_aware", routing.SizeSearch(9, 9, None)), searches[3]]
+    out = routing.fleet_verdicts("generation", short, bounds, {H100: 4.39, L40S: 15.36})
+    [peer] = [line for line in out if "best faithful peer" in line]
+    assert "out of reach" not in peer

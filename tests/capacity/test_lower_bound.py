@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from serving.capacity.lower_bound import lower_bound_replicas
+from serving.capacity.lower_bound import lower_bound_replicas, sustained_replicas
 from serving.clustersim import (
     FAMILIES,
     LengthClass,
@@ -163,3 +163,51 @@ def test_no_router_in_the_simulator_meets_the_slo_below_the_bound() -> None:
     for policy in ("least_load", "cost_aware"):
         below = summarize(simulate(homogeneous(L40S, bound - 1), requests, SimConfig(policy)))
         assert below.tiers["interactive"].slo_attainment < 0.99, policy
+
+
+def test_the_sustained_floor_is_every_tiers_work_per_second_at_best_efficiency() -> None:
+    # 20 requests/s for 60 s of 1,000-token prompts and 401 output tokens, a third of them
+    # batch: decode-bound on an L40S. Per request 400 decode tokens reading 1,000 to 1,399
+    # tokens of context: 479,800 token reads (K = 217 ns each) and 400 / 256 of a step's
+    # fixed part a (29.5 ms).
+    requests = [
+        replace(r, tier=("interactive", "standard", "batch")[i % 3])
+        for i, r in enumerate(stream(20, 1000, 401, seconds=60))
+    ]
+    model = perf(L40S)
+    a = model.step_overhead_s + model.memory_time_s(0)
+    k = model.memory_time_s(1) - model.memory_time_s(0)
+    per_request_s = a * 400 / 256 + k * (400 * 1000 + 400 * 399 / 2)
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    expected = len(requests) * per_request_s / span
+    assert sustained_replicas(requests, model) == pytest.approx(expected)
+    assert 2.5 < expected < 3.5  # about 3 L40S; the bound, parking all but interactive, 2
+    assert lower_bound_replicas(requests, model, counted_tiers=("interactive",)) == 2
+    assert sustained_replicas([], model) == 0.0
+
+
+def test_the_sustained_floor_computes_a_shared_prefix_once() -> None:
+    # Prefill-bound: one output token each, so compute decides.
+    requests = stream(30, 3200, 1)
+    alike = [replace(r, block_hashes=tuple(range(200))) for r in requests]
+    distinct = [
+        replace(r, block_hashes=tuple(range(i * 200, (i + 1) * 200)))
+        for i, r in enumerate(requests)
+    ]
+    assert sustained_replicas(alike, perf()) < sustained_replicas(distinct, perf()) / 100
+
+
+@pytest.mark.parametrize("gpu", [H100, L40S])
+def test_the_engine_model_is_busy_at_least_the_sustained_floor_times_the_span(gpu: str) -> None:
+    """The floor is a lower bound on the steps' time: one replica serving a decode-heavy
+    stream of every tier, at over twice what it can carry, is busy at least floor x span
+    seconds (its batches full, within a third of it), so below the floor a fleet falls
+    behind."""
+    lengths = LengthMix(classes=(LengthClass(1.0, 300, 600),))
+    requests = poisson(40.0, 60.0, lengths=lengths, seed=4)
+    floor = sustained_replicas(requests, perf(gpu))
+    span = requests[-1].arrival_s - requests[0].arrival_s
+    result = simulate(homogeneous(gpu, 1), requests, SimConfig("least_load"))
+    busy_s = sum(r.busy_s for r in result.replicas)
+    assert floor > 2
+    assert floor * span <= busy_s <= 1.4 * floor * span
