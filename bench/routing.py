@@ -31,8 +31,8 @@ interactive requests do and the fleet keeps up with every tier (no tier's TTFT p
       routed as well as we can. Each row names the class's lower bound (the fewest replicas
       on which any router could meet the SLO: serving/capacity/lower_bound.py) and the
       fleet as a multiple of it, and the class's sustained floor (every tier's work per
-      second of the arrival span at the engine's best efficiency: below it no router keeps
-      up with the traffic for long; a fleet found below it met only because the run ended
+      second of the arrival span at the engine's best efficiency within interactive's TPOT
+      objective: below it no router keeps up with the traffic for long; a fleet found below it met only because the run ended
       first, and its row says so); --json FILE writes this search (`lower_bound_replicas`,
       `sustained_floor_replicas`);
   (a) all four policies on the smallest H100 fleet meeting it;
@@ -384,15 +384,21 @@ def lower_bounds(router: RouterConfig, gpus: list[str]) -> dict[str, int | None]
     return bounds
 
 
-def sustained_floors(gpus: list[str]) -> dict[str, float]:
+def sustained_floors(router: RouterConfig, gpus: list[str]) -> dict[str, float]:
     """Per GPU class, the replicas every tier's work in REQUESTS needs per second of its
-    arrival span at the engine's best efficiency (`sustained_replicas`): below it a fleet
-    serving the traffic continuously falls behind, whatever routes it."""
+    arrival span at the engine's best efficiency within the SLO as this benchmark judges it
+    (`sustained_replicas`): below it a fleet serving the traffic continuously falls behind,
+    whatever routes it."""
     floors = {}
     for gpu in gpus:
         fleet = homogeneous(gpu, 1)
         floors[gpu] = sustained_replicas(
-            REQUESTS, fleet.perf(fleet.pools[0]), max_num_seqs=fleet.max_num_seqs
+            REQUESTS,
+            fleet.perf(fleet.pools[0]),
+            tiers=router.slo_tiers,
+            counted_tiers=("interactive",),
+            share=SLO_SHARE,
+            max_num_seqs=fleet.max_num_seqs,
         )
     return floors
 
@@ -500,7 +506,7 @@ def bench_trace(
         searches = [(g, p, empty) for g in gpus for p in SEARCH_POLICIES]
         return [f"{name}: no interactive request"], searches, {}, {}
     bounds = lower_bounds(router, gpus)
-    floors = sustained_floors(gpus)
+    floors = sustained_floors(router, gpus)
     print(
         HEADER + "   (h): the class's lower bound and sustained floor, the fleet as a "
         "multiple of the bound"

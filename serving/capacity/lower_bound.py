@@ -89,24 +89,33 @@ which 4's inside part, 5 and 6 count as a read (D still holds: the request first
 whole step, at least `a`, more than that read).
 
 **The sustained floor** (`sustained_replicas`) is a second figure, of another question: how
-many replicas the workload's work needs at the engine's best efficiency, every tier's, batch
-included, per second of its arrival span. Every request must be served some time, and a
-fleet serving the traffic continuously must keep up with it on average, or its queue grows
-without end whatever the router does. The bound above counts only what the objectives force
-into a window and lets a router park every request outside the counted tiers; on workloads
-whose decode dominates, that leaves out most of the work. The floor does not bound a finite
-run: a run ending with a backlog can drain it after its arrivals stop, so a fleet below the
-floor can look as if it met the SLO over a short run. It is a steady-state figure: for
-traffic that goes on (the families are stationary samples; bursty and diurnal ones repeat),
-below it no router can keep up, and its mean hides their peaks, so there it is low.
+many replicas the workload's work needs, every tier's, batch included, per second of its
+arrival span, at the engine's best efficiency allowed by the counted tiers' TPOT objectives.
+Every request must be served some time, and a fleet serving the traffic continuously must
+keep up with it on average, or its queue grows without end whatever the router does. The
+bound above counts only what the objectives force into a window and lets a router park every
+request outside the counted tiers; on workloads whose decode dominates, that leaves out most
+of the work. The floor does not bound a finite run's fleet: a run ending with a backlog can
+drain it after its arrivals stop, so a fleet below the floor can look as if it met the SLO
+over a short run. It is a steady-state figure: for traffic that goes on (the families are
+stationary samples; bursty and diurnal ones repeat), below it no router keeps up within the
+SLO, and its mean hides their peaks, so there it is low. What it does bound in any run that
+meets the SLO is the steps' total time: at least floor x span.
 
 Derivation, in the notation above. Every step takes at least `t0 + W + K x` its sequences'
 contexts and at least `t0 + F x` its computed tokens, so the fleet's steps take at least
-each of: (memory) `a x m + K x U`, with m steps and U the contexts read by every decode
-token (prompt + i for the i-th), `m >= D / max_num_seqs` (every decode token of every tier
-is in one step, at most `max_num_seqs` a step); (compute) `F x (new + D)`, new the prompt
-tokens no earlier request's blocks hold. Their larger over the span from the first arrival
-to the last is the floor, in replicas, not rounded.
+each of:
+- (memory) `a x m + K x U`, with m steps and U the contexts read by every decode token of
+  every tier (prompt + i for the i-th). `m >= D / max_num_seqs`: every decode token is in
+  one step, at most `max_num_seqs` a step. And `m >= S1^2 / beta'` over the counted
+  requests, term 6 over the whole span: the steps carrying their decodes are at least that
+  many (their TPOT budget shares each step's fixed part over a batch whose KV read it also
+  pays), and other tiers' decodes only add reads to them.
+- (compute) `F x (new + D)`, new the prompt tokens no earlier request's blocks hold.
+Their larger over the span from the first arrival to the last is the floor, in replicas,
+not rounded. As in 1 and 6, the counted requests that may miss (beyond those no fleet can
+serve in time) drop their largest S1 summands, and beta' keeps every one; when more than
+that cannot be served in time, the TPOT term is left out (the bound is then None).
 """
 
 from __future__ import annotations
@@ -259,11 +268,18 @@ def lower_bound_replicas(
 
 
 def sustained_replicas(
-    requests: Iterable[BoundRequest], perf: PerfModel, *, max_num_seqs: int = 256
+    requests: Iterable[BoundRequest],
+    perf: PerfModel,
+    *,
+    tiers: dict[str, SloTier] | None = None,
+    counted_tiers: Sequence[str] | None = None,
+    share: float = 0.99,
+    max_num_seqs: int = 256,
 ) -> float:
     """Replicas of `perf`'s class and TP that every tier's work needs, on average over the
-    arrival span, at the engine's best efficiency (module docstring: the sustained floor).
-    0.0 without requests or with all of them arriving at once."""
+    arrival span, at the engine's best efficiency within the counted tiers' TPOT objectives
+    for `share` of their requests (module docstring: the sustained floor; `counted_tiers`
+    as `lower_bound_replicas` takes it). 0.0 without requests or with all arriving at once."""
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     if not ordered:
         return 0.0
@@ -279,9 +295,35 @@ def sustained_replicas(
         context += tokens * max(1, request.prompt_tokens) + tokens * (tokens - 1) / 2
     fixed_s = perf.step_overhead_s + perf.memory_time_s(0)
     kv_token_s = perf.memory_time_s(1) - perf.memory_time_s(0)
-    memory_s = fixed_s * decode / max_num_seqs + kv_token_s * context
+    steps = max(
+        decode / max_num_seqs,
+        _tpot_steps(ordered, perf, tiers or DEFAULT_SLO_TIERS, counted_tiers, share, fixed_s),
+    )
+    memory_s = fixed_s * steps + kv_token_s * context
     compute_s = perf.compute_time_s(new + decode)
     return max(memory_s, compute_s) / span
+
+
+def _tpot_steps(
+    requests: Sequence[BoundRequest],
+    perf: PerfModel,
+    tiers: dict[str, SloTier],
+    counted_tiers: Sequence[str] | None,
+    share: float,
+    fixed_s: float,
+) -> float:
+    """The fewest steps carrying the counted requests' decodes within their TPOT budget over
+    the whole span (term 6's `S1^2 / beta'`); 0 when the SLO cannot be met at all."""
+    works, infeasible = _counted_work(requests, perf, tiers, counted_tiers)
+    may_miss = math.floor((1.0 - share) * (len(works) + infeasible) + 1e-9) - infeasible
+    if may_miss < 0:
+        return 0.0
+    timed = [w for w in works if w.decode_tokens and math.isfinite(w.tpot_s)]
+    slack = sum(w.decode_tokens * (w.tpot_s - fixed_s) for w in timed)
+    if slack <= 0:
+        return 0.0
+    kv_root = _less_heaviest(np.array([w.kv_root_s for w in timed]), may_miss)
+    return kv_root**2 / slack
 
 
 def _counted_work(
