@@ -80,6 +80,7 @@ from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -370,18 +371,7 @@ def lower_bounds(router: RouterConfig, gpus: list[str]) -> dict[str, int | None]
     """Per GPU class, the fewest replicas on which any router could meet the SLO as this
     benchmark judges it (99 % of interactive requests within both clocks), from
     `serving.capacity.lower_bound` (its docstring derives it); None: no fleet of the class can."""
-    bounds: dict[str, int | None] = {}
-    for gpu in gpus:
-        fleet = homogeneous(gpu, 1)
-        bounds[gpu] = lower_bound_replicas(
-            REQUESTS,
-            fleet.perf(fleet.pools[0]),
-            tiers=router.slo_tiers,
-            counted_tiers=("interactive",),
-            share=SLO_SHARE,
-            max_num_seqs=fleet.max_num_seqs,
-        )
-    return bounds
+    return {gpu: lower_bound_replicas(REQUESTS, **judged_as_here(router, gpu)) for gpu in gpus}
 
 
 def sustained_floors(router: RouterConfig, gpus: list[str]) -> dict[str, float]:
@@ -389,18 +379,20 @@ def sustained_floors(router: RouterConfig, gpus: list[str]) -> dict[str, float]:
     arrival span at the engine's best efficiency within the SLO as this benchmark judges it
     (`sustained_replicas`): below it a fleet serving the traffic continuously falls behind,
     whatever routes it."""
-    floors = {}
-    for gpu in gpus:
-        fleet = homogeneous(gpu, 1)
-        floors[gpu] = sustained_replicas(
-            REQUESTS,
-            fleet.perf(fleet.pools[0]),
-            tiers=router.slo_tiers,
-            counted_tiers=("interactive",),
-            share=SLO_SHARE,
-            max_num_seqs=fleet.max_num_seqs,
-        )
-    return floors
+    return {gpu: sustained_replicas(REQUESTS, **judged_as_here(router, gpu)) for gpu in gpus}
+
+
+def judged_as_here(router: RouterConfig, gpu: str) -> dict[str, Any]:
+    """The class's engine and the SLO as this benchmark judges it, as the bound and the
+    floor take them."""
+    fleet = homogeneous(gpu, 1)
+    return {
+        "perf": fleet.perf(fleet.pools[0]),
+        "tiers": router.slo_tiers,
+        "counted_tiers": ("interactive",),
+        "share": SLO_SHARE,
+        "max_num_seqs": fleet.max_num_seqs,
+    }
 
 
 def of_bound(replicas: int | None, bound: int | None) -> str:

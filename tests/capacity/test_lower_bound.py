@@ -165,15 +165,19 @@ def test_no_router_in_the_simulator_meets_the_slo_below_the_bound() -> None:
         assert below.tiers["interactive"].slo_attainment < 0.99, policy
 
 
+def every_tier(requests: list[SimRequest]) -> list[SimRequest]:
+    """The requests dealt to interactive, standard and batch in turn."""
+    return [
+        replace(r, tier=("interactive", "standard", "batch")[i % 3]) for i, r in enumerate(requests)
+    ]
+
+
 def test_the_sustained_floor_is_every_tiers_work_per_second_at_best_efficiency() -> None:
     # 20 requests/s for 60 s of 1,000-token prompts and 401 output tokens, a third of them
     # batch: decode-bound on an L40S. Per request 400 decode tokens reading 1,000 to 1,399
     # tokens of context: 479,800 token reads (K = 217 ns each) and 400 / 256 of a step's
     # fixed part a (29.5 ms). No tier counted: no TPOT objective limits the batch.
-    requests = [
-        replace(r, tier=("interactive", "standard", "batch")[i % 3])
-        for i, r in enumerate(stream(20, 1000, 401, seconds=60))
-    ]
+    requests = every_tier(stream(20, 1000, 401, seconds=60))
     model = perf(L40S)
     a = model.step_overhead_s + model.memory_time_s(0)
     k = model.memory_time_s(1) - model.memory_time_s(0)
@@ -189,10 +193,7 @@ def test_the_sustained_floor_is_every_tiers_work_per_second_at_best_efficiency()
 def test_the_tpot_objective_limits_the_batch_the_sustained_floor_shares_a_step_over() -> None:
     # The same stream, interactive counted: at 1,000 to 1,399 tokens of context a step within
     # 50 ms carries (50 ms - a) / (K x context) = 72 to 101 interactive decodes, not 256.
-    requests = [
-        replace(r, tier=("interactive", "standard", "batch")[i % 3])
-        for i, r in enumerate(stream(20, 1000, 401, seconds=60))
-    ]
+    requests = every_tier(stream(20, 1000, 401, seconds=60))
     model = perf(L40S)
     a = model.step_overhead_s + model.memory_time_s(0)
     k = model.memory_time_s(1) - model.memory_time_s(0)
