@@ -32,9 +32,9 @@ interactive requests do and the fleet keeps up with every tier (no tier's TTFT p
       on which any router could meet the SLO: serving/capacity/lower_bound.py) and the
       fleet as a multiple of it, and the class's sustained floor (every tier's work per
       second of the arrival span at the engine's best efficiency within interactive's TPOT
-      objective: below it no router keeps up with the traffic for long; a fleet found below it met only because the run ended
-      first, and its row says so); --json FILE writes this search (`lower_bound_replicas`,
-      `sustained_floor_replicas`);
+      objective: below it no router keeps up with the traffic for long; a fleet found
+      below it met only because the run ended first, and its row says so); --json FILE
+      writes this search (`lower_bound_replicas`, `sustained_floor_replicas`);
   (a) all four policies on the smallest H100 fleet meeting it;
   (b) a heterogeneous fleet of (a)'s hourly budget (the first `--mixes` entry's shares, in
       whole replicas, never over budget), all four policies on it;
@@ -379,7 +379,18 @@ def sustained_floors(router: RouterConfig, gpus: list[str]) -> dict[str, float]:
     arrival span at the engine's best efficiency within the SLO as this benchmark judges it
     (`sustained_replicas`): below it a fleet serving the traffic continuously falls behind,
     whatever routes it."""
-    return {gpu: sustained_replicas(REQUESTS, **judged_as_here(router, gpu)) for gpu in gpus}
+    return {
+        gpu: sustained_replicas(
+            REQUESTS, max_model_len=class_max_model_len(gpu), **judged_as_here(router, gpu)
+        )
+        for gpu in gpus
+    }
+
+
+def class_max_model_len(gpu: str) -> int:
+    """The longest request a replica of the class holds (the simulator fails longer ones)."""
+    fleet = homogeneous(gpu, 1)
+    return fleet.max_model_len(fleet.perf(fleet.pools[0]))
 
 
 def judged_as_here(router: RouterConfig, gpu: str) -> dict[str, Any]:
@@ -635,8 +646,9 @@ def steady(searches: list[tuple[str, str, SizeSearch]], floors: dict[str, float]
 
 
 def out_of_reach(usd_per_hour: float, floors: dict[str, float]) -> bool:
-    """Whether every homogeneous fleet costing at most `usd_per_hour` is below its class's
-    sustained floor, so that no router serves the traffic on it for long."""
+    """Whether every homogeneous fleet of the classes searched costing at most `usd_per_hour`
+    is below its class's sustained floor, so that no router serves the traffic on it for
+    long (other classes, and mixes, are not judged)."""
     specs = load_gpu_specs()
     return all(
         math.floor(usd_per_hour / specs[gpu].usd_per_hour + 1e-9) < floor
@@ -703,7 +715,9 @@ def fleet_verdicts(
             and steady(searches, floors)
             and out_of_reach(target * rival.usd_per_hour, floors)
         ):
-            reach = "; out of reach: at that price every class is below its sustained floor"
+            reach = (
+                "; out of reach: at that price every class searched is below its sustained floor"
+            )
         lines.append(
             f"{name}: cost-aware ({fleet('cost_aware')}) / {label} "
             f"({fleet(rival.policy) if rival else 'none meets it'}) = {shown}: "

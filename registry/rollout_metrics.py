@@ -17,8 +17,9 @@ Redis layout (one hash per deployment, refreshed TTL `STATS_TTL_S` on each write
           len:{upper}        successful requests by output tokens, bucket upper bound in tokens
           ttft:{k}           time to first token, bucket k covers (2^((k-1)/8), 2^(k/8)] ms
           ttft_slo:{k}       time to first token over its tier's TTFT objective, in the same
-                             buckets read as 1/1000 (1.0, the objective, is the 1 s edge);
-                             requests of a tier without one record none (the autoscaler's)
+                             buckets, the ratio read as seconds (1.0, the objective, falls in
+                             the 1 s bucket); requests of a tier without one record none (the
+                             autoscaler's signal)
           tpot:{k}           time per output token, same buckets
 
 This module imports nothing from Django: the gateway imports it on the hot path.

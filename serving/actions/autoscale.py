@@ -12,7 +12,8 @@ own bounds and its own pool's free GPUs:
   KV cache use (the decode replicas hold every stream's KV). Not TTFT: they never prefill;
 - prefill: load, mostly its waiting queue, against the typical prompts whose prefills, one after
   another, fit the TTFT objective, and the deployment's TTFT p95 against the objectives (TTFT
-  is the prefill side's clock). Not KV use: what a prefill replica holds is waiting for the decode side to pull it.
+  is the prefill side's clock). Not KV use: what a prefill replica holds is waiting for the
+  decode side to pull it.
 
 Per fleet with room to scale (an active deployment's phase whose max exceeds its min), every beat:
 1. one sample of its ready replicas, appended to a short Redis list, so the window survives
@@ -57,7 +58,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import orjson
@@ -86,13 +87,17 @@ logger = logging.getLogger(__name__)
 SAMPLES_KEY = "autoscale:samples:{deployment_id}"
 RAW_KEY = "autoscale:raw:{deployment_id}"
 # The TTFT-over-objective histogram's counters when the loop last read a p95:
-# {"at_s": ..., "counts": {...}}.
-TTFT_MARK_KEY = "autoscale:ttft-mark:{deployment_id}"
+# {"at_s": ..., "counts": {...}}. Not "autoscale:ttft-mark", whose counts were of TTFT itself.
+TTFT_MARK_KEY = "autoscale:ttft-slo-mark:{deployment_id}"
 # Hash: field = the minute's index within two periods (`history_slot`), value = [minute start,
 # highest reactive raw recommendation of that minute]. At most 2 x period / 60 fields,
 # whatever runs how often.
 HISTORY_KEY = "autoscale:history:{deployment_id}"
 KEEP_SAMPLES = 64
+# A stored sample is read back by these fields only: one written by an earlier release, with
+# a field since renamed (its TTFT p95 in seconds, now a share of the objective), loses it
+# rather than stop the loop.
+SAMPLE_FIELDS = tuple(field.name for field in fields(FleetSample))
 KEEP_RAW = 256
 KEY_TTL_S = 3600
 # The 95th percentile of fewer requests than this is their maximum (one long prompt).
@@ -433,7 +438,7 @@ def do_autoscale_deployment(
     )
     point = sample(deployment, telemetry, now_s, ttft_p95, phase)
     samples = [
-        FleetSample(**row)
+        FleetSample(**{name: row[name] for name in SAMPLE_FIELDS if name in row})
         for row in _remember(
             client, phase_key(SAMPLES_KEY, deployment.pk, phase), asdict(point), KEEP_SAMPLES
         )

@@ -86,7 +86,8 @@ the whole span. Still loose, the largest first:
 
 Not proven: a preempted request's recompute step samples a token without reading its KV,
 which 4's inside part, 5 and 6 count as a read (D still holds: the request first waits out a
-whole step, at least `a`, more than that read).
+whole step, at least `a`, more than that read), and so does the sustained floor below (at
+most one context's read, K x its context, per preemption).
 
 **The sustained floor** (`sustained_replicas`) is a second figure, of another question: how
 many replicas the workload's work needs, every tier's, batch included, per second of its
@@ -275,12 +276,18 @@ def sustained_replicas(
     counted_tiers: Sequence[str] | None = None,
     share: float = 0.99,
     max_num_seqs: int = 256,
+    max_model_len: int | None = None,
 ) -> float:
     """Replicas of `perf`'s class and TP that every tier's work needs, on average over the
     arrival span, at the engine's best efficiency within the counted tiers' TPOT objectives
     for `share` of their requests (module docstring: the sustained floor; `counted_tiers`
-    as `lower_bound_replicas` takes it). 0.0 without requests or with all arriving at once."""
-    ordered = sorted(requests, key=lambda r: r.arrival_s)
+    as `lower_bound_replicas` takes it). A request longer than `max_model_len` (prompt and
+    output) never runs, so it asks no work. 0.0 without requests or with all arriving at
+    once."""
+    ordered = sorted(
+        (r for r in requests if max_model_len is None or _length(r) <= max_model_len),
+        key=lambda r: r.arrival_s,
+    )
     if not ordered:
         return 0.0
     span = ordered[-1].arrival_s - ordered[0].arrival_s
@@ -302,6 +309,10 @@ def sustained_replicas(
     memory_s = fixed_s * steps + kv_token_s * context
     compute_s = perf.compute_time_s(new + decode)
     return max(memory_s, compute_s) / span
+
+
+def _length(request: BoundRequest) -> int:
+    return request.prompt_tokens + request.output_tokens
 
 
 def _tpot_steps(

@@ -20,6 +20,7 @@ from serving.actions.autoscale import (
     DECODE,
     MIN_TTFT_REQUESTS,
     PREFILL,
+    SAMPLES_KEY,
     TYPICAL_PROMPT_TOKENS,
     do_autoscale,
     history_slot,
@@ -202,6 +203,25 @@ def test_looser_tiers_waiting_within_their_own_objectives_scale_nothing(
     settle(redis_client, deployment, 40, ttft_s=4.0, objective_s=3.0)  # now standard is late
     [outcome] = do_autoscale(redis_client, now_s=1020.0)
     assert (outcome.desired, outcome.reason) == (3, "up on ttft")
+
+
+def test_a_sample_stored_by_an_earlier_release_does_not_stop_the_loop(
+    fleet: Callable[..., Any], redis_client: redis.Redis
+) -> None:
+    # Before the TTFT signal was per tier, samples held the p95 in seconds as `ttft_p95_s`.
+    deployment, replicas = fleet()
+    legacy = {
+        "at_s": 995.0,
+        "replicas": 2,
+        "running": 4,
+        "waiting": 0,
+        "kv_usage": 0.1,
+        "ttft_p95_s": 9.0,
+    }
+    redis_client.rpush(SAMPLES_KEY.format(deployment_id=deployment.pk), orjson.dumps(legacy))
+    report(redis_client, replicas, running=2, kv=0.1)
+    [outcome] = do_autoscale(redis_client, now_s=1000.0)
+    assert (outcome.desired, outcome.reason) == (2, "hold")  # its 9 s read as nothing
 
 
 def test_a_handful_of_slow_requests_is_not_a_missed_objective(

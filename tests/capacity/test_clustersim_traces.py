@@ -366,7 +366,7 @@ def test_routing_refuses_bad_input_with_status_2(
 
 def test_a_failed_fleet_target_below_every_sustained_floor_is_called_out_of_reach() -> None:
     """Generation's figures: the best peer's cheapest fleet is 5 H100 ($17.45/h); 0.85x of it
-    buys 4 H100 (floor 4.39) or 14 L40S (floor 15.36): no router keeps up on either."""
+    buys 4 H100 (floor 4.39) or 14 L40S (floor 17.04): no router keeps up on either."""
     searches = [
         (H100, "cost_aware", routing.SizeSearch(5, 5, None)),
         (H100, "dynamo_kv", routing.SizeSearch(5, 5, None)),
@@ -374,15 +374,15 @@ def test_a_failed_fleet_target_below_every_sustained_floor_is_called_out_of_reac
         (L40S, "dynamo_kv", routing.SizeSearch(23, 23, None)),
     ]
     bounds: dict[str, int | None] = {H100: 2, L40S: 8}
-    out = routing.fleet_verdicts("generation", searches, bounds, {H100: 4.39, L40S: 15.36})
+    out = routing.fleet_verdicts("generation", searches, bounds, {H100: 4.39, L40S: 17.04})
     [peer] = [line for line in out if "best faithful peer" in line]
     assert "FAIL" in peer and "out of reach" in peer
     # With room under the floor of either class, the failure is cost-aware's own.
-    within = routing.fleet_verdicts("generation", searches, bounds, {H100: 3.9, L40S: 15.36})
+    within = routing.fleet_verdicts("generation", searches, bounds, {H100: 3.9, L40S: 17.04})
     [peer] = [line for line in within if "best faithful peer" in line]
     assert "FAIL" in peer and "out of reach" not in peer
     # A fleet found below its floor met only because the run ended first: no verdict on it.
     short = [*searches[:2], (L40S, "cost_aware", routing.SizeSearch(9, 9, None)), searches[3]]
-    out = routing.fleet_verdicts("generation", short, bounds, {H100: 4.39, L40S: 15.36})
+    out = routing.fleet_verdicts("generation", short, bounds, {H100: 4.39, L40S: 17.04})
     [peer] = [line for line in out if "best faithful peer" in line]
     assert "out of reach" not in peer

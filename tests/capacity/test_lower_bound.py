@@ -211,6 +211,16 @@ def test_the_tpot_objective_limits_the_batch_the_sustained_floor_shares_a_step_o
     assert floor_at(1000, 0.99) <= floor <= floor_at(1400, 1.0)
 
 
+def test_a_request_no_replica_of_the_class_holds_asks_the_floor_no_work() -> None:
+    # The simulator fails them ("too_long"): none of their tokens is ever computed.
+    fits = stream(20, 1000, 401, seconds=60)
+    longer = [replace(r, request_id=f"long-{r.request_id}", prompt_tokens=9000) for r in fits]
+    model = perf(L40S)
+    alone = sustained_replicas(fits, model, max_model_len=8192)
+    assert sustained_replicas([*fits, *longer], model, max_model_len=8192) == alone
+    assert sustained_replicas([*fits, *longer], model) > alone
+
+
 def test_the_sustained_floor_computes_a_shared_prefix_once() -> None:
     # Prefill-bound: one output token each, so compute decides.
     requests = stream(30, 3200, 1)
