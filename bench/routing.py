@@ -80,7 +80,7 @@ from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from multiprocessing.pool import Pool
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -104,6 +104,7 @@ from serving.clustersim.workloads import (
     TraceError,
     load_trace,
 )
+from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
 from serving.router import DEFAULT_SLO_TIERS, POLICIES, RouterConfig, SloTier
 
@@ -393,17 +394,26 @@ def class_max_model_len(gpu: str) -> int:
     return fleet.max_model_len(fleet.perf(fleet.pools[0]))
 
 
-def judged_as_here(router: RouterConfig, gpu: str) -> dict[str, Any]:
-    """The class's engine and the SLO as this benchmark judges it, as the bound and the
-    floor take them."""
+class Judged(TypedDict):
+    """What the bound and the floor take of a class and of the SLO as judged here."""
+
+    perf: PerfModel
+    tiers: dict[str, SloTier]
+    counted_tiers: tuple[str, ...]
+    share: float
+    max_num_seqs: int
+
+
+def judged_as_here(router: RouterConfig, gpu: str) -> Judged:
+    """The class's engine and the SLO as this benchmark judges it."""
     fleet = homogeneous(gpu, 1)
-    return {
-        "perf": fleet.perf(fleet.pools[0]),
-        "tiers": router.slo_tiers,
-        "counted_tiers": ("interactive",),
-        "share": SLO_SHARE,
-        "max_num_seqs": fleet.max_num_seqs,
-    }
+    return Judged(
+        perf=fleet.perf(fleet.pools[0]),
+        tiers=router.slo_tiers,
+        counted_tiers=("interactive",),
+        share=SLO_SHARE,
+        max_num_seqs=fleet.max_num_seqs,
+    )
 
 
 def of_bound(replicas: int | None, bound: int | None) -> str:
