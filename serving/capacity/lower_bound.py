@@ -221,6 +221,14 @@ class _Engine:
     kv_token_s: float  # K: one context token's KV read
     max_num_seqs: int
 
+    @classmethod
+    def of(cls, perf: PerfModel, max_num_seqs: int) -> _Engine:
+        return cls(
+            fixed_s=perf.step_overhead_s + perf.memory_time_s(0),
+            kv_token_s=perf.memory_time_s(1) - perf.memory_time_s(0),
+            max_num_seqs=max_num_seqs,
+        )
+
 
 def lower_bound_replicas(
     requests: Iterable[BoundRequest],
@@ -240,18 +248,13 @@ def lower_bound_replicas(
     counted = len(works) + infeasible
     if counted == 0:
         return 0
-    may_miss = math.floor((1.0 - share) * counted + 1e-9)
-    if infeasible > may_miss:
+    may_miss = _may_miss(share, counted) - infeasible
+    if may_miss < 0:
         return None
     if not works:
         return 0
-    may_miss -= infeasible
     work = _Columns.of(works)
-    engine = _Engine(
-        fixed_s=perf.step_overhead_s + perf.memory_time_s(0),
-        kv_token_s=perf.memory_time_s(1) - perf.memory_time_s(0),
-        max_num_seqs=max_num_seqs,
-    )
+    engine = _Engine.of(perf, max_num_seqs)
     # A request arriving this long before a window holds no slot in it (term 4).
     held = work.ttft + work.lone
     lookback = float(held[np.isfinite(held)].max(initial=0.0))
@@ -299,14 +302,13 @@ def sustained_replicas(
         new += max(1, _new_tokens(request, seen))  # the last token is always computed
         tokens = max(0, request.output_tokens - 1)
         decode += tokens
-        context += tokens * max(1, request.prompt_tokens) + tokens * (tokens - 1) / 2
-    fixed_s = perf.step_overhead_s + perf.memory_time_s(0)
-    kv_token_s = perf.memory_time_s(1) - perf.memory_time_s(0)
+        context += _decode_context(max(1, request.prompt_tokens), tokens)
+    engine = _Engine.of(perf, max_num_seqs)
     steps = max(
         decode / max_num_seqs,
-        _tpot_steps(ordered, perf, tiers or DEFAULT_SLO_TIERS, counted_tiers, share, fixed_s),
+        _tpot_steps(ordered, perf, tiers or DEFAULT_SLO_TIERS, counted_tiers, share, engine),
     )
-    memory_s = fixed_s * steps + kv_token_s * context
+    memory_s = engine.fixed_s * steps + engine.kv_token_s * context
     compute_s = perf.compute_time_s(new + decode)
     return max(memory_s, compute_s) / span
 
@@ -315,22 +317,32 @@ def _length(request: BoundRequest) -> int:
     return request.prompt_tokens + request.output_tokens
 
 
+def _may_miss(share: float, counted: int) -> int:
+    """How many of `counted` requests may miss with `share` of them meeting the SLO."""
+    return math.floor((1.0 - share) * counted + 1e-9)
+
+
+def _decode_context(prompt: int, tokens: int) -> float:
+    """The KV tokens `tokens` decode steps read after a `prompt`: prompt + i at step i."""
+    return tokens * prompt + tokens * (tokens - 1) / 2
+
+
 def _tpot_steps(
     requests: Sequence[BoundRequest],
     perf: PerfModel,
     tiers: dict[str, SloTier],
     counted_tiers: Sequence[str] | None,
     share: float,
-    fixed_s: float,
+    engine: _Engine,
 ) -> float:
     """The fewest steps carrying the counted requests' decodes within their TPOT budget over
     the whole span (term 6's `S1^2 / beta'`); 0 when the SLO cannot be met at all."""
     works, infeasible = _counted_work(requests, perf, tiers, counted_tiers)
-    may_miss = math.floor((1.0 - share) * (len(works) + infeasible) + 1e-9) - infeasible
+    may_miss = _may_miss(share, len(works) + infeasible) - infeasible
     if may_miss < 0:
         return 0.0
     timed = [w for w in works if w.decode_tokens and math.isfinite(w.tpot_s)]
-    slack = sum(w.decode_tokens * (w.tpot_s - fixed_s) for w in timed)
+    slack = sum(w.decode_tokens * (w.tpot_s - engine.fixed_s) for w in timed)
     if slack <= 0:
         return 0.0
     kv_root = _less_heaviest(np.array([w.kv_root_s for w in timed]), may_miss)
@@ -367,7 +379,7 @@ def _counted_work(
             continue
         # Decode step i (0-based) reads prompt + i tokens of KV; sqrt's sum from below by
         # its integral over [i - 1, i].
-        kv_s = kv_token_s * (decode_tokens * prompt + decode_tokens * (decode_tokens - 1) / 2)
+        kv_s = kv_token_s * _decode_context(prompt, decode_tokens)
         top, bottom = prompt + decode_tokens - 1, prompt - 1
         kv_root_s = math.sqrt(kv_token_s) * 2 / 3 * (top**1.5 - bottom**1.5)
         works.append(
