@@ -143,6 +143,17 @@ def test_chat_conversations_of_a_tenant_share_its_system_prompt() -> None:
     assert len({next(iter(roots)) for roots in firsts.values()}) == len(firsts)  # salted
 
 
+def test_chat_opens_its_window_at_the_familys_rate() -> None:
+    """Conversations last minutes: begun too late before the window, it opens short of the
+    rate (from 120 s before, 0.92 of it over the first minute) and ramps up through it."""
+    spec = FAMILIES["chat"]
+    shares = [
+        len(spec.generate(seed=seed, duration_s=60.0)) / 60.0 / spec.rate_per_s
+        for seed in (1, 2, 3, 4)
+    ]
+    assert sum(shares) / len(shares) > 0.96
+
+
 def test_rag_requests_share_document_blocks_after_the_system_prompt() -> None:
     requests = generated("rag")
     past_system = Counter(
