@@ -246,9 +246,9 @@ class RouterConfig:
     # needs them, rather than queueing its own long prompts there.
     yield_to_tighter_tiers: bool = True
     # Likewise for a request of any tier predicted to miss its objective on every candidate:
-    # it is lost to the SLO wherever it goes, so it takes the cheapest replica missing by at
-    # most `queue_over_slo_factor` times the least bad's miss, and leaves the fast ones to
-    # requests that can still meet theirs (its prefill there would push them over too).
+    # it is lost to the SLO wherever it goes, so it takes the cheapest replica, however far
+    # it misses there, and leaves the fast ones to requests that can still meet theirs (its
+    # prefill there would push them over too).
     yield_when_lost: bool = True
     # Gateway processes sharing the traffic. Each tells the others of the requests it sends
     # (serving/gateway/inflight_sync.py), so its counts are everyone's but for the last

@@ -214,15 +214,49 @@ def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tie
     assert chosen_id(CostAware(overloaded_pair(), unyielding), request()) == "h100"
 
 
-def test_a_looser_tier_does_not_yield_onto_a_replica_it_cannot_tolerate() -> None:
+def queued_standard(
+    h100_wait_s: float, l40s_wait_s: float
+) -> tuple[RouterState, RouteRequest, dict[str, float]]:
+    """An H100 and an L40S with that much prefill queued, a standard request, and its TTFT
+    on each as a multiple of standard's 3 s objective."""
     h100_perf, _ = gpu(H100)
     l40s_perf, _ = gpu(L40S)
     state = fleet(
-        replica("h100", H100, prefill_pending_tokens=int(3.3 / h100_perf.prefill_s_per_token)),
-        replica("l40s", L40S, prefill_pending_tokens=int(9.0 / l40s_perf.prefill_s_per_token)),
+        replica(
+            "h100", H100, prefill_pending_tokens=int(h100_wait_s / h100_perf.prefill_s_per_token)
+        ),
+        replica(
+            "l40s", L40S, prefill_pending_tokens=int(l40s_wait_s / l40s_perf.prefill_s_per_token)
+        ),
     )
-    decision = CostAware(state).choose(request(), NOW)
+    standard = request(tier="standard")
+    misses = {
+        name: predict(state.replica(name), standard, NOW, RouterConfig()).ttft_s / 3.0  # type: ignore[arg-type]
+        for name in ("h100", "l40s")
+    }
+    return state, standard, misses
+
+
+def test_a_looser_tier_does_not_yield_onto_a_replica_it_cannot_tolerate() -> None:
+    # Within its 3 s TTFT on the H100 (past the margin, so nothing meets) and at three times
+    # it on the L40S: the request may still meet, so it stays.
+    state, standard, misses = queued_standard(2.7, 9.0)
+    assert RouterConfig().slo_margin < misses["h100"] <= 1.0 and misses["l40s"] > 1.5
+    decision = CostAware(state).choose(standard, NOW)
     assert decision.replica is not None and decision.replica.replica_id == "h100"
+
+
+def test_a_request_lost_everywhere_takes_the_cheapest_replica_however_far_it_misses() -> None:
+    # Past its 3 s TTFT on the H100 too, the request is lost wherever it goes: it takes the
+    # L40S, leaving the H100's queue to drain for requests that can meet there. Capped at 1.5
+    # times its least miss, lost requests kept the fast replicas' queue past the objective on
+    # an overloaded mixed fleet, where none of their requests met.
+    state, standard, misses = queued_standard(3.3, 9.0)
+    factor = RouterConfig().queue_over_slo_factor
+    assert misses["h100"] > 1.0 and misses["l40s"] > factor * misses["h100"]
+    decision = CostAware(state).choose(standard, NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "l40s"
+    assert decision.reason is Reason.LEAST_BAD
 
 
 def test_a_request_lost_everywhere_yields_to_a_cheaper_replica_missing_by_a_little_more() -> None:

@@ -130,7 +130,7 @@ def exhaustive_choice(
     """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
     looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
     on every candidate (`yield_when_lost`), of those missing by at most
-    `queue_over_slo_factor` (times the least bad's miss, for a request missing everywhere)
+    `queue_over_slo_factor` (by any amount, for a request missing everywhere)
     and priced within the near tie of the cheapest of them, the one missing least (the
     cheaper between equal misses); else the least bad (the smallest miss, the cheaper
     between equal misses). Returns every replica the policy may choose: the near ties
@@ -182,7 +182,7 @@ def exhaustive_choice(
         and bool(objectives)
         and (tier.ttft_s is None or tier.ttft_s > min(objectives))
     )
-    cap = config.queue_over_slo_factor * (least if lost else 1.0)
+    cap = math.inf if lost else config.queue_over_slo_factor
     tolerable = [
         ((price, violation), replica_id)
         for (violation, price), replica_id in missing
