@@ -19,8 +19,9 @@ report; Splitwise's coding trace has prompts median ~1,500 and outputs median 13
   of the tenant's 4 repositories (Zipf s=1.2; 3-7 chunks of repository context each), one
   open file per session (1-3 chunks), an instruction of 50-400 tokens (median 150): prompts
   ~2,100-5,500 tokens; outputs 30-150 (median 60). Sessions start from 60 s before the
-  window: over seeds 1-4 its first minute holds 1.00 of the family's rate. Longer prompts and outputs than Splitwise's
-  coding trace medians: edits and agent steps rather than completions (a guess).
+  window: over seeds 1-4 its first minute holds 1.00 of the family's rate. Longer prompts
+  and outputs than Splitwise's coding trace medians: edits and agent steps rather than
+  completions (a guess).
 - generation (decode-heavy; 48 requests/s): prompts 100-500 (median 250), outputs 500-2,000
   (median 900): long-form writing and reasoning traces (a guess; no public trace separates
   them). No shared prefix.

@@ -545,22 +545,22 @@ class CostAware:
     (`RouterConfig.tier`), so batch work does not pile onto the one replica it harms no
     one on.
 
-    When none meets the SLO: the least-bad one (smallest multiple of its objective),
-    flagged `queue_advised` when it misses by more than `queue_over_slo_factor`; but a
-    request of a looser tier than the tightest (`yield_to_tighter_tiers`) takes the
-    cheapest replica missing by at most that factor, and one predicted to miss its
-    objective on every candidate (`yield_when_lost`) the cheapest, by however much it
-    misses there: a request lost to the SLO wherever it goes should not take the fast
-    replicas from requests that can still meet it. Between ranking prices within `near_tie_fraction` of
-    the cheapest the least harmful wins there (a holder predicted to miss keeps
-    `prefix_bonus_floor` of its prefix discount, so one holding much of the prompt ranks
-    past the near tie), and the least-bad one is judged on its harm as well as its own miss.
-    A looser tier's request first takes, of those where it meets its own objectives within
-    the margin and would start within the margin of the tightest TTFT objective, the one
-    carrying the fewest requests of tighter tiers (`_gather`): looser work gathers on a few
-    replicas and fills their decode batches, and the rest keep the tightest tier's steps
-    short (chat over 2 H100 + 7 L40S: 84.10 % of interactive requests within both clocks
-    choosing by harm alone, 92.83 % gathering).
+    When none meets the SLO: the least-bad one (smallest multiple of its objective), flagged
+    `queue_advised` when it misses by more than `queue_over_slo_factor`; but a request of a
+    looser tier than the tightest (`yield_to_tighter_tiers`) takes the cheapest replica
+    missing by at most that factor, and one predicted to miss its objective on every
+    candidate (`yield_when_lost`) the cheapest, by however much it misses there: a request
+    lost to the SLO wherever it goes should not take the fast replicas from requests that
+    can still meet it. Between ranking prices within `near_tie_fraction` of the cheapest the
+    least harmful wins there (a holder predicted to miss keeps `prefix_bonus_floor` of its
+    prefix discount, so one holding much of the prompt ranks past the near tie), and the
+    least-bad one is judged on its harm as well as its own miss. A looser tier's request
+    first takes, of those where it meets its own objectives within the margin and would
+    start within the margin of the tightest TTFT objective, the one carrying the fewest
+    requests of tighter tiers (`_gather`): looser work gathers on a few replicas and fills
+    their decode batches, and the rest keep the tightest tier's steps short (chat over 2
+    H100 + 7 L40S: 84.10 % of interactive requests within both clocks choosing by harm
+    alone, 92.83 % gathering).
 
     The hot loop (`_Candidates.consider`) predicts with `predict`'s own steps
     (`RequestPredictor`, so the same floats) and skips the prediction of a candidate that
@@ -809,8 +809,8 @@ class CostAware:
         their objectives (harmless), of those the ones holding the longest run of the
         prompt's prefix when any holds some; for a request of a looser tier than the
         tightest, of those the ones on replicas where no tighter tier than its own decodes,
-        where there are any. Where none is harmless, a request of the tightest tier takes its pick of
-        them all; one of a looser tier none, so that it takes the least-bad path: the
+        where there are any. Where none is harmless, a request of the tightest tier takes
+        its pick of them all; one of a looser tier none, so that it takes the least-bad path: the
         cheapest replica it tolerates, the least harmful of equals."""
         limit = candidates.best_meeting * candidates.near_tie
         ties = [
