@@ -533,17 +533,19 @@ class CostAware:
     draw sent conversations away from their KV: chat over 4 H100, 98.96 % of interactive
     requests within both clocks before, 100.00 % after; code over 6 RTX PRO 6000, 95.19 %
     and 99.39 %). A request of a looser tier draws among those on replicas where no
-    tighter tier than its own decodes,
-    when there are some, so looser work gathers and the replicas carrying the tightest
-    tier keep their steps short (chat over 22 L40S: 58.45 % of interactive requests within
-    both clocks drawing among all harmless near ties, 92.87 % gathering). When all are
-    harmful, a request of the tightest tier draws among them anyway, and one of a looser
-    tier takes the path below, as if nothing met: a batch request decoding at leisure
-    must not push the chat requests beside it past 50 ms a token, nor take a replica
-    they need just because it alone is fast enough to carry it harmlessly. Nor may it wait
-    without end: a tier without a TTFT objective is routed with `untimed_ttft_s` as one
-    (`RouterConfig.tier`), so batch work does not pile onto the one replica it harms no
-    one on.
+    tighter tier than its own decodes, when there are some, so looser work gathers and the
+    replicas carrying the tightest tier keep their steps short (chat over 22 L40S: 58.45 %
+    of interactive requests within both clocks drawing among all harmless near ties,
+    92.87 % gathering). Where it meets only on replicas carrying a tighter tier, and a
+    cheaper replica misses its objective by at most `queue_over_slo_factor`, it takes the
+    path below instead, leaving the dearer replicas to the tighter tier
+    (`_cheaper_tolerable`). When all are harmful, a request of the tightest tier draws
+    among them anyway, and one of a looser tier takes the path below, as if nothing met:
+    a batch request decoding at leisure must not push the chat requests beside it past
+    50 ms a token, nor take a replica they need just because it alone is fast enough to
+    carry it harmlessly. Nor may it wait without end: a tier without a TTFT objective is
+    routed with `untimed_ttft_s` as one (`RouterConfig.tier`), so batch work does not pile
+    onto the one replica it harms no one on.
 
     When none meets the SLO: the least-bad one (smallest multiple of its objective), flagged
     `queue_advised` when it misses by more than `queue_over_slo_factor`; but a request of a
@@ -714,6 +716,8 @@ class CostAware:
         options, best_meeting = candidates.options, candidates.best_meeting
         predictor = candidates.predictor
         ties = self._ties(candidates, tier) if best_meeting != math.inf else []
+        if ties and self._yields(tier) and self._cheaper_tolerable(ties, candidates, tier):
+            ties = []  # it leaves the tighter tiers' replicas to them: the least-bad path
         if ties:
             chosen = ties[0]
             if len(ties) > 1:
@@ -831,6 +835,31 @@ class CostAware:
                     return apart
             return harmless
         return [] if self._yields(tier) else ties
+
+    def _cheaper_tolerable(
+        self, ties: list[_Option], candidates: _Candidates, tier: SloTier
+    ) -> bool:
+        """Whether a looser tier's request, meeting only on replicas where a tighter tier
+        decodes, has a cheaper replica it would miss on by at most `queue_over_slo_factor`.
+        Then it takes the least-bad path (the cheapest it tolerates) and leaves the dearer
+        replicas to the tighter tier. Meeting there, it had filled them: on an overloaded
+        mixed fleet the standard tier's prompts took the one H100's queue while the L40Ss
+        missed them, the interactive requests predicted to miss there went to the L40Ss as
+        lost, and the L40Ss stayed overloaded (code over 1 H100 + 7 L40S, sixteen gateways,
+        seed 0: the H100 took 154 interactive requests in ten seconds against 407 with one
+        gateway, and 60.16 % of interactive requests were within both clocks against
+        85.67 %). On a homogeneous fleet no replica is cheaper, so nothing changes."""
+        own_tpot = _tpot_objective(tier)
+        if any(option[_REPLICA].tightest_tpot_s >= own_tpot for option in ties):
+            return False
+        cheapest_tie = min(option[_REPLICA].price_per_hour for option in ties)
+        tolerable = self.config.queue_over_slo_factor
+        predictor = candidates.predictor
+        return any(
+            option[_REPLICA].price_per_hour < cheapest_tie
+            and self._violation(option, predictor, tier)[0] <= tolerable
+            for option in candidates.options
+        )
 
     def _gather(self, near: list[tuple[float, float, float, _Option]], tier: SloTier) -> _Option:
         """A looser tier's least-bad choice among the near ties (own miss, harm, rank,

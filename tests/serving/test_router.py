@@ -259,6 +259,31 @@ def test_a_request_lost_everywhere_takes_the_cheapest_replica_however_far_it_mis
     assert decision.reason is Reason.LEAST_BAD
 
 
+@pytest.mark.parametrize(
+    ("interactive_on_h100", "l40s_wait_s", "expected"),
+    [
+        (True, 3.0, "l40s"),  # it misses the L40S by a little: leaves the H100 to interactive
+        (True, 9.0, "h100"),  # past 1.5x on the L40S: it takes the H100, where it meets
+        (False, 3.0, "h100"),  # no tighter tier decodes on the H100: nothing to leave it to
+    ],
+)
+def test_a_looser_tier_leaves_a_tighter_tiers_replica_for_a_cheaper_one_it_tolerates(
+    interactive_on_h100: bool, l40s_wait_s: float, expected: str
+) -> None:
+    # A standard request meets its SLO only on the H100. Where interactive requests decode
+    # there, and the cheaper L40S misses standard's 3 s TTFT by at most 1.5x, it takes the
+    # L40S: meeting on the H100, standard work filled its queue on an overloaded mixed
+    # fleet, and the interactive requests went to the L40Ss as lost.
+    state, standard, misses = queued_standard(0.3, l40s_wait_s)
+    assert misses["h100"] <= RouterConfig().slo_margin and misses["l40s"] > 1.0
+    if interactive_on_h100:
+        state.request_started("h100", 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+    decision = CostAware(state).choose(standard, NOW)
+    assert decision.replica is not None and decision.replica.replica_id == expected
+    assert decision.meets_slo == (expected == "h100")
+    assert not decision.queue_advised
+
+
 def test_a_request_lost_everywhere_yields_to_a_cheaper_replica_missing_by_a_little_more() -> None:
     # An interactive request misses its 1 s TTFT by 1.26x on the H100 and by 1.84x on the
     # L40S: past the 1.5x tolerated of the objective, but within 1.5x of its least miss.
