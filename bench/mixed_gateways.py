@@ -7,14 +7,14 @@
 
 `bench/routing.py`'s fleet (b) for each family: the budget of the smallest H100 fleet on
 which any policy met the SLO (`--h100`, by default the counts of the search in
-bench/RESULTS.md, "Router aa38db2"), spent half on H100 and half on L40S (`--mix`, whole
+bench/RESULTS.md, "Router 782aa31"), spent half on H100 and half on L40S (`--mix`, whole
 replicas, never over budget: `with_budget`). Every policy is run on it with the arrivals
 dealt to each `--gateways` count, at `SimConfig.seed` 0 to `--seeds` - 1 (the router's and
 the simulator's draws; the family's own arrivals stay those of its seed, as the search
 runs them). Seed 0 with one gateway is the search's own run, figure for figure.
 
 Why seeds: these fleets have about three quarters of the capacity their traffic needs, and
-a run can tip into a worse state and stay there (bench/RESULTS.md, "Router aa38db2"), so a
+a run can tip into a worse state and stay there (bench/RESULTS.md, "Router 782aa31"), so a
 single seed's move between one gateway and sixteen measures where a run tipped as much as
 what the gateways changed. The table gives, per family, policy and gateway count, the
 share of interactive requests within both clocks (TTFT and TPOT), mean over the seeds with

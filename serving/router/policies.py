@@ -852,7 +852,7 @@ class CostAware:
         60.16 % of interactive requests were within both clocks against 85.67 %; 84.59 %
         now). Letting it miss on the cheaper replica by up to `queue_over_slo_factor` gained
         the interactive tier a little more on two classes and cost the standard tier up to
-        46 points on three (chat over 2 H100 + 2 A100 + 3 L40S: 98.81 -> 57.76 % of standard
+        42 points on three (chat over 2 H100 + 2 A100 + 3 L40S: 98.81 -> 57.76 % of standard
         requests within both clocks). On a homogeneous fleet no replica is cheaper, so
         nothing changes."""
         own_tpot = _tpot_objective(tier)
