@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.routing import H100, parse_mixes
+from bench.routing import H100, attainment, parse_mixes
 from serving.clustersim import FAMILIES, SimConfig, SimRequest, simulate, summarize
 from serving.clustersim.fleet import FleetSpec, with_budget
 from serving.engine.specs import load_gpu_specs
@@ -67,13 +67,13 @@ def run(task: tuple[FleetSpec, str, int, int]) -> Run:
         telemetry_interval_s=None,
         seed=seed,
     )
-    tiers = summarize(simulate(fleet, REQUESTS, config)).tiers
-    standard = tiers.get("standard")
+    summary = summarize(simulate(fleet, REQUESTS, config))
+    standard = summary.tiers.get("standard")
     return Run(
         policy,
         gateways,
         seed,
-        tiers["interactive"].slo_attainment,
+        attainment(summary),
         None if standard is None else standard.slo_attainment,
     )
 

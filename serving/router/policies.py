@@ -539,7 +539,7 @@ class CostAware:
     92.87 % gathering). Where it meets only on replicas carrying a tighter tier, and on a
     cheaper replica it would still meet its objectives outside the margin, it takes the
     path below instead, leaving the dearer replicas to the tighter tier
-    (`_cheaper_tolerable`). When all are harmful, a request of the tightest tier draws
+    (`_cheaper_meeting`). When all are harmful, a request of the tightest tier draws
     among them anyway, and one of a looser tier takes the path below, as if nothing met:
     a batch request decoding at leisure must not push the chat requests beside it past
     50 ms a token, nor take a replica they need just because it alone is fast enough to
@@ -716,7 +716,7 @@ class CostAware:
         options, best_meeting = candidates.options, candidates.best_meeting
         predictor = candidates.predictor
         ties = self._ties(candidates, tier) if best_meeting != math.inf else []
-        if ties and self._yields(tier) and self._cheaper_tolerable(ties, candidates, tier):
+        if ties and self._yields(tier) and self._cheaper_meeting(ties, candidates, tier):
             ties = []  # it leaves the tighter tiers' replicas to them: the least-bad path
         if ties:
             chosen = ties[0]
@@ -836,13 +836,13 @@ class CostAware:
             return harmless
         return [] if self._yields(tier) else ties
 
-    def _cheaper_tolerable(
-        self, ties: list[_Option], candidates: _Candidates, tier: SloTier
-    ) -> bool:
+    def _cheaper_meeting(self, ties: list[_Option], candidates: _Candidates, tier: SloTier) -> bool:
         """Whether a looser tier's request, meeting only on replicas where a tighter tier
         decodes, has a cheaper replica where it would still meet its objectives, outside the
-        safety margin. Then it takes the least-bad path (the cheapest such) and leaves the
-        dearer replicas to the tighter tier: it gives up its margin, not its SLO.
+        safety margin. Then it takes the least-bad path, which leaves the dearer replicas to
+        the tighter tier: among the cheapest it tolerates, the least miss or harm (`_gather`),
+        so it may still take one missing by up to `queue_over_slo_factor` there when that
+        one harms the requests beside it less.
 
         Meeting on the dearer replicas, it had filled them: on an overloaded mixed fleet the
         standard tier's prompts took the one H100's queue while the L40Ss missed them, the
