@@ -42,6 +42,7 @@ from serving.router.predict import (
     is_candidate,
     predict,
 )
+from serving.router.prefix import PrefixIndex
 
 
 class Policy(Protocol):
@@ -493,10 +494,14 @@ def _can_meet_when_idle(
 
 
 # An option as a plain tuple, since a NamedTuple pays a Python-level __new__ per candidate:
-# (rank_price, ttft_s, tpot_s, replica, reason, cached_blocks, meets). ttft_s and tpot_s are
-# None where the prediction was deferred: the replica provably misses the TPOT objective,
-# so its prediction matters only if nothing meets the SLO (see CostAware._pick).
-_Option = tuple[float, float | None, float | None, ReplicaState, Reason, int, bool]
+# (rank_price, ttft_s, tpot_s, replica, reason, cached_blocks, meets, longest_blocks).
+# ttft_s and tpot_s are None where the prediction was deferred: the replica provably misses
+# the TPOT objective, so its prediction matters only if nothing meets the SLO (see
+# CostAware._pick). cached_blocks is the replica's own run of the prompt's prefix, which its
+# prediction and the decision's cached tokens count; longest_blocks the same where the
+# replica is among the holders of the longest run (`PrefixIndex.longest_matches`), else 0:
+# only those draw the request by affinity (`_Candidates.consider`).
+_Option = tuple[float, float | None, float | None, ReplicaState, Reason, int, bool, int]
 _RANK: Final = 0
 _TTFT: Final = 1
 _TPOT: Final = 2
@@ -504,6 +509,7 @@ _REPLICA: Final = 3
 _REASON: Final = 4
 _BLOCKS: Final = 5
 _MEETS: Final = 6
+_LONGEST: Final = 7
 
 
 class CostAware:
@@ -520,6 +526,18 @@ class CostAware:
     on (`_settled`). Among candidates within `near_tie_fraction` of the cheapest, two are
     drawn and the one using less of its objective on the clock that binds (TTFT or TPOT)
     wins.
+
+    A candidate's prediction counts the run of the prompt's prefix its own record holds
+    (`PrefixIndex.run_on`), and the decision's cached tokens the same, as its engine will
+    hit them; the prefix discount and the draw's preference go only to the holders of the
+    longest run (`PrefixIndex.longest_matches`). Counting only those holders, the router
+    credited a replica holding a tenant's repository but not the session's file with
+    nothing: on code over 16 L40S, 3,936 of 11,317 requests landed on a replica whose
+    engine hit their prefix (12.1 M tokens) while the router had counted none, its
+    expected hits 26.1 M against the engines' 38.1 M; now they agree. Drawn to every
+    holder of a shorter run as well, a cold start piled a popular repository's traffic on
+    the replicas it first landed on (code over 6 RTX PRO 6000, seed 0: 98.85 % of
+    interactive requests within both clocks against 99.26 % before; 99.13 % this way).
 
     Every sequence on a replica decodes in the same steps, so a request's predicted TPOT
     there is what it brings every sequence there to. The router knows the TPOT objectives
@@ -613,6 +631,11 @@ class CostAware:
         """The candidate options across the version's deployments, and the lowest ranking
         price among those meeting the SLO."""
         candidates = _Candidates(request, now, self.config, tier, matches)
+        if matches:  # else no replica holds the prompt's first block: no run to find
+            index = self.state.prefix_index
+            first_key = index.first_key(request.tenant, request.prefix_hashes)
+            if first_key is not None:
+                candidates.index, candidates.first_key = index, first_key
         self._consider_holders(version, request, matches, candidates)
         groups = self._groups(version)
         self._consider_groups(groups, request, candidates)
@@ -823,9 +846,9 @@ class CostAware:
         harmless = [option for option in ties if candidates.harmless(option)]
         if harmless:
             # Where the prompt is held longest: computing it again elsewhere is waste.
-            most = max(option[_BLOCKS] for option in harmless)
+            most = max(option[_LONGEST] for option in harmless)
             if most:
-                harmless = [option for option in harmless if option[_BLOCKS] == most]
+                harmless = [option for option in harmless if option[_LONGEST] == most]
             if self._yields(tier):
                 # A looser tier gathers where nothing tighter than itself decodes, leaving
                 # the replicas that carry the tightest tier their short steps.
@@ -960,6 +983,8 @@ class _Candidates:
         "adapter",
         "best_meeting",
         "config",
+        "first_key",
+        "index",
         "margin",
         "matches",
         "near_tie",
@@ -985,6 +1010,10 @@ class _Candidates:
         self.now = now
         self.config = config
         self.matches = matches
+        # Where the replicas not among `matches` find their own run of the prefix (None:
+        # no replica holds the prompt's first block, or the caller credits `matches` alone).
+        self.index: PrefixIndex | None = None
+        self.first_key = 0  # `PrefixIndex.first_key` of the request, where `index` is set
         self.predictor = RequestPredictor(request, now, config)
         self.options: list[_Option] = []
         self.seen: set[str] = set()
@@ -1006,7 +1035,10 @@ class _Candidates:
         self.seen.add(replica_id)
         if not is_candidate(replica, self.request, self.now, self.config):
             return False
-        blocks = self.matches.get(replica_id, 0)
+        blocks = longest = self.matches.get(replica_id, 0)
+        index = self.index
+        if not longest and index is not None:
+            blocks = index.run_on(replica_id, self.first_key, self.request.prefix_hashes)
         adapter = self.adapter
         if adapter is not None and adapter in replica.adapters_loaded:
             discount, reason = 1.0 - self.config.adapter_bonus, Reason.ADAPTER_AFFINITY
@@ -1014,7 +1046,7 @@ class _Candidates:
             discount, reason = 1.0, Reason.CHEAPEST_MEETING_SLO
         near_tie = self.near_tie
         if (
-            not blocks
+            not longest
             and near_tie >= 1.0
             and self.best_meeting * near_tie < replica.price_per_hour * discount
         ):
@@ -1026,33 +1058,33 @@ class _Candidates:
             # Its decode step alone misses TPOT: needed only if nothing meets, and predicted
             # then (CostAware._violation).
             if self.best_meeting == math.inf:
-                self.options.append((math.inf, None, None, replica, reason, blocks, False))
+                self.options.append((math.inf, None, None, replica, reason, blocks, False, longest))
             return True
         ttft, tpot, factor, _ = terms
         ttft *= factor
         tpot *= factor
         meets = ttft <= self.ttft_limit and tpot <= self.tpot_limit
-        if blocks:
-            discount -= self._prefix_discount(ttft, tpot, blocks, self.tpot_limit_on(replica))
+        if longest:
+            discount -= self._prefix_discount(ttft, tpot, longest, self.tpot_limit_on(replica))
             reason = Reason.PREFIX_AFFINITY
         rank_price = replica.price_per_hour * discount
         if meets and rank_price < self.best_meeting:
             self.best_meeting = rank_price
-        self.options.append((rank_price, ttft, tpot, replica, reason, blocks, meets))
+        self.options.append((rank_price, ttft, tpot, replica, reason, blocks, meets, longest))
         return True
 
     def deferred_rank(self, option: _Option) -> float:
         """The rank `consider` would have given a deferred option, from its prediction:
         the price less the adapter's and the prefix's discounts."""
-        replica, blocks = option[_REPLICA], option[_BLOCKS]
+        replica, longest = option[_REPLICA], option[_LONGEST]
         adapter = self.adapter
         discount = 1.0
         if adapter is not None and adapter in replica.adapters_loaded:
             discount -= self.config.adapter_bonus
-        if blocks:
-            prediction = self.predictor.predict(replica, blocks)
+        if longest:
+            prediction = self.predictor.predict(replica, option[_BLOCKS])
             discount -= self._prefix_discount(
-                prediction.ttft_s, prediction.tpot_s, blocks, self.tpot_limit_on(replica)
+                prediction.ttft_s, prediction.tpot_s, longest, self.tpot_limit_on(replica)
             )
         return replica.price_per_hour * discount
 

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 TENANT_BITS = 32
+TENANT_MASK = (1 << TENANT_BITS) - 1
 SEPARATOR = "\x1f"  # ASCII unit separator; a replica id holding one is refused
 
 
@@ -85,8 +86,8 @@ class PrefixIndex:
         are always fresher than its later ones and the LRU evicts from the tail: if block
         i is held, so are blocks 0..i. That makes "held" monotone along the prompt, and a
         binary search finds the longest held block in log2(blocks) lookups, as llm-d's
-        prefix scorer notes it could. Replicas with only a shorter run are not reported;
-        the longest match is the one worth routing to.
+        prefix scorer notes it could. Replicas with only a shorter run are not reported
+        (`run_on` finds a replica's own): the longest match is the one worth routing to.
         """
         tenant_number = self._tenant_numbers.get(tenant)
         if tenant_number is None:  # never recorded, so nothing to match (and no number spent)
@@ -110,6 +111,39 @@ class PrefixIndex:
             start = end + 1
             end = holders.find(SEPARATOR, start)
         return matches
+
+    def first_key(self, tenant: str, hashes: Sequence[int]) -> int | None:
+        """The index's key of the prompt's first block under the tenant, for `run_on`; None
+        when the tenant has recorded nothing or the prompt has no blocks."""
+        tenant_number = self._tenant_numbers.get(tenant)
+        if tenant_number is None or not hashes:
+            return None
+        return hashes[0] << TENANT_BITS | tenant_number
+
+    def run_on(self, replica_id: str, first_key: int, hashes: Sequence[int]) -> int:
+        """The leading blocks of `hashes` the replica itself holds, by its own record
+        (`hold_at_most`; 0 for a replica without one); `first_key` is `first_key`'s for
+        the same tenant and hashes, computed once for every replica asked.
+
+        `longest_matches` reports only the holders of the longest run, and each block
+        remembers only its last `replicas_per_block` holders: a replica holding a tenant's
+        popular repository but not this session's file is in neither. Its own record is a
+        prefix too (it refreshes a prompt's blocks last to first and forgets the least
+        recent first), so the same binary search finds its run. Two lookups when it does
+        not hold the first block, the common case.
+        """
+        held = self._held.get(replica_id)
+        if held is None or first_key not in held:
+            return 0
+        tenant_number = first_key & TENANT_MASK  # the key's low bits (see the module doc)
+        run, unknown = 1, len(hashes)  # hashes[:run] are held; hashes[unknown:] are not
+        while run < unknown:
+            middle = (run + unknown + 1) // 2
+            if (hashes[middle - 1] << TENANT_BITS | tenant_number) in held:
+                run = middle
+            else:
+                unknown = middle - 1
+        return run
 
     def record(self, tenant: str, hashes: Sequence[int], replica_id: str) -> None:
         if SEPARATOR in replica_id:

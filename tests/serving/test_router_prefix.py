@@ -226,3 +226,91 @@ def test_the_router_state_bounds_each_replica_by_its_kv_capacity() -> None:
     state.prefix_index.record("acme", hashes, "small")
     # The first blocks recorded last (a prompt is refreshed last to first) are kept.
     assert state.prefix_index.longest_matches("acme", hashes) == {"small": blocks}
+
+
+def test_a_replica_finds_its_own_run_where_the_longest_holders_are_others() -> None:
+    """`longest_matches` reports only the holders of the longest run; a replica holding a
+    shorter run (the tenant's repository, not this session's file) finds it in its own
+    record."""
+    index = PrefixIndex(block_tokens=16)
+    for replica_id in ("repo", "session", "unbounded"):
+        if replica_id != "unbounded":
+            index.hold_at_most(replica_id, 1_000 * 16)
+    repository, session = (1, 2, 3, 4), (1, 2, 3, 4, 5, 6)
+    index.record("acme", repository, "repo")
+    index.record("acme", repository, "unbounded")
+    index.record("acme", session, "session")
+    assert index.longest_matches("acme", session) == {"session": 6}
+
+    def run_on(replica_id: str, tenant: str, hashes: Sequence[int]) -> int:
+        key = index.first_key(tenant, hashes)
+        return 0 if key is None else index.run_on(replica_id, key, hashes)
+
+    assert run_on("repo", "acme", session) == 4
+    assert run_on("session", "acme", session) == 6
+    assert run_on("session", "acme", (1, 2, 9)) == 2
+    # No record of its own: a replica without a known KV capacity, one never sent
+    # anything, a prompt it holds no first block of; no key for a tenant that recorded
+    # nothing or no prompt at all.
+    assert run_on("unbounded", "acme", session) == 0
+    assert run_on("idle", "acme", session) == 0
+    assert run_on("repo", "acme", (9, 2, 3)) == 0
+    assert index.first_key("globex", session) is None
+    assert index.first_key("acme", ()) is None
+    index.record("globex", session, "repo")  # another tenant's same hashes: its own blocks
+    assert run_on("repo", "globex", session) == 6
+    assert run_on("session", "globex", session) == 0
+
+
+def test_a_replica_keeps_its_own_run_of_a_block_with_more_holders_than_the_index_lists() -> None:
+    index = PrefixIndex(replicas_per_block=2, block_tokens=16)
+    for replica_id in ("a", "b", "c"):
+        index.hold_at_most(replica_id, 1_000 * 16)
+        index.record("acme", (1, 2), replica_id)
+    assert index.longest_matches("acme", (1, 2)) == {"b": 2, "c": 2}
+    key = index.first_key("acme", (1, 2, 3))
+    assert key is not None and index.run_on("a", key, (1, 2, 3)) == 2
+
+
+def chained(chunks: Sequence[int]) -> tuple[int, ...]:
+    """Block hashes as vLLM chains them: each stands for its block and every one before it,
+    so a hash occurs at one position only."""
+    return tuple(hash(tuple(chunks[: i + 1])) for i in range(len(chunks)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(("a", "b", "c")),
+            st.lists(st.integers(0, 2), min_size=1, max_size=6),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.lists(st.integers(0, 2), min_size=1, max_size=6),
+)
+def test_a_replicas_own_run_is_the_longest_prefix_its_own_lru_holds(
+    records: list[tuple[str, list[int]]], probe_chunks: list[int]
+) -> None:
+    """Against a plain model: each replica an LRU of its last eight blocks, refreshed last
+    to first; its run is the longest prefix of the probe it holds."""
+    index = PrefixIndex(block_tokens=16)
+    model: dict[str, OrderedDict[int, None]] = {}
+    for replica_id, chunks in records:
+        hashes = chained(chunks)
+        index.hold_at_most(replica_id, 8 * 16)
+        held = model.setdefault(replica_id, OrderedDict())
+        index.record("acme", hashes, replica_id)
+        for block in reversed(hashes):
+            held[block] = None
+            held.move_to_end(block)
+        while len(held) > 8:
+            held.popitem(last=False)
+    probe = chained(probe_chunks)
+    for replica_id, held in model.items():
+        run = 0
+        while run < len(probe) and probe[run] in held:
+            run += 1
+        key = index.first_key("acme", probe)
+        assert key is not None and index.run_on(replica_id, key, probe) == run
