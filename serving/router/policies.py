@@ -1036,9 +1036,6 @@ class _Candidates:
         if not is_candidate(replica, self.request, self.now, self.config):
             return False
         blocks = longest = self.matches.get(replica_id, 0)
-        index = self.index
-        if not longest and index is not None:
-            blocks = index.run_on(replica_id, self.first_key, self.request.prefix_hashes)
         adapter = self.adapter
         if adapter is not None and adapter in replica.adapters_loaded:
             discount, reason = 1.0 - self.config.adapter_bonus, Reason.ADAPTER_AFFINITY
@@ -1051,6 +1048,9 @@ class _Candidates:
             and self.best_meeting * near_tie < replica.price_per_hour * discount
         ):
             return True  # ranks above the near-tie limit whatever it predicts
+        index = self.index
+        if not longest and index is not None:
+            blocks = index.run_on(replica_id, self.first_key, self.request.prefix_hashes)
         predictor = self.predictor
         new_tokens = predictor.new_tokens(blocks) if blocks else predictor.uncached_tokens
         terms = predictor.latency(replica, new_tokens, self.tpot_limit)
