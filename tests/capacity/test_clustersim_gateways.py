@@ -76,8 +76,7 @@ def digest(result: SimResult) -> str:
 # (`ReplicaPerf.compute_base_s`), and when a request missing everywhere took the cheapest
 # replica instead of one within 1.5 times its least miss (this mixed fleet overloads), and
 # when a looser tier meeting only where a tighter one decodes took a cheaper replica it
-# still meets on instead, and when the TTFT prediction stopped counting the prompt chunk of
-# the step under way twice. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
+# still meets on instead. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
 # platform's smaller one is an engine flag, not a gateway change, and has its own tests
 # (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -85,7 +84,7 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "35c43ab95bee7198",
+        "0abff51e3ef1d034",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

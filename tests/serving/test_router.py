@@ -901,8 +901,8 @@ def test_a_request_predicted_to_miss_everywhere_leaves_the_fast_replica_to_other
     queued: int, chosen: str
 ) -> None:
     # The slow L40S decodes at about 1.24x the interactive TPOT objective. With 60 prompts
-    # queued the H100's TTFT is about 0.88x its objective: outside the margin, but it may yet
-    # meet, so the least bad wins. With 75 it is about 1.09x: the request misses wherever it
+    # queued the H100's TTFT is about 0.9x its objective: outside the margin, but it may yet
+    # meet, so the least bad wins. With 75 it is about 1.13x: the request misses wherever it
     # goes, and takes the cheapest replica it can tolerate rather than the one others need.
     state = fleet(replica("fast", H100), replica("slow", L40S))
     state.update_telemetry("fast", running=100, waiting=queued, kv_usage=0.5, telemetry_at=NOW)
