@@ -630,12 +630,7 @@ class CostAware:
     ) -> _Candidates:
         """The candidate options across the version's deployments, and the lowest ranking
         price among those meeting the SLO."""
-        candidates = _Candidates(request, now, self.config, tier, matches)
-        if matches:  # else no replica holds the prompt's first block: no run to find
-            index = self.state.prefix_index
-            first_key = index.first_key(request.tenant, request.prefix_hashes)
-            if first_key is not None:
-                candidates.index, candidates.first_key = index, first_key
+        candidates = _Candidates(request, now, self.config, tier, matches, self.state.prefix_index)
         self._consider_holders(version, request, matches, candidates)
         groups = self._groups(version)
         self._consider_groups(groups, request, candidates)
@@ -1005,15 +1000,21 @@ class _Candidates:
         config: RouterConfig,
         tier: SloTier,
         matches: dict[str, int],
+        index: PrefixIndex,
     ) -> None:
         self.request = request
         self.now = now
         self.config = config
         self.matches = matches
-        # Where the replicas not among `matches` find their own run of the prefix (None:
-        # no replica holds the prompt's first block, or the caller credits `matches` alone).
+        # Where the replicas not among `matches` find their own run of the prefix, and the
+        # key of its first block (`PrefixIndex.first_key`); None when no replica holds that
+        # block (`matches` is then empty), so there is no run to find.
         self.index: PrefixIndex | None = None
-        self.first_key = 0  # `PrefixIndex.first_key` of the request, where `index` is set
+        self.first_key = 0
+        if matches:
+            first_key = index.first_key(request.tenant, request.prefix_hashes)
+            if first_key is not None:
+                self.index, self.first_key = index, first_key
         self.predictor = RequestPredictor(request, now, config)
         self.options: list[_Option] = []
         self.seen: set[str] = set()
