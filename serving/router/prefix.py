@@ -21,7 +21,7 @@ cost a lookup per slot and made `record` most of the decision (6 us at 16 blocks
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 TENANT_BITS = 32
 TENANT_MASK = (1 << TENANT_BITS) - 1
@@ -93,13 +93,7 @@ class PrefixIndex:
         if tenant_number is None:  # never recorded, so nothing to match (and no number spent)
             return {}
         blocks = self._blocks
-        held, unknown = 0, len(hashes)  # blocks[:held] are held; blocks[unknown:] are not
-        while held < unknown:
-            middle = (held + unknown + 1) // 2
-            if (hashes[middle - 1] << TENANT_BITS | tenant_number) in blocks:
-                held = middle
-            else:
-                unknown = middle - 1
+        held = _leading_run(blocks, hashes, tenant_number, 0)
         if held == 0:
             return {}
         holders = blocks[hashes[held - 1] << TENANT_BITS | tenant_number]
@@ -129,21 +123,14 @@ class PrefixIndex:
         remembers only its last `replicas_per_block` holders: a replica holding a tenant's
         popular repository but not this session's file is in neither. Its own record is a
         prefix too (it refreshes a prompt's blocks last to first and forgets the least
-        recent first), so the same binary search finds its run. Two lookups when it does
-        not hold the first block, the common case.
+        recent first), so the same binary search (`_leading_run`) finds its run. Two
+        lookups when it does not hold the first block, the common case.
         """
         held = self._held.get(replica_id)
         if held is None or first_key not in held:
             return 0
-        tenant_number = first_key & TENANT_MASK  # the key's low bits (see the module doc)
-        run, unknown = 1, len(hashes)  # hashes[:run] are held; hashes[unknown:] are not
-        while run < unknown:
-            middle = (run + unknown + 1) // 2
-            if (hashes[middle - 1] << TENANT_BITS | tenant_number) in held:
-                run = middle
-            else:
-                unknown = middle - 1
-        return run
+        # The key's low bits are the tenant's number (see the module doc).
+        return _leading_run(held, hashes, first_key & TENANT_MASK, 1)
 
     def record(self, tenant: str, hashes: Sequence[int], replica_id: str) -> None:
         if SEPARATOR in replica_id:
@@ -214,3 +201,19 @@ class PrefixIndex:
             raise OverflowError(f"PrefixIndex numbers at most 2**{TENANT_BITS} tenants")
         self._tenant_numbers[tenant] = number
         return number
+
+
+def _leading_run(
+    present: Container[int], hashes: Sequence[int], tenant_number: int, known: int
+) -> int:
+    """How many leading blocks of `hashes` (keyed under the tenant's number) are in
+    `present`, the first `known` of them known to be, where holding a block means holding
+    every one before it (`PrefixIndex.longest_matches`): log2(blocks) lookups."""
+    held, unknown = known, len(hashes)  # hashes[:held] are in; hashes[unknown:] are not
+    while held < unknown:
+        middle = (held + unknown + 1) // 2
+        if (hashes[middle - 1] << TENANT_BITS | tenant_number) in present:
+            held = middle
+        else:
+            unknown = middle - 1
+    return held
