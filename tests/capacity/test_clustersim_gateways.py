@@ -76,7 +76,9 @@ def digest(result: SimResult) -> str:
 # (`ReplicaPerf.compute_base_s`), and when a request missing everywhere took the cheapest
 # replica instead of one within 1.5 times its least miss (this mixed fleet overloads), and
 # when a looser tier meeting only where a tighter one decodes took a cheaper replica it
-# still meets on instead. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
+# still meets on instead, and when a looser tier on the least-bad path kept to the
+# replicas where it would still meet its own objectives before any holder of its prefix
+# where it would miss. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
 # platform's smaller one is an engine flag, not a gateway change, and has its own tests
 # (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -84,7 +86,7 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "0abff51e3ef1d034",
+        "48800ad856ea8424",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

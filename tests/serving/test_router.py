@@ -543,6 +543,38 @@ def test_a_looser_tier_harmful_everywhere_gathers_where_fewest_tighter_requests_
     assert picks(state(12_000)) == {"many"}
 
 
+def test_a_looser_tier_missing_on_its_prefix_holder_goes_where_it_still_meets() -> None:
+    # "holder" holds the whole of a standard request's prefix and carries standard work
+    # only; "free" holds none and carries an interactive request, which the prompt would
+    # push past its guard (48 ms a token against 40), so no replica meets harmlessly.
+    # With 40,000 prompt tokens queued on the holder the request would start there past
+    # its 3 s objective; on "free" it meets its objectives. The holder's prefix discount
+    # (half of it kept by a holder predicted to miss) ranked it past the near tie, and it
+    # took the request.
+    hashes = tuple(range(1_000, 1_120))  # 1,920 of the prompt's 2,000 tokens
+    ask = request(tier="standard", prompt_tokens=2_000, prefix_hashes=hashes)
+
+    def state(queued: int) -> RouterState:
+        fleet_state = fleet(
+            replica("holder", running=20, prefill_pending_tokens=queued),
+            replica("free", running=40),
+            seed=3,
+        )
+        standard_tpot_s = DEFAULT_SLO_TIERS["standard"].tpot_s
+        fleet_state.request_started("holder", 300, None, tpot_objective_s=standard_tpot_s)
+        fleet_state.request_started("free", 300, None, tpot_objective_s=INTERACTIVE_TPOT_S)
+        fleet_state.prefix_index.record("acme", hashes, "holder")
+        return fleet_state
+
+    decision = CostAware(state(40_000)).choose(ask, NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "free"
+    assert decision.reason == Reason.LEAST_BAD and decision.cached_tokens == 0
+    # With less queued it meets on the holder, harmlessly, and stays with its prefix.
+    decision = CostAware(state(20_000)).choose(ask, NOW)
+    assert decision.replica is not None and decision.replica.replica_id == "holder"
+    assert decision.cached_tokens == 1_920
+
+
 def test_on_the_least_bad_path_harm_decides_within_the_near_tie_and_price_past_it() -> None:
     # Both replicas are harmful to the interactive request decoding there (as above); the
     # busier one is a little cheaper. Within the near tie the less harmful takes the batch

@@ -130,7 +130,8 @@ def exhaustive_choice(
     """Every candidate predicted with `predict`: the cheapest meeting one; else, for a tier
     looser than the tightest objective (`yield_to_tighter_tiers`) or missing its objective
     on every candidate (`yield_when_lost`), of those missing by at most
-    `queue_over_slo_factor` (by any amount, for a request missing everywhere)
+    `queue_over_slo_factor` (by any amount, for a request missing everywhere), of those,
+    for a looser tier, the ones within its objectives when there are any,
     and priced within the near tie of the cheapest of them, the one missing least (the
     cheaper between equal misses); else the least bad (the smallest miss, the cheaper
     between equal misses). Returns every replica the policy may choose: the near ties
@@ -177,17 +178,23 @@ def exhaustive_choice(
     objectives = [t.ttft_s for t in config.slo_tiers.values() if t.ttft_s is not None]
     least = min((violation for (violation, _), _ in missing), default=0.0)
     lost = config.yield_when_lost and bool(missing) and least > 1.0
-    yields = lost or (
+    looser = (
         config.yield_to_tighter_tiers
         and bool(objectives)
         and (tier.ttft_s is None or tier.ttft_s > min(objectives))
     )
+    yields = lost or looser
     cap = math.inf if lost else config.queue_over_slo_factor
     tolerable = [
         ((price, violation), replica_id)
         for (violation, price), replica_id in missing
         if violation <= cap
     ]
+    # A looser tier keeps to those where it still meets its objectives (outside the
+    # margin), when there are any, whatever a prefix holder's discount.
+    still = [option for option in tolerable if option[0][1] <= 1.0]
+    if looser and still:
+        tolerable = still
     if yields and tolerable:
         # Within the near tie of the cheapest tolerable price, the smallest miss; then price.
         limit = min(price for (price, _), _ in tolerable) * near_tie
