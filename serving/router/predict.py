@@ -13,11 +13,15 @@ times over (with Redis away nothing syncs, and that is all of this gateway's own
     ahead       = prefill_pending_tokens         prompts sent there not yet prefilled
                 + max(0, waiting - inflight) * assumed_queued_prompt_tokens
                                                  (queued requests of other gateways)
+                - carried                        the chunk the step in progress carries
+                                                 (at most K - batch), when decodes run
+                                                 and a seat is free
     room        = K - batch                      prompt tokens a step leaves the prompts
     compute(n)  = compute_base_s + prefill_s_per_token * n    a step computing n tokens
     prefill(n)  = n // room steps of max(step if batch else decode_base_s, compute(K)), and
                   one of the rest, max(same, compute(batch + rest))
-    TTFT        = (decode step if batch else 0)  wait for the step boundary
+    TTFT        = (the longer of the decode step and compute(batch + carried) if batch
+                   else 0)                       wait for the step boundary
                 + prefill(ahead + prompt_tokens - cached_prefix_tokens)
                 + (adapter_load_s if the adapter is not resident)
                 + (load - B + 1) / finish rate   when the batch is full: wait for a slot
@@ -249,6 +253,15 @@ class RequestPredictor:
         ahead = replica.prefill_pending_tokens + replica.unsynced_prefill_tokens * others
         if waiting > inflight:
             ahead += (waiting - inflight) * self.queued_tokens
+        carried = 0
+        if ahead and batch and batch < perf.max_num_seqs:
+            # The step in progress already carries a chunk of it (the budget the decodes
+            # leave), which the wait for the step boundary below covers: a prompt leaves
+            # the pending count only at its first token, when its last step ends.
+            carried = perf.max_num_batched_tokens - batch
+            if carried > ahead:
+                carried = ahead
+            ahead -= carried
         to_prefill = ahead + new_tokens
         # Each step gives every running decode its token first and the prompts the rest of
         # the budget K, and takes at least the batch's decode step: prefill advances by
@@ -259,7 +272,14 @@ class RequestPredictor:
         floor = decode_step if batch else perf.decode_base_s
         ttft = prefill_steps_s(perf, to_prefill, batch, floor)
         if batch:
-            ttft += perf.decode_base_s + perf.decode_s_per_seq * batch
+            # The step in progress: its decodes, and the chunk it carries when it computes
+            # longer than they read.
+            boundary = perf.decode_base_s + perf.decode_s_per_seq * batch
+            if carried:
+                chunk_step = perf.compute_base_s + per_token * (batch + carried)
+                if chunk_step > boundary:
+                    boundary = chunk_step
+            ttft += boundary
         if load >= perf.max_num_seqs:
             finished = decayed_finish_rate(replica, self.now)
             if finished > 0.0:

@@ -78,7 +78,8 @@ def digest(result: SimResult) -> str:
 # when a looser tier meeting only where a tighter one decodes took a cheaper replica it
 # still meets on instead, and when a looser tier on the least-bad path kept to the
 # replicas where it would still meet its own objectives before any holder of its prefix
-# where it would miss. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
+# where it would miss, and when the TTFT prediction stopped counting the prompt chunk of the
+# step under way twice. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
 # platform's smaller one is an engine flag, not a gateway change, and has its own tests
 # (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -86,7 +87,7 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "48800ad856ea8424",
+        "35c43ab95bee7198",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),

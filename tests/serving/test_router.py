@@ -547,7 +547,7 @@ def test_a_looser_tier_missing_on_its_prefix_holder_goes_where_it_still_meets() 
     # "holder" holds the whole of a standard request's prefix and carries standard work
     # only; "free" holds none and carries an interactive request, which the prompt would
     # push past its guard (48 ms a token against 40), so no replica meets harmlessly.
-    # With 40,000 prompt tokens queued on the holder the request would start there past
+    # With 50,000 prompt tokens queued on the holder the request would start there past
     # its 3 s objective; on "free" it meets its objectives. The holder's prefix discount
     # (half of it kept by a holder predicted to miss) ranked it past the near tie, and it
     # took the request.
@@ -566,7 +566,7 @@ def test_a_looser_tier_missing_on_its_prefix_holder_goes_where_it_still_meets() 
         fleet_state.prefix_index.record("acme", hashes, "holder")
         return fleet_state
 
-    decision = CostAware(state(40_000)).choose(ask, NOW)
+    decision = CostAware(state(50_000)).choose(ask, NOW)
     assert decision.replica is not None and decision.replica.replica_id == "free"
     assert decision.reason == Reason.LEAST_BAD and decision.cached_tokens == 0
     # With less queued it meets on the holder, harmlessly, and stays with its prefix.
@@ -933,8 +933,8 @@ def test_a_request_predicted_to_miss_everywhere_leaves_the_fast_replica_to_other
     queued: int, chosen: str
 ) -> None:
     # The slow L40S decodes at about 1.24x the interactive TPOT objective. With 60 prompts
-    # queued the H100's TTFT is about 0.9x its objective: outside the margin, but it may yet
-    # meet, so the least bad wins. With 75 it is about 1.13x: the request misses wherever it
+    # queued the H100's TTFT is about 0.88x its objective: outside the margin, but it may yet
+    # meet, so the least bad wins. With 75 it is about 1.09x: the request misses wherever it
     # goes, and takes the cheapest replica it can tolerate rather than the one others need.
     state = fleet(replica("fast", H100), replica("slow", L40S))
     state.update_telemetry("fast", running=100, waiting=queued, kv_usage=0.5, telemetry_at=NOW)
