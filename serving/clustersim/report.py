@@ -60,6 +60,9 @@ class TierFigures:
     ttft_attainment: float
     # ... whose TTFT and TPOT both met their objectives.
     slo_attainment: float
+    # The router's prediction error on the tier's requests: a tier gathered behind a deep
+    # queue (batch) can own the run's p99 alone, which the run's figure would hide.
+    prediction: PredictionError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +211,7 @@ def tier_figures(name: str, records: list[RequestRecord], tier: SloTier) -> Tier
         *_percentiles(tpots),
         met_ttft / count if count else 1.0,
         met_both / count if count else 1.0,
+        prediction_error([r for r in records if r.finished_s is not None]),
     )
 
 
@@ -419,7 +423,10 @@ def summary_rows(summary: Summary) -> list[dict[str, object]]:
         head |= {f"prediction_{k}": v for k, v in asdict(summary.prediction).items()}
     rows: list[dict[str, object]] = [{"scope": "all", **head}]
     for figures in summary.tiers.values():
-        rows.append({"scope": f"tier:{figures.tier}", **asdict(figures)})
+        row = {k: v for k, v in asdict(figures).items() if k != "prediction"}
+        if figures.prediction is not None:
+            row |= {f"prediction_{k}": v for k, v in asdict(figures.prediction).items()}
+        rows.append({"scope": f"tier:{figures.tier}", **row})
     for model in summary.models.values():
         rows.append({"scope": f"model:{model.model}", **asdict(model)})
     return rows
@@ -575,9 +582,16 @@ def format_summary(summary: Summary) -> str:
             f"than predicted {error.tpot_under_share:.0%}"
         )
     for t in summary.tiers.values():
+        predicted = t.prediction
         lines.append(
             f"  {t.tier:<12} n={t.requests:<6} TTFT p99 {t.ttft_p99_s:.3f} s  "
             f"TTFT SLO {t.ttft_attainment:.2%}  TTFT+TPOT SLO {t.slo_attainment:.2%}"
+            + (
+                f"  TTFT |err| p50/p99 {predicted.ttft_abs_p50_s * 1000:.0f}/"
+                f"{predicted.ttft_abs_p99_s * 1000:.0f} ms"
+                if predicted is not None
+                else ""
+            )
         )
     for m in summary.models.values():
         both = m.interactive_slo_attainment
