@@ -419,17 +419,24 @@ def summary_rows(summary: Summary) -> list[dict[str, object]]:
     for a CSV."""
     nested = ("tiers", "share_by_gpu", "prediction", "models")
     head = {k: v for k, v in asdict(summary).items() if k not in nested}
-    if summary.prediction is not None:
-        head |= {f"prediction_{k}": v for k, v in asdict(summary.prediction).items()}
-    rows: list[dict[str, object]] = [{"scope": "all", **head}]
+    rows: list[dict[str, object]] = [
+        {"scope": "all", **head, **_prediction_columns(summary.prediction)}
+    ]
     for figures in summary.tiers.values():
         row = {k: v for k, v in asdict(figures).items() if k != "prediction"}
-        if figures.prediction is not None:
-            row |= {f"prediction_{k}": v for k, v in asdict(figures.prediction).items()}
-        rows.append({"scope": f"tier:{figures.tier}", **row})
+        rows.append(
+            {"scope": f"tier:{figures.tier}", **row, **_prediction_columns(figures.prediction)}
+        )
     for model in summary.models.values():
         rows.append({"scope": f"model:{model.model}", **asdict(model)})
     return rows
+
+
+def _prediction_columns(error: PredictionError | None) -> dict[str, object]:
+    """A prediction error as a CSV row's `prediction_*` columns (none without one)."""
+    if error is None:
+        return {}
+    return {f"prediction_{k}": v for k, v in asdict(error).items()}
 
 
 def write_csv(result: SimResult, summary: Summary, out_dir: Path) -> list[Path]:

@@ -737,8 +737,9 @@ class CostAware:
     ) -> Decision:
         options, best_meeting = candidates.options, candidates.best_meeting
         predictor = candidates.predictor
+        looser = self._yields(tier)
         ties = self._ties(candidates, tier) if best_meeting != math.inf else []
-        if ties and self._yields(tier) and self._cheaper_meeting(ties, candidates, tier):
+        if ties and looser and self._cheaper_meeting(ties, candidates, tier):
             ties = []  # it leaves the tighter tiers' replicas to them: the least-bad path
         if ties:
             chosen = ties[0]
@@ -766,7 +767,7 @@ class CostAware:
         tolerable = self.config.queue_over_slo_factor
         least = min(scored_option[0] for scored_option in scored)
         lost = self.config.yield_when_lost and least > 1.0
-        if lost or self._yields(tier):
+        if lost or looser:
             # Overloaded: a looser tier settles for the cheapest replica it can tolerate,
             # leaving the fast ones to the tighter tiers; and a request predicted to miss its
             # objective wherever it goes takes the cheapest, however far it misses there,
@@ -781,7 +782,7 @@ class CostAware:
             # first where it fits (`_gather`).
             cap = math.inf if lost else tolerable
             within = [option for option in scored if option[0] <= cap]
-            if self._yields(tier):
+            if looser:
                 # Where it would still meet its own objectives somewhere, a looser tier
                 # goes there. A holder of its prefix predicted to miss keeps part of its
                 # discount and ranked past the near tie alone, so the replicas gathering
@@ -795,7 +796,7 @@ class CostAware:
             if within:
                 limit = min(option[2] for option in within) * candidates.near_tie
                 near = [option for option in within if option[2] <= limit]
-                if self._yields(tier):
+                if looser:
                     chosen = self._gather(near, tier)
                 else:
                     chosen = min(near, key=lambda option: (max(option[0], option[1]), option[2]))[3]
