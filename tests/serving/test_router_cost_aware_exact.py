@@ -145,18 +145,27 @@ def exhaustive_choice(
         if request.prefix_hashes
         else {}
     )
+    # A replica outside the longest match predicts with its own run of the prefix, which
+    # earns no discount (`_Candidates.consider`).
+    first_key = (
+        state.prefix_index.first_key(request.tenant, request.prefix_hashes) if matches else None
+    )
     meeting: list[tuple[float, str]] = []
     missing: list[tuple[tuple[float, float], str]] = []
     for group in state.groups("stable"):
         for replica in group.live:
             if not is_candidate(replica, request, NOW, config):
                 continue
-            blocks = matches.get(replica.replica_id, 0)
+            blocks = longest = matches.get(replica.replica_id, 0)
+            if not longest and first_key is not None:
+                blocks = state.prefix_index.run_on(
+                    replica.replica_id, first_key, request.prefix_hashes
+                )
             prediction = predict(replica, request, NOW, config, blocks)
             discount = 1.0
             if request.adapter is not None and request.adapter in replica.adapters_loaded:
                 discount -= config.adapter_bonus
-            if blocks:
+            if longest:
                 headroom = 1.0 - max(prediction.ttft_s / ttft_limit, prediction.tpot_s / tpot_limit)
                 meets = prediction.ttft_s <= ttft_limit and prediction.tpot_s <= tpot_limit
                 if headroom <= 0.0 and not meets:
