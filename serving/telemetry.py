@@ -41,16 +41,8 @@ def compact(telemetry: dict[str, Any]) -> dict[str, Any]:
         "loras": list(
             telemetry.get("loaded_lora_adapters") or telemetry.get("running_lora_adapters") or []
         ),
-        # The engine's prefix-cache counters, in tokens (None where it exports none): the
-        # router measures from them how much of the prefill it expected the engine computes.
-        "prefix_queries": _counter(telemetry.get("prefix_cache_queries_total")),
-        "prefix_hits": _counter(telemetry.get("prefix_cache_hits_total")),
         "scraped_at": telemetry.get("scraped_at"),
     }
-
-
-def _counter(value: Any) -> int | None:
-    return None if value is None else int(value)
 
 
 def store_latest(

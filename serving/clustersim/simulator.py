@@ -695,8 +695,6 @@ class ClusterSimulator:
                     waiting=engine.num_waiting,
                     kv_usage=engine.kv_usage,
                     telemetry_at=now_s,
-                    prefix_queries=engine.prefix_queries_tokens,
-                    prefix_hits=engine.prefix_hits_tokens,
                 )
             per_pool[replica.pool.name].append(replica)
             running += engine.num_running

@@ -72,11 +72,6 @@ CARRIED_ACROSS_VERSIONS = (
     "finish_rate_since",
     "inflight_tpot_objectives",
     "tightest_tpot_s",
-    "prefill_realized",
-    "prefilled_expected_tokens",
-    "scraped_queries",
-    "scraped_computed",
-    "expected_at_scrape",
     "breaker_open_until",
 )
 
@@ -302,8 +297,6 @@ class RoutingCache:
                 kv_usage=float(item.get("kv", 0.0)),
                 telemetry_at=now_mono - max(0.0, now_wall - scraped_at),
                 adapters_loaded=frozenset(item.get("loras") or ()),
-                prefix_queries=item.get("prefix_queries"),
-                prefix_hits=item.get("prefix_hits"),
             )
         # Wake whoever waits for fresh telemetry (requests queued for capacity), then arm
         # a new event for the next refresh.

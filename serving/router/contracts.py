@@ -153,18 +153,6 @@ class ReplicaState:
     # request sent there must keep the step within it, whatever its own tier allows.
     inflight_tpot_objectives: dict[float, int] = field(default_factory=dict)
     tightest_tpot_s: float = math.inf
-    # How many times the prompt tokens the router expects the replica to compute it does
-    # compute (1.0 until measured; `RouterState.update_telemetry`): its prefix cache can
-    # evict, while a prompt waits in the queue, blocks the router's index credited it with.
-    # `prefilled_expected_tokens`: the expected prefill of the requests whose first token
-    # came back there; `scraped_queries`, `scraped_computed` and `expected_at_scrape`: the
-    # engine's prefix-cache queries and computed prompt tokens at the scrape the ratio was
-    # last measured from (-1: none yet), and the expected count then.
-    prefill_realized: float = 1.0
-    prefilled_expected_tokens: int = 0
-    scraped_queries: int = -1
-    scraped_computed: int = 0
-    expected_at_scrape: int = 0
     adapters_loaded: frozenset[str] = frozenset()
     max_loras: int = 0
     healthy: bool = True

@@ -36,40 +36,6 @@ def count_objective(objectives: dict[float, int], objective: float, change: int)
     return True
 
 
-# `realize_prefill`: the fewest expected prompt tokens a measurement of the ratio spans (a
-# few prompts, so the lag between the engine counting a prompt at its admission and the
-# router at its first token averages out), the weight a new measurement gets, and the
-# range the ratio is kept in (a counter of another meaning cannot throw the prediction).
-REALIZE_MIN_TOKENS = 16384
-REALIZE_WEIGHT = 0.3
-REALIZED_RANGE = (0.5, 2.0)
-
-
-def realize_prefill(replica: ReplicaState, queries: int, computed: int) -> None:
-    """Measure `prefill_realized` from one scrape of the engine's prefix-cache counters
-    (`queries` prompt tokens looked up, `computed` of them not found cached) against the
-    prefill the router expected for the first tokens counted since the last measurement.
-    A scrape with no new lookup (the same scrape again, or an idle engine) measures
-    nothing; counters that went back (the engine restarted) start over."""
-    if replica.scraped_queries < 0 or queries < replica.scraped_queries:
-        replica.scraped_queries = queries
-        replica.scraped_computed = computed
-        replica.expected_at_scrape = replica.prefilled_expected_tokens
-        return
-    if queries == replica.scraped_queries:
-        return
-    expected = replica.prefilled_expected_tokens - replica.expected_at_scrape
-    if expected < REALIZE_MIN_TOKENS:
-        return  # keep the baseline: the next scrape spans more
-    ratio = (computed - replica.scraped_computed) / expected
-    low, high = REALIZED_RANGE
-    ratio = low if ratio < low else high if ratio > high else ratio
-    replica.prefill_realized += REALIZE_WEIGHT * (ratio - replica.prefill_realized)
-    replica.scraped_queries = queries
-    replica.scraped_computed = computed
-    replica.expected_at_scrape = replica.prefilled_expected_tokens
-
-
 def _take_unsynced(replica: ReplicaState, prompt_tokens: int) -> None:
     """One request of `prompt_tokens` no longer unsynced there (known to the other
     gateways, or finished before they knew of it)."""
@@ -275,11 +241,7 @@ class RouterState:
         adapters_loaded: frozenset[str] | None = None,
         max_loras: int | None = None,
         healthy: bool | None = None,
-        prefix_queries: int | None = None,
-        prefix_hits: int | None = None,
     ) -> None:
-        """`prefix_queries` and `prefix_hits`: the engine's prefix-cache counters, in
-        tokens (vLLM's `prefix_cache_queries` and `prefix_cache_hits`), where scraped."""
         replica = self._replicas.get(replica_id)
         if replica is None:
             return  # not in this routing-table version; the next one will carry it
@@ -287,8 +249,6 @@ class RouterState:
         replica.waiting = waiting
         replica.kv_usage = kv_usage
         replica.telemetry_at = telemetry_at
-        if prefix_queries is not None and prefix_hits is not None:
-            realize_prefill(replica, prefix_queries, prefix_queries - prefix_hits)
         if max_loras is not None:
             replica.max_loras = max_loras
         if adapters_loaded is not None and adapters_loaded != replica.adapters_loaded:
@@ -394,7 +354,6 @@ class RouterState:
         replica = self._replicas.get(replica_id)
         if replica is not None:
             replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
-            replica.prefilled_expected_tokens += prompt_tokens
 
     def request_finished(
         self,

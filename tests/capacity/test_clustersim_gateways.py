@@ -79,9 +79,7 @@ def digest(result: SimResult) -> str:
 # still meets on instead, and when a looser tier on the least-bad path kept to the
 # replicas where it would still meet its own objectives before any holder of its prefix
 # where it would miss, and when the TTFT prediction stopped counting the prompt chunk of the
-# step under way twice, and when it stopped counting the prompts queued there among the
-# decodes they wait behind and learned how much more of a prompt the engine computes than
-# its prefix index expected. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
+# step under way twice. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
 # platform's smaller one is an engine flag, not a gateway change, and has its own tests
 # (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -89,7 +87,7 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "9d7108363be9b2ba",
+        "35c43ab95bee7198",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),
@@ -182,13 +180,12 @@ def test_cost_aware_gateways_that_share_their_counts_keep_a_burst_within_the_slo
             (16, True, None),
         )
     )
-    # Each of sixteen alone sees a sixteenth of what was sent there (96.59 % against one
-    # gateway's 99.70); taking its own sixteen times it stops packing a replica the others
-    # are packing too (98.18); told of every request 5 ms late, it routes as one gateway
-    # does (99.77). (95.00, 99.62, 98.33 and 99.70 while the router counted the prompts
-    # queued on a replica among its decodes: the herd's queue then looked slower still.)
-    assert unaware < one - 0.02
-    assert counting > unaware + 0.01
+    # Each of sixteen alone sees a sixteenth of what was sent there (95.00 % against one
+    # gateway's 99.62); taking its own sixteen times it stops packing a replica the others
+    # are packing too (98.33); told of every request 5 ms late, it routes as one gateway
+    # does (99.70).
+    assert unaware < one - 0.04
+    assert counting > unaware + 0.03
     assert sharing >= one - 0.01 and sharing > counting
 
 

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 import redis
-import redis.asyncio as aioredis
-from django.conf import settings
 from django.test import Client
 
 from serving import telemetry
 from serving.actions.reconcile import do_reconcile
-from serving.actions.routing_table import publish_routing_table
-from serving.gateway.routing import RoutingCache
 from serving.models import Gpu, Node, Replica, ReplicaEvent, TelemetrySample
 
 from .conftest import MakeDeployment, MakePool, Register, replica_report, send_heartbeat
@@ -162,8 +157,6 @@ def _telemetry(running: int, waiting: int, kv: float) -> dict[str, Any]:
         "prompt_tokens_total": 100,
         "generation_tokens_total": 50,
         "running_lora_adapters": ["sql-lora"],
-        "prefix_cache_queries_total": 10_000,
-        "prefix_cache_hits_total": 4_000,
         "scraped_at": 1_700_000_200.0,
     }
 
@@ -187,56 +180,9 @@ def test_telemetry_lands_in_redis_for_the_gateway(
         "waiting": 2,
         "kv": 0.41,
         "loras": ["sql-lora"],
-        "prefix_queries": 10_000,
-        "prefix_hits": 4_000,
         "scraped_at": 1_700_000_200.0,
     }
     assert redis_client.ttl(telemetry.replica_key(replica.replica_id)) > 0
-
-
-def test_the_gateway_measures_from_the_counters_how_much_prefill_the_engine_computes(
-    make_pool: MakePool,
-    make_deployment: MakeDeployment,
-    register: Register,
-    redis_client: redis.Redis,
-) -> None:
-    """vLLM's prefix-cache counters ride the heartbeat to the gateway's routing view, which
-    measures the prompt tokens the engine computed against what its router expected."""
-    pool, secret = make_pool()
-    node = register(secret, "gpu-1", gpus=1)
-    make_deployment(pool)
-    do_reconcile()
-    replica_id = Replica.objects.get().replica_id
-
-    def report(queries: int, hits: int) -> dict[str, Any]:
-        counters = {"prefix_cache_queries_total": queries, "prefix_cache_hits_total": hits}
-        return replica_report(replica_id, telemetry={**_telemetry(1, 0, 0.1), **counters})
-
-    send_heartbeat(node, replicas=[report(10_000, 5_000)])
-    publish_routing_table()
-    cache = RoutingCache(aioredis.Redis.from_url(settings.REDIS_URL))
-
-    async def baseline() -> None:
-        await cache.reload()
-        await cache.redis.aclose()
-
-    asyncio.run(baseline())
-    state = cache.snapshot.state
-    routed = state.replica(replica_id)
-    assert routed is not None and routed.scraped_queries == 10_000
-    for _ in range(10):  # 20,000 tokens expected to be computed
-        state.request_started(replica_id, 2_000, 0.0)
-        state.request_first_token(replica_id, 2_000)
-    # The engine computed 30,000 (35,000 - 5,000): 1.5 times what was expected.
-    send_heartbeat(node, replicas=[report(60_000, 25_000)])
-
-    async def refresh() -> None:
-        cache.redis = aioredis.Redis.from_url(settings.REDIS_URL)
-        await cache.refresh_telemetry()
-        await cache.redis.aclose()
-
-    asyncio.run(refresh())
-    assert routed.prefill_realized == pytest.approx(1.0 + 0.3 * (1.5 - 1.0))
 
 
 def test_history_is_sampled_once_per_interval_however_many_heartbeats(
