@@ -185,6 +185,8 @@ class RequestRecord:
     # nothing, as round robin); the report compares them with what the engine model did.
     predicted_ttft_s: float | None = None
     predicted_tpot_s: float | None = None
+    # The replica's TTFT scale in `predicted_ttft_s` (`Decision.ttft_scale`).
+    ttft_scale: float | None = None
     # The objective the router protects its decode with (`Decision.tpot_objective_s`).
     tpot_objective_s: float | None = None
     # Disaggregated: where it was prefilled (replica_id then decoded it), when the prefill
@@ -438,6 +440,24 @@ class ClusterSimulator:
             delay = self.config.inflight_sync_delay_s
             self._defer(at_s + delay, record, False, method, replica_id, args, kwargs)
 
+    def _observe(
+        self, record: RequestRecord, at_s: float, replica_id: str, clock: str, observed_s: float
+    ) -> None:
+        """The routing gateway learns the request's TTFT or TPOT (`clock`) against its
+        prediction (`RouterState.observe_ttft`, `observe_tpot`) when the loop reaches
+        `at_s`."""
+        kwargs = {
+            "observed_s": observed_s,
+            "predicted_s": getattr(record, f"predicted_{clock}_s"),
+            "scale": getattr(record, f"{clock}_scale"),
+            "config": self.config.router,
+        }
+        method = f"observe_{clock}"
+        if at_s <= self._now:
+            getattr(self._gateways[record.gateway].state, method)(replica_id, **kwargs)
+        else:
+            self._defer(at_s, record, True, method, replica_id, (), kwargs)
+
     def _defer(
         self,
         at_s: float,
@@ -534,9 +554,11 @@ class ClusterSimulator:
             if kind == FIRST_TOKEN:
                 record.first_token_s = event.time_s
                 self._count(record, event.time_s, "request_first_token", replica.replica_id, prompt)
+                ttft = event.time_s - record.request.arrival_s
+                if record.ttft_scale is not None:
+                    self._observe(record, event.time_s, replica.replica_id, "ttft", ttft)
                 tier = self.config.router.slo_tiers.get(record.request.tier)
                 if tier is not None and tier.ttft_s:
-                    ttft = event.time_s - record.request.arrival_s
                     self._recent_ttft[replica.pool.name].append(ttft / tier.ttft_s)
             elif kind == FINISHED:
                 record.finished_s = event.time_s
@@ -620,6 +642,7 @@ class ClusterSimulator:
             return
         record.predicted_ttft_s = decision.predicted_ttft_s
         record.predicted_tpot_s = decision.predicted_tpot_s
+        record.ttft_scale = decision.ttft_scale
         record.tpot_objective_s = decision.tpot_objective_s
         if decision.prefill_replica is not None:
             self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)

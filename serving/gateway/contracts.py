@@ -85,6 +85,8 @@ class ExchangeServices(Protocol):
 
     def request_first_token(self, replica_id: str, prefill_tokens: int) -> None: ...
 
+    def observe_ttft(self, replica_id: str, ttft_s: float, decision: Decision) -> None: ...
+
     def request_finished(
         self,
         replica_id: str,

@@ -157,6 +157,10 @@ class Exchange:
     _started_on: str | None = None
     # The TPOT objective it decodes under there, as the router was told (Decision's).
     _started_objective: float | None = None
+    # When it was sent there (monotonic), and the decision whose TTFT prediction its first
+    # token is held against (None: one not to learn from, such as a disaggregated one).
+    _started_at: float = 0.0
+    _predicted_by: Decision | None = None
     # True once a replica accepted the request and produced its first chunk.
     _accepted: bool = False
     # Whether the replica's breaker got a verdict (success or failure) from this request.
@@ -447,6 +451,16 @@ class Exchange:
                 )
                 self._started_on = replica_id
                 self._started_objective = objective
+                self._started_at = time.monotonic()
+                decision = self.decision
+                self._predicted_by = (
+                    decision
+                    if decision is not None
+                    and prefill is None
+                    and decision.replica is not None
+                    and decision.replica.replica_id == replica_id
+                    else None
+                )
                 trace_headers = self._trace_upstream(replica_id) if self.trace is not None else None
                 stream = await open_stream(
                     self.gateway.session,
@@ -747,6 +761,10 @@ class Exchange:
                 self._first_token()
             if self._started_on is not None:
                 self.gateway.request_first_token(self._started_on, self.prefill_tokens())
+                if self._predicted_by is not None:
+                    self.gateway.observe_ttft(
+                        self._started_on, now - self._started_at, self._predicted_by
+                    )
             metrics.TIME_TO_FIRST_TOKEN.labels(*labels).observe(now - self.started_mono)
         elif self._last_token_at is not None:
             metrics.INTER_TOKEN_LATENCY.labels(*labels).observe(now - self._last_token_at)

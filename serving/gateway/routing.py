@@ -73,6 +73,7 @@ CARRIED_ACROSS_VERSIONS = (
     "inflight_tpot_objectives",
     "tightest_tpot_s",
     "breaker_open_until",
+    "ttft_scale",
 )
 
 

@@ -427,6 +427,17 @@ class Gateway:
         self.routing.snapshot.state.request_first_token(replica_id, prefill_tokens)
         self.inflight_sync.first_token(replica_id, prefill_tokens)
 
+    def observe_ttft(self, replica_id: str, ttft_s: float, decision: Decision) -> None:
+        """The first token came `ttft_s` after the request was sent where `decision` sent
+        it: the replica's TTFT calibration learns from it (`RouterState.observe_ttft`)."""
+        self.routing.snapshot.state.observe_ttft(
+            replica_id,
+            ttft_s,
+            decision.predicted_ttft_s,
+            decision.ttft_scale,
+            self.router_config,
+        )
+
     def request_finished(
         self,
         replica_id: str,

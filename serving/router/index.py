@@ -20,6 +20,7 @@ from serving.router.contracts import (
     ModelRoute,
     ReplicaPerf,
     ReplicaState,
+    RouterConfig,
 )
 from serving.router.predict import decay_factor, decayed_finish_count
 from serving.router.prefix import PrefixIndex
@@ -80,6 +81,26 @@ class ReplicaSet:
         if position < len(self.items):
             self.items[position] = last
             self._position[last.replica_id] = position
+
+
+def _quantile_step(
+    current: float,
+    observed_s: float,
+    predicted_s: float | None,
+    scale: float | None,
+    config: RouterConfig,
+) -> float:
+    """A running quantile's step (`config.ttft_quantile`) towards observed over predicted."""
+    quantile = config.ttft_quantile
+    if quantile is None or predicted_s is None or scale is None or scale <= 0.0:
+        return current
+    unscaled = predicted_s / scale
+    if unscaled < config.ttft_calibration_min_s:
+        return current
+    below = 1.0 if observed_s < unscaled * current else 0.0
+    current += config.ttft_quantile_step * (quantile - below)
+    low, high = config.ttft_scale_bounds
+    return low if current < low else high if current > high else current
 
 
 def queue_load(replica: ReplicaState) -> int:
@@ -354,6 +375,26 @@ class RouterState:
         replica = self._replicas.get(replica_id)
         if replica is not None:
             replica.prefill_pending_tokens = max(0, replica.prefill_pending_tokens - prompt_tokens)
+
+    def observe_ttft(
+        self,
+        replica_id: str,
+        observed_s: float,
+        predicted_s: float | None,
+        scale: float | None,
+        config: RouterConfig,
+    ) -> None:
+        """A request this gateway sent there had its first token `observed_s` after it was
+        routed, where the decision predicted `predicted_s` with the replica's `ttft_scale`
+        at `scale` (`Decision.predicted_ttft_s` and `Decision.ttft_scale`): the scale takes
+        a step of a running quantile of observed over predicted (`config.ttft_quantile`),
+        the prediction taken without the scale it carried, so the scale learns the model's
+        error and not its own."""
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.ttft_scale = _quantile_step(
+                replica.ttft_scale, observed_s, predicted_s, scale, config
+            )
 
     def request_finished(
         self,

@@ -117,6 +117,7 @@ def _decide(
         cached_tokens=cached_blocks * config.prefix_block_tokens,
         meets_slo=_meets(prediction, config.tier(request.tier)),
         baseline_replica=baseline,
+        ttft_scale=replica.ttft_scale,
     )
 
 
@@ -972,6 +973,7 @@ class CostAware:
             tpot_objective_s=self.config.tier(request.tier).tpot_s,
             queue_advised=queue_advised,
             baseline_replica=baseline,
+            ttft_scale=replica.ttft_scale,
         )
 
 

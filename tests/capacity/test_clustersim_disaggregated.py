@@ -100,14 +100,16 @@ def test_a_fleet_with_prefill_and_decode_pools_needs_the_disaggregated_policy() 
 # (`ReplicaPerf.compute_base_s`), and the mixed fleet's when a looser tier's request
 # learned to gather where no tighter tier decodes, and again when it learned to gather
 # on the least-bad path too; both cost-aware rows when its TTFT prediction stopped counting
-# the prompt chunk of the step under way twice. The engines keep
+# the prompt chunk of the step under way twice, and the H100 row when it stopped counting
+# the prompts queued there among the decodes they wait behind and learned each replica's
+# TTFT scale at its first tokens (`ReplicaState.ttft_scale`). The engines keep
 # vLLM's own budget (`max_num_batched_tokens="vllm"`) the figures were taken with; the
 # platform's smaller one is a change of engine flags, tested on its own (test_step_budget).
 COLOCATED_BEFORE = [
     (
         homogeneous("H100-SXM-80GB", 2),
         "cost_aware",
-        (0.45979498246118095, 0.016969252478267218, 0.13184444444444446, 0.133729),
+        (0.45696782147603443, 0.017343234818982457, 0.13184444444444446, 0.140745),
     ),
     (
         with_budget({"H100-SXM-80GB": 1, "L40S-48GB": 1}, 9.0),

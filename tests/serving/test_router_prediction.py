@@ -392,3 +392,102 @@ def test_a_prompt_arriving_mid_step_waits_out_that_step_and_the_queue_left_after
     state.request_started("busy", queued, None, context_tokens=queued)
     ask = request(prompt_tokens=prompt_tokens, max_tokens=2)
     assert predict(busy, ask, arrival, CONFIG).ttft_s == pytest.approx(first - arrival, rel=0.15)
+
+
+def test_prompts_queued_for_prefill_are_not_counted_among_the_decodes_they_wait_behind() -> None:
+    """The engine model on an L40S at 512 tokens a step: 30 sequences decoding at 3,000
+    tokens of context, 60 prompts of 1,500 queued behind them (10 tokens each), and ours.
+    While ours waits, the queued prompts are prefilled a chunk a step beside the 30 decodes
+    and the few of their own that have not finished yet: the prediction follows the engine
+    within 15 %. Counting all 90 requests in flight as decoding, as it did, it read 90
+    contexts a step and left 422 tokens of budget to the prompts: 14.72 s against the
+    engine's 10.22 (+44 %)."""
+    engine = Engine(
+        PerfModel(load_gpu_specs()[L40S], load_model_specs()[MODEL]), max_num_batched_tokens=512
+    )
+    for n in range(30):
+        engine.add_request(EngineRequest(f"decode-{n}", 3_000, 5_000, 0.0))
+    engine.advance(30.0)  # every prompt prefilled; they decode
+    assert engine.num_running == 30
+    queued_at = engine.clock_s
+    for n in range(60):
+        engine.add_request(EngineRequest(f"queued-{n}", 1_500, 10, queued_at))
+    arrival = queued_at + 1e-9
+    engine.add_request(EngineRequest("ours", 500, 2, arrival))
+    events = engine.advance(arrival + 60.0)
+    first = next(e.time_s for e in events if e.request_id == "ours" and e.kind == FIRST_TOKEN)
+
+    busy = replica("busy", L40S, running=30, waiting=0)
+    busy = replace(busy, perf=replace(busy.perf, max_num_batched_tokens=512))
+    state = fleet(busy)
+    for _ in range(30):
+        state.request_started("busy", 0, None, context_tokens=3_000)
+    for _ in range(60):
+        state.request_started("busy", 1_500, arrival - 0.5, context_tokens=1_500)
+    ask = request(prompt_tokens=500, max_tokens=2)
+    assert predict(busy, ask, arrival, CONFIG).ttft_s == pytest.approx(first - arrival, rel=0.15)
+
+
+def _observe(state: RouterState, target: ReplicaState, unscaled_s: float, ratio: float) -> None:
+    """A first token `ratio` times the model's prediction, the decision carrying the scale
+    the replica had then, as a gateway passes them on."""
+    scale = target.ttft_scale
+    state.observe_ttft(target.replica_id, unscaled_s * ratio, unscaled_s * scale, scale, CONFIG)
+
+
+def test_the_ttft_scale_settles_at_the_configured_quantile_of_observed_over_predicted() -> None:
+    """First tokens spread evenly from 0.8 to 1.2 times the model's prediction: the scale
+    settles near their 98th percentile (1.192), each step of the quantile small."""
+    target = replica("a", L40S)
+    state = fleet(target)
+    ratios = [0.8 + 0.4 * ((n * 7919) % 1000) / 999 for n in range(6_000)]
+    for ratio in ratios:
+        _observe(state, target, 0.5, ratio)
+    assert target.ttft_scale == pytest.approx(1.192, abs=0.03)
+    share_below = sum(ratio < target.ttft_scale for ratio in ratios) / len(ratios)
+    assert share_below == pytest.approx(CONFIG.ttft_quantile, abs=0.03)
+
+
+def test_the_ttft_scale_learns_the_models_error_not_its_own() -> None:
+    """The engine always takes 1.3 times the model: the scale goes to 1.3 and stays there.
+    Judged against the scaled prediction it carried, it would settle at 1.3's square root
+    (1.14), short of the engine's error."""
+    target = replica("a", L40S)
+    state = fleet(target)
+    for _ in range(400):
+        _observe(state, target, 0.5, 1.3)
+    assert 1.3 <= target.ttft_scale <= 1.3 + CONFIG.ttft_quantile_step
+
+
+def test_the_ttft_scale_keeps_to_its_bounds_and_ignores_what_it_cannot_learn_from() -> None:
+    target = replica("a", L40S)
+    state = fleet(target)
+    _observe(state, target, CONFIG.ttft_calibration_min_s / 2, 5.0)  # an idle prefill
+    state.observe_ttft("a", 1.0, None, 1.0, CONFIG)  # no prediction
+    state.observe_ttft("a", 1.0, 0.5, None, CONFIG)  # a decision not to learn from
+    state.observe_ttft("gone", 1.0, 0.5, 1.0, CONFIG)  # not in this table
+    assert target.ttft_scale == 1.0
+    for _ in range(200):
+        _observe(state, target, 0.5, 10.0)
+    assert target.ttft_scale == CONFIG.ttft_scale_bounds[1]
+    for _ in range(5_000):
+        _observe(state, target, 0.5, 0.1)
+    assert target.ttft_scale == CONFIG.ttft_scale_bounds[0]
+    off = RouterConfig(ttft_quantile=None)
+    state.observe_ttft("a", 5.0, 0.5, target.ttft_scale, off)
+    assert target.ttft_scale == CONFIG.ttft_scale_bounds[0]
+
+
+def test_the_predicted_ttft_carries_the_scale_and_the_decision_names_it() -> None:
+    target = replica("a", L40S)
+    state = fleet(target)
+    state.request_started("a", 8_000, NOW)
+    ask = request(prompt_tokens=500)
+    model = predict(target, ask, NOW, CONFIG)
+    target.ttft_scale = 1.5
+    scaled = predict(target, ask, NOW, CONFIG)
+    assert scaled.ttft_s == pytest.approx(1.5 * model.ttft_s)
+    assert scaled.tpot_s == model.tpot_s
+    decision = CostAware(state, CONFIG).choose(ask, NOW)
+    assert decision.replica is target and decision.ttft_scale == 1.5
+    assert decision.predicted_ttft_s == pytest.approx(scaled.ttft_s)
