@@ -440,23 +440,21 @@ class ClusterSimulator:
             delay = self.config.inflight_sync_delay_s
             self._defer(at_s + delay, record, False, method, replica_id, args, kwargs)
 
-    def _observe(
-        self, record: RequestRecord, at_s: float, replica_id: str, clock: str, observed_s: float
+    def _observe_ttft(
+        self, record: RequestRecord, at_s: float, replica_id: str, ttft_s: float
     ) -> None:
-        """The routing gateway learns the request's TTFT or TPOT (`clock`) against its
-        prediction (`RouterState.observe_ttft`, `observe_tpot`) when the loop reaches
-        `at_s`."""
-        kwargs = {
-            "observed_s": observed_s,
-            "predicted_s": getattr(record, f"predicted_{clock}_s"),
-            "scale": getattr(record, f"{clock}_scale"),
+        """The routing gateway learns the request's TTFT against its prediction
+        (`RouterState.observe_ttft`) when the loop reaches `at_s`."""
+        kwargs: dict[str, Any] = {
+            "observed_s": ttft_s,
+            "predicted_s": record.predicted_ttft_s,
+            "scale": record.ttft_scale,
             "config": self.config.router,
         }
-        method = f"observe_{clock}"
         if at_s <= self._now:
-            getattr(self._gateways[record.gateway].state, method)(replica_id, **kwargs)
+            self._gateways[record.gateway].state.observe_ttft(replica_id, **kwargs)
         else:
-            self._defer(at_s, record, True, method, replica_id, (), kwargs)
+            self._defer(at_s, record, True, "observe_ttft", replica_id, (), kwargs)
 
     def _defer(
         self,
@@ -556,7 +554,7 @@ class ClusterSimulator:
                 self._count(record, event.time_s, "request_first_token", replica.replica_id, prompt)
                 ttft = event.time_s - record.request.arrival_s
                 if record.ttft_scale is not None:
-                    self._observe(record, event.time_s, replica.replica_id, "ttft", ttft)
+                    self._observe_ttft(record, event.time_s, replica.replica_id, ttft)
                 tier = self.config.router.slo_tiers.get(record.request.tier)
                 if tier is not None and tier.ttft_s:
                     self._recent_ttft[replica.pool.name].append(ttft / tier.ttft_s)

@@ -177,6 +177,21 @@ def _kv_link(name: object) -> KvLink | None:
     return KvLink(spec.gbytes_per_s, spec.latency_s) if spec is not None else None
 
 
+def carry_over(previous: RoutingSnapshot, snapshot: RoutingSnapshot) -> None:
+    """Keep this gateway's own view of each replica in both versions (`CARRIED_ACROSS_VERSIONS`):
+    requests in flight stay counted. The TTFT scale calibrates the replica's perf as the
+    router models it, so a replica whose perf changed (another engine budget, another
+    class under the same id) starts it over."""
+    for replica_id in previous.endpoints:
+        old = previous.state.replica(replica_id)
+        new = snapshot.state.replica(replica_id)
+        if old is not None and new is not None:
+            for name in CARRIED_ACROSS_VERSIONS:
+                setattr(new, name, getattr(old, name))
+            if new.perf != old.perf:
+                new.ttft_scale = 1.0
+
+
 def build_snapshot(
     table: dict[str, Any], prefix_index: PrefixIndex | None = None
 ) -> RoutingSnapshot:
@@ -272,13 +287,7 @@ class RoutingCache:
         if version != self.snapshot.version or not self.loaded.is_set():
             previous = self.snapshot
             self.snapshot = build_snapshot(table, previous.state.prefix_index)
-            # Requests in flight on a replica stay counted across table versions.
-            for replica_id in previous.endpoints:
-                old = previous.state.replica(replica_id)
-                new = self.snapshot.state.replica(replica_id)
-                if old is not None and new is not None:
-                    for name in CARRIED_ACROSS_VERSIONS:
-                        setattr(new, name, getattr(old, name))
+            carry_over(previous, self.snapshot)
         # The table is read: which models it serves is known, even if telemetry is not yet.
         self.loaded.set()
         await self.refresh_telemetry()

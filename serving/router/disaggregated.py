@@ -269,4 +269,6 @@ class Disaggregated:
             baseline_replica=chosen.replica,
             prefill_replica=chosen.prefill,
             predicted_transfer_s=chosen.transfer_s,
+            # A colocated choice's TTFT is its replica's, scaled: its first token teaches it.
+            ttft_scale=chosen.replica.ttft_scale if chosen.prefill is None else None,
         )
