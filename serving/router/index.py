@@ -83,26 +83,6 @@ class ReplicaSet:
             self._position[last.replica_id] = position
 
 
-def _quantile_step(
-    current: float,
-    observed_s: float,
-    predicted_s: float | None,
-    scale: float | None,
-    config: RouterConfig,
-) -> float:
-    """A running quantile's step (`config.ttft_quantile`) towards observed over predicted."""
-    quantile = config.ttft_quantile
-    if quantile is None or predicted_s is None or scale is None or scale <= 0.0:
-        return current
-    unscaled = predicted_s / scale
-    if unscaled < config.ttft_calibration_min_s:
-        return current
-    below = 1.0 if observed_s < unscaled * current else 0.0
-    current += config.ttft_quantile_step * (quantile - below)
-    low, high = config.ttft_scale_bounds
-    return low if current < low else high if current > high else current
-
-
 def queue_load(replica: ReplicaState) -> int:
     """Requests queued, running and in flight from here: what `LeastLoad` minimises."""
     return replica.waiting + replica.running + replica.inflight
@@ -390,11 +370,18 @@ class RouterState:
         a step of a running quantile of observed over predicted (`config.ttft_quantile`),
         the prediction taken without the scale it carried, so the scale learns the model's
         error and not its own."""
+        quantile = config.ttft_quantile
+        if quantile is None or predicted_s is None or scale is None or scale <= 0.0:
+            return
         replica = self._replicas.get(replica_id)
-        if replica is not None:
-            replica.ttft_scale = _quantile_step(
-                replica.ttft_scale, observed_s, predicted_s, scale, config
-            )
+        unscaled = predicted_s / scale
+        if replica is None or unscaled < config.ttft_calibration_min_s:
+            return
+        current = replica.ttft_scale
+        below = 1.0 if observed_s < unscaled * current else 0.0
+        current += config.ttft_quantile_step * (quantile - below)
+        low, high = config.ttft_scale_bounds
+        replica.ttft_scale = low if current < low else high if current > high else current
 
     def request_finished(
         self,
