@@ -23,11 +23,12 @@ cost-aware policy's are (the prefill share of their own and others' prompts infl
 their cost counts decode steps without that inflation (`colocated_option`), since other
 prompts' prefill is their own cost, as it is on a prefill replica.
 
-The choice: the cheapest option whose TTFT and TPOT are within `slo_margin` of the tier's
-objectives; a colocated option within `near_tie_fraction` of the cheapest pair wins the tie
-(no transfer to go wrong). So short prompts, whose transfer and extra decode step cost more
-than the prefill interference they spare, stay colocated where both kinds exist, and long
-prompts go disaggregated when the model says that is cheaper or the only way to meet TPOT.
+The choice: the cheapest option whose TTFT and TPOT are within their margins of the tier's
+objectives (`ttft_margin`, `tpot_margin`); a colocated option within `near_tie_fraction` of
+the cheapest pair wins the tie (no transfer to go wrong). So short prompts, whose transfer
+and extra decode step cost more than the prefill interference they spare, stay colocated
+where both kinds exist, and long prompts go disaggregated when the model says that is
+cheaper or the only way to meet TPOT.
 When nothing meets: the least bad (the smallest multiple of its objective), flagged
 `queue_advised` past `queue_over_slo_factor`.
 
@@ -236,8 +237,8 @@ class Disaggregated:
     def _decide(self, options: list[Option], request: RouteRequest) -> Decision:
         config = self.config
         tier = config.tier(request.tier)
-        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
-        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
+        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.ttft_margin
+        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.tpot_margin
         meeting = [o for o in options if o.ttft_s <= ttft_limit and o.tpot_s <= tpot_limit]
         queue_advised = False
         if meeting:

@@ -514,8 +514,8 @@ _LONGEST: Final = 7
 
 
 class CostAware:
-    """The cheapest replica whose predicted TTFT and TPOT are within `slo_margin` of the
-    request's SLO tier.
+    """The cheapest replica whose predicted TTFT and TPOT are within their margins of the
+    request's SLO tier (`ttft_margin`, `tpot_margin`).
 
     Ranking price = price per hour x (1 - prefix_bonus x fraction of prefix held x headroom
     left on the holder, on the tighter of TTFT and TPOT, `prefix_bonus_floor` past them -
@@ -543,7 +543,7 @@ class CostAware:
     Every sequence on a replica decodes in the same steps, so a request's predicted TPOT
     there is what it brings every sequence there to. The router knows the TPOT objectives
     of its own requests in flight on each replica (`ReplicaState.tightest_tpot_s`); a
-    candidate whose predicted TPOT passes the tightest of them (times `slo_margin`) is
+    candidate whose predicted TPOT passes the tightest of them (times `tpot_margin`) is
     harmful. The draw is among the harmless near ties when there are any, and of them
     among those holding the longest run of the prompt's prefix blocks, when any holds
     some: a replica meeting the SLO harmlessly with the prompt cached beats one that
@@ -903,21 +903,21 @@ class CostAware:
 
     def _gather(self, near: list[tuple[float, float, float, _Option]], tier: SloTier) -> _Option:
         """A looser tier's least-bad choice among the near ties (own miss, harm, rank,
-        option). Where it meets its own objectives within the margin and its prompt would
+        option). Where it meets its own objectives within the margins and its prompt would
         start within the margin of the tightest tier's TTFT objective: the replica carrying
         the fewest requests of tighter tiers, so looser work gathers on a few replicas and
         fills their decode batches, and the rest keep the short steps the tightest tier
         needs. The bound on the wait keeps a gathering replica from filling its queue: a
         burst of looser prompts on one replica would miss their own TTFT. Elsewhere, and
         between equal counts, the least harm, then the cheaper."""
-        margin = self.config.slo_margin
-        wait_s = (self._tightest_ttft_s or 0.0) * margin
+        wait_s = (self._tightest_ttft_s or 0.0) * self.config.ttft_margin
         own_tpot = _tpot_objective(tier)
         chosen = near[0][3]
         best: tuple[int, int, float, float] | None = None
         for own, harm, rank, option in near:
             ttft = option[_TTFT]
-            fits = own <= margin and ttft is not None and ttft <= wait_s
+            # Within the margins (a deferred option, not predicted, is not).
+            fits = option[_MEETS] and ttft is not None and ttft <= wait_s
             tighter = _tighter_in_flight(option[_REPLICA], own_tpot) if fits else 0
             key = (0 if fits else 1, tighter, max(own, harm), rank)
             if best is None or key < best:
@@ -998,7 +998,6 @@ class _Candidates:
         "config",
         "first_key",
         "index",
-        "margin",
         "matches",
         "near_tie",
         "now",
@@ -1008,6 +1007,7 @@ class _Candidates:
         "seen",
         "total_blocks",
         "tpot_limit",
+        "tpot_margin",
         "ttft_limit",
     )
 
@@ -1039,9 +1039,9 @@ class _Candidates:
         self.best_meeting = math.inf
         self.adapter = request.adapter
         self.total_blocks = len(request.prefix_hashes)
-        # Accept only predictions inside the safety margin of the objective.
-        self.margin = margin = config.slo_margin
-        self.ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * margin
+        # Accept only predictions inside the safety margins of the objectives.
+        self.ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.ttft_margin
+        self.tpot_margin = margin = config.tpot_margin
         self.tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
         self.near_tie = 1.0 + config.near_tie_fraction
 
@@ -1124,7 +1124,7 @@ class _Candidates:
     def tpot_limit_on(self, replica: ReplicaState) -> float:
         """The TPOT a request may bring the replica to: its own objective's limit, or the
         tightest of the requests decoding there, whichever is lower (times the margin)."""
-        guard = replica.tightest_tpot_s * self.margin
+        guard = replica.tightest_tpot_s * self.tpot_margin
         return guard if guard < self.tpot_limit else self.tpot_limit
 
     def _used(self, ttft: float, tpot: float, tpot_limit: float) -> float:

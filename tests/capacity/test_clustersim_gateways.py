@@ -81,7 +81,8 @@ def digest(result: SimResult) -> str:
 # where it would miss, and when the TTFT prediction stopped counting the prompt chunk of the
 # step under way twice, and when it stopped counting the prompts queued there among the
 # decodes they wait behind and learned each replica's TTFT scale at its first tokens
-# (`ReplicaState.ttft_scale`). The runs keep that budget (`max_num_batched_tokens="vllm"`): the
+# (`ReplicaState.ttft_scale`), and when the TTFT margin went to 0.9 while TPOT's stayed
+# at 0.8 (`RouterConfig.ttft_margin`). The runs keep that budget (`max_num_batched_tokens="vllm"`): the
 # platform's smaller one is an engine flag, not a gateway change, and has its own tests
 # (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -89,7 +90,7 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "640ccff8c9665f37",
+        "6588eed981347bca",
     ),
     "least_load": (
         homogeneous("H100-SXM-80GB", 3),
@@ -182,12 +183,13 @@ def test_cost_aware_gateways_that_share_their_counts_keep_a_burst_within_the_slo
             (16, True, None),
         )
     )
-    # Each of sixteen alone sees a sixteenth of what was sent there (97.80 % against one
-    # gateway's 99.70); taking its own sixteen times it stops packing a replica the others
-    # are packing too (98.41); told of every request 5 ms late, it routes as one gateway
-    # does (99.62). Each gateway's TTFT scale, learned from its own first tokens, finds
-    # part of what the unaware ones do not see (95.00, 99.62, 98.33 and 99.70 before it).
-    assert unaware < one - 0.015
+    # Each of sixteen alone sees a sixteenth of what was sent there (98.18 % against one
+    # gateway's 99.62); taking its own sixteen times it stops packing a replica the others
+    # are packing too (98.71); told of every request 5 ms late, it routes as one gateway
+    # does (99.70). Each gateway's TTFT scale, learned from its own first tokens, finds
+    # part of what the unaware ones do not see (95.00, 99.62, 98.33 and 99.70 before it;
+    # 97.80, 99.70, 98.41 and 99.62 with it, before the TTFT margin went to 0.9).
+    assert unaware < one - 0.01
     assert counting > unaware + 0.005
     assert sharing >= one - 0.01 and sharing > counting
 

@@ -138,8 +138,8 @@ def exhaustive_choice(
     meeting the SLO, or those tied for the least-bad answer. No request decodes in the
     fleet, so no option harms another's TPOT."""
     tier = config.tier(request.tier)
-    ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.slo_margin
-    tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.slo_margin
+    ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.ttft_margin
+    tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.tpot_margin
     matches = (
         state.prefix_index.longest_matches(request.tenant, request.prefix_hashes)
         if request.prefix_hashes

@@ -92,12 +92,52 @@ def test_cost_aware_leaves_a_cheap_replica_whose_prediction_is_inside_the_slo_bu
     cheap, dear = replica("cheap", L40S), replica("dear", H100)
     state = fleet(cheap, dear)
     ask = request(tier="interactive", prompt_tokens=1_000)
-    # Queue prefill on the cheap one until its TTFT sits between 80 % and 100 % of 1 s.
-    while predict(cheap, ask, NOW, CONFIG).ttft_s < 0.85:
+    # Queue prefill on the cheap one until its TTFT sits between the margin and 1 s.
+    while predict(cheap, ask, NOW, CONFIG).ttft_s < (CONFIG.ttft_margin + 1.0) / 2:
         state.request_started("cheap", 500, None)
-    assert predict(cheap, ask, NOW, CONFIG).ttft_s < 1.0
-    assert CostAware(state, RouterConfig(slo_margin=1.0)).choose(ask, NOW).replica is cheap
+    assert CONFIG.ttft_margin < predict(cheap, ask, NOW, CONFIG).ttft_s < 1.0
+    assert (
+        CostAware(state, RouterConfig(ttft_margin=1.0, tpot_margin=1.0)).choose(ask, NOW).replica
+        is cheap
+    )
     assert CostAware(state, CONFIG).choose(ask, NOW).replica is dear
+
+
+def test_ttft_and_tpot_keep_margins_of_their_own() -> None:
+    # TTFT's prediction is calibrated online to a high quantile (its scale), so it keeps
+    # the smaller margin: a cheap replica starting the prompt at 0.85 of the objective
+    # meets, where a TPOT at 0.85 of its objective does not.
+    interactive = CONFIG.tier("interactive")
+    assert interactive.ttft_s is not None and interactive.tpot_s is not None
+    assert CONFIG.tpot_margin < 0.85 < CONFIG.ttft_margin
+    ask = request(tier="interactive", prompt_tokens=1_000)
+
+    state = fleet(replica("cheap", A100), replica("dear", H100))
+    cheap = state.replica("cheap")
+    assert cheap is not None
+    while predict(cheap, ask, NOW, CONFIG).ttft_s < 0.85 * interactive.ttft_s:
+        state.request_started("cheap", 400, None)
+    queued = predict(cheap, ask, NOW, CONFIG)
+    assert queued.ttft_s < 0.9 * interactive.ttft_s
+    assert queued.tpot_s < CONFIG.tpot_margin * interactive.tpot_s
+    decision = CostAware(state, CONFIG).choose(ask, NOW)
+    assert decision.replica is cheap and decision.meets_slo
+    stricter = RouterConfig(ttft_margin=0.8)
+    assert CostAware(state, stricter).choose(ask, NOW).replica is not cheap
+
+    state = fleet(replica("cheap", L40S), replica("dear", H100))
+    cheap = state.replica("cheap")
+    assert cheap is not None
+    running = 0
+    while predict(cheap, ask, NOW, CONFIG).tpot_s < 0.85 * interactive.tpot_s:
+        running += 1
+        state.update_telemetry("cheap", running=running, waiting=0, kv_usage=0.3, telemetry_at=NOW)
+    decoding = predict(cheap, ask, NOW, CONFIG)
+    assert decoding.tpot_s < 0.9 * interactive.tpot_s
+    assert decoding.ttft_s < CONFIG.ttft_margin * interactive.ttft_s
+    assert CostAware(state, CONFIG).choose(ask, NOW).replica is not cheap
+    looser = RouterConfig(tpot_margin=0.9)
+    assert CostAware(state, looser).choose(ask, NOW).replica is cheap
 
 
 def test_prefix_affinity_fades_on_a_holder_close_to_its_ttft_objective() -> None:

@@ -160,7 +160,9 @@ def test_a_drained_deployment_of_a_version_takes_nothing_while_its_siblings_shar
         seed=1,
     )
 
-    cost_aware = Counter(picks(CostAware(state, RouterConfig(slo_margin=1.0)), 100))
+    cost_aware = Counter(
+        picks(CostAware(state, RouterConfig(ttft_margin=1.0, tpot_margin=1.0)), 100)
+    )
     least_load = Counter(picks(LeastLoad(state), 100, start_requests=True))
 
     # The L4 is cheaper still and meets the SLO without the margin, but takes no traffic.
