@@ -307,6 +307,13 @@ class RouterConfig:
         tier = self._routing_tiers.get(name)
         return tier if tier is not None else self._bounded(SloTier(name, None, None))
 
+    def limits(self, tier: SloTier) -> tuple[float, float]:
+        """The TTFT and TPOT a prediction may reach and still be accepted: the tier's
+        objectives times their margins (infinity for an objective the tier lacks)."""
+        ttft = math.inf if tier.ttft_s is None else tier.ttft_s * self.ttft_margin
+        tpot = math.inf if tier.tpot_s is None else tier.tpot_s * self.tpot_margin
+        return ttft, tpot
+
     def _bounded(self, tier: SloTier) -> SloTier:
         if tier.ttft_s is None and self.untimed_ttft_s is not None:
             return replace(tier, ttft_s=self.untimed_ttft_s)

@@ -237,8 +237,7 @@ class Disaggregated:
     def _decide(self, options: list[Option], request: RouteRequest) -> Decision:
         config = self.config
         tier = config.tier(request.tier)
-        ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.ttft_margin
-        tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * config.tpot_margin
+        ttft_limit, tpot_limit = config.limits(tier)
         meeting = [o for o in options if o.ttft_s <= ttft_limit and o.tpot_s <= tpot_limit]
         queue_advised = False
         if meeting:

@@ -1040,9 +1040,8 @@ class _Candidates:
         self.adapter = request.adapter
         self.total_blocks = len(request.prefix_hashes)
         # Accept only predictions inside the safety margins of the objectives.
-        self.ttft_limit = math.inf if tier.ttft_s is None else tier.ttft_s * config.ttft_margin
-        self.tpot_margin = margin = config.tpot_margin
-        self.tpot_limit = math.inf if tier.tpot_s is None else tier.tpot_s * margin
+        self.ttft_limit, self.tpot_limit = config.limits(tier)
+        self.tpot_margin = config.tpot_margin
         self.near_tie = 1.0 + config.near_tie_fraction
 
     def consider(self, replica: ReplicaState) -> bool:
