@@ -7,8 +7,9 @@ text is generated: the engine model only needs counts and block identities.
 
 Traces, shipped in data/traces/ (its README gives their sources, licences and citations), and
 any other file in either format (`load_trace`):
-- Azure (CSV: TIMESTAMP, ContextTokens, GeneratedTokens); the shipped one is an hour of the
-  2023 conversation service. It carries no prefix information, so its requests have no block
+- Azure (CSV: TIMESTAMP, ContextTokens, GeneratedTokens; TIMESTAMP an ISO date and time as
+  the 2023 and 2024 traces write it, zone or not, or plain seconds); the shipped one is an
+  hour of the 2023 conversation service. It carries no prefix information, so its requests have no block
   hashes.
 - Mooncake (JSON lines: timestamp in ms, input_length, output_length, hash_ids): `hash_ids`
   name 512-token prompt blocks; equal ids at the same position mean an equal prefix. Each id
@@ -31,10 +32,11 @@ import hashlib
 import json
 import math
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
@@ -217,6 +219,42 @@ def _from_first(path: Path, rows: list[TraceRow]) -> list[TraceRow]:
     return sorted(shifted, key=lambda row: row.arrival_s)
 
 
+# An ISO timestamp's fraction past microseconds (the 2023 traces write seven digits), cut
+# so that `datetime.fromisoformat` takes it; what follows the fraction (a zone) is kept.
+_EXTRA_DIGITS = re.compile(r"(\.\d{6})\d+")
+
+
+def azure_time(stamp: str) -> datetime | float:
+    """A TIMESTAMP cell: an ISO date and time, with or without a fraction of any length and a
+    zone (one without a zone is taken as UTC), or else a plain number of seconds."""
+    text = stamp.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        moment = datetime.fromisoformat(_EXTRA_DIGITS.sub(r"\1", text))
+        return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+    if not math.isfinite(seconds):
+        raise ValueError(f"timestamp {text!r} is not a finite number")
+    return seconds
+
+
+def _seconds_after(start: datetime | float, at: datetime | float) -> float:
+    # Differences of datetimes, not of epoch seconds: a float of 1.7e9 s keeps no
+    # microseconds, and the trace's order of near arrivals would move.
+    if isinstance(start, datetime) and isinstance(at, datetime):
+        return (at - start).total_seconds()
+    if isinstance(start, float) and isinstance(at, float):
+        return at - start
+    raise ValueError("timestamps mix dates and plain seconds")
+
+
+def _counts(prompt: object, output: object) -> tuple[int, int]:
+    prompt_tokens, output_tokens = int(prompt), int(output)  # type: ignore[call-overload]
+    if prompt_tokens < 0 or output_tokens < 0:
+        raise ValueError(f"negative token count ({prompt_tokens}, {output_tokens})")
+    return prompt_tokens, output_tokens
+
+
 def read_azure(path: Path) -> list[TraceRow]:
     rows: list[TraceRow] = []
     with _opened(path) as f:
@@ -227,18 +265,18 @@ def read_azure(path: Path) -> list[TraceRow]:
                 f"{path}: not an Azure trace: no column {', '.join(missing)} "
                 f"(wants a CSV header {','.join(AZURE_COLUMNS)})"
             )
-        start: datetime | None = None
+        start: datetime | float | None = None
         for row in reader:
             try:
-                # Seven fractional digits: more than datetime parses, so cut to microseconds.
-                stamp = datetime.fromisoformat(row["TIMESTAMP"][:26])
-                prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
-            except (TypeError, ValueError) as error:
+                at = azure_time(row["TIMESTAMP"])
+                start = at if start is None else start
+                at_s = _seconds_after(start, at)
+                prompt, output = _counts(row["ContextTokens"], row["GeneratedTokens"])
+            except (AttributeError, TypeError, ValueError) as error:
                 raise TraceError(
                     f"{path}, line {reader.line_num}: not an Azure row: {error}"
                 ) from None
-            start = start or stamp
-            rows.append(TraceRow((stamp - start).total_seconds(), prompt, output))
+            rows.append(TraceRow(at_s, prompt, output))
     return _from_first(path, rows)
 
 
@@ -250,11 +288,15 @@ def read_mooncake(path: Path) -> list[TraceRow]:
                 continue
             try:
                 row = json.loads(line)
+                prompt, output = _counts(row["input_length"], row["output_length"])
+                at_ms = float(row["timestamp"])
+                if not math.isfinite(at_ms):
+                    raise ValueError(f"timestamp {at_ms} is not a finite number")
                 rows.append(
                     TraceRow(
-                        float(row["timestamp"]) / 1000.0,
-                        int(row["input_length"]),
-                        int(row["output_length"]),
+                        at_ms / 1000.0,
+                        prompt,
+                        output,
                         tuple(int(block) for block in row.get("hash_ids", ())),
                     )
                 )

@@ -139,6 +139,65 @@ def test_an_unparsable_row_is_refused_with_its_line(tmp_path: Path) -> None:
         load_trace(trace, "mooncake")
 
 
+@pytest.mark.parametrize(
+    ("first", "second", "gap_s"),
+    [
+        # The 2023 traces: seven fractional digits, no zone.
+        ("2023-11-16 18:15:46.6805900", "2023-11-16 18:15:47.5000000", 0.81941),
+        # The 2024 traces: microseconds and a zone.
+        ("2024-05-10 00:00:00.009930+00:00", "2024-05-10 00:00:02.000000+00:00", 1.99007),
+        # A shorter fraction with a zone, and ISO's T and Z.
+        ("2023-11-16 18:15:46.68+00:00", "2023-11-16T18:15:47Z", 0.32),
+        # Zones are honoured: the second is an hour behind in its own zone, so 1 s later.
+        ("2023-11-16 18:15:46+00:00", "2023-11-16 17:15:47-01:00", 1.0),
+        # Plain seconds.
+        ("12.5", "14", 1.5),
+    ],
+)
+def test_azure_timestamps_are_read_in_every_form_the_traces_write(
+    tmp_path: Path, first: str, second: str, gap_s: float
+) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n{first},100,10\n{second},200,0\n")
+    requests = load_trace(trace, "azure")
+    assert [r.arrival_s for r in requests] == pytest.approx([0.0, gap_s], abs=1e-6)
+    assert [r.prompt_tokens for r in requests] == [100, 200]
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ("nan,100,10", "line 3: .*not a finite number"),
+        ("2023-11-16 18:15:47,100,10", "line 3: .*mix dates and plain seconds"),
+        ("13,-5,10", "line 3: .*negative token count"),
+        ("13,100,", "line 3: not an Azure row"),
+    ],
+)
+def test_a_bad_azure_row_is_refused_with_its_line(tmp_path: Path, row: str, match: str) -> None:
+    trace = tmp_path / "trace.csv"
+    trace.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n12,100,10\n{row}\n")
+    with pytest.raises(TraceError, match=match):
+        load_trace(trace, "azure")
+
+
+@pytest.mark.parametrize(
+    ("row", "match"),
+    [
+        ('{"timestamp": 900, "input_length": -1, "output_length": 3}', "negative token count"),
+        ('{"timestamp": "inf", "input_length": 1, "output_length": 3}', "not a finite number"),
+        (
+            '{"timestamp": 900, "input_length": 1, "output_length": 3, "hash_ids": null}',
+            "not a Mooncake row",
+        ),
+    ],
+)
+def test_a_bad_mooncake_row_is_refused_with_its_line(tmp_path: Path, row: str, match: str) -> None:
+    trace = write_mooncake(tmp_path / "trace.jsonl", 3)
+    trace.write_text(trace.read_text() + row + "\n")
+    with pytest.raises(TraceError, match=f"line 4: .*{match}"):
+        load_trace(trace, "mooncake")
+
+
 def test_a_file_of_the_other_format_is_refused_by_name() -> None:
     with pytest.raises(TraceError, match="not an Azure trace"):
         load_trace(MOONCAKE_JSONL, "azure")
