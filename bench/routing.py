@@ -94,7 +94,7 @@ from serving.clustersim import (
     summarize,
     with_budget,
 )
-from serving.clustersim.families import FAMILIES, FamilyError, parse_families
+from serving.clustersim.families import FAMILIES, FamilyError, family, parse_families
 from serving.clustersim.fleet import EngineBudget, FleetSpec, parse_engine_budget
 from serving.clustersim.report import TierFigures
 from serving.clustersim.workloads import (
@@ -784,7 +784,8 @@ def parse_arguments() -> argparse.Namespace:
         "--families",
         default=None,
         help=f"workload families to run, comma-separated, or all: {','.join(FAMILIES)} "
-        "(serving/clustersim/families.py)",
+        "(serving/clustersim/families.py); a blend of several on one fleet is written "
+        "FAMILY:RATE+FAMILY:RATE (code:48+generation:24), --seed then offsets each part's own",
     )
     parser.add_argument(
         "--duration",
@@ -963,7 +964,7 @@ def load(args: argparse.Namespace, trace: str) -> tuple[list[SimRequest], Router
 def load_family(args: argparse.Namespace, name: str) -> tuple[list[SimRequest], RouterConfig, str]:
     """One family's requests (at --rate, --duration and --seed where given), the default
     router config and a label naming its parameters."""
-    spec = FAMILIES[name]
+    spec = family(name)
     duration = args.duration or (QUICK_FAMILY_S if args.quick else spec.duration_s)
     rate = args.rate or spec.rate_per_s
     seed = spec.seed if args.seed is None else args.seed

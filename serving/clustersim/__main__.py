@@ -35,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from serving.capacity.autoscaler import AutoscalerConfig
-from serving.clustersim.families import FAMILIES
+from serving.clustersim.families import FAMILIES, FamilyError, family
 from serving.clustersim.fleet import (
     AutoscaleBounds,
     FleetSpec,
@@ -84,9 +84,17 @@ def parse_bounds(text: str) -> AutoscaleBounds:
     return AutoscaleBounds(int(low), int(high))
 
 
+def family_name(text: str) -> str:
+    try:
+        family(text)
+    except FamilyError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def build_workload(args: argparse.Namespace) -> list[SimRequest]:
     if args.family is not None:
-        return FAMILIES[args.family].generate(
+        return family(args.family).generate(
             seed=args.seed, rate=args.rate, duration_s=args.duration
         )
     if args.trace is not None or args.workload in TRACE_FORMATS:
@@ -153,10 +161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--family",
-        choices=list(FAMILIES),
+        type=family_name,
         default=None,
-        help="generate this workload family instead of --workload (its own rate, window and "
-        "seed unless --rate, --duration, --seed say)",
+        help=f"generate this workload family instead of --workload: {', '.join(FAMILIES)}, or "
+        "a blend of them on one fleet, FAMILY:RATE+FAMILY:RATE (its own rate, window and seed "
+        "unless --rate, --duration, --seed say; a blend's --seed offsets each part's own)",
     )
     parser.add_argument(
         "--trace", type=Path, default=None, help="replay this trace file (give --format)"

@@ -517,15 +517,84 @@ FAMILIES: dict[str, FamilySpec] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Blend:
+    """Several families on one model at once: one service's applications sharing a fleet,
+    prefill-heavy code beside decode-heavy generation, say. Written `code:48+generation:24`
+    (each family at that many requests a second; a part without `:rate` runs at its family's
+    own). Each part is its family's requests exactly as generated alone, at seed `family's
+    own + seed` (the blend's seed is an offset, 0 by default), merged in arrival order, so a
+    blend holds nothing its parts do not; `rate` rescales every part alike."""
+
+    parts: tuple[tuple[str, float], ...]
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return "+".join(f"{name}:{rate:g}" for name, rate in self.parts)
+
+    @property
+    def rate_per_s(self) -> float:
+        return sum(rate for _, rate in self.parts)
+
+    @property
+    def duration_s(self) -> float:
+        return max(FAMILIES[name].duration_s for name, _ in self.parts)
+
+    def describe(self) -> str:
+        return "blend of " + "; ".join(
+            f"{name} at {rate:g} req/s ({FAMILIES[name].describe()})" for name, rate in self.parts
+        )
+
+    def generate(
+        self, *, seed: int | None = None, rate: float | None = None, duration_s: float | None = None
+    ) -> list[SimRequest]:
+        offset = self.seed if seed is None else seed
+        scale = 1.0 if rate is None else rate / self.rate_per_s
+        requests: list[SimRequest] = []
+        for name, part_rate in self.parts:
+            spec = FAMILIES[name]
+            requests += spec.generate(
+                seed=spec.seed + offset,
+                rate=part_rate * scale,
+                duration_s=duration_s or self.duration_s,
+            )
+        # Each family names its requests with a prefix of its own: ids stay unique.
+        return sorted(requests, key=lambda request: request.arrival_s)
+
+
+def parse_blend(text: str) -> Blend:
+    """`code:48+generation:24` -> Blend; FamilyError on an unknown or repeated family or a
+    rate that is not a positive number."""
+    parts: list[tuple[str, float]] = []
+    for part in text.split("+"):
+        name, colon, rate_text = part.partition(":")
+        spec = family(name)
+        try:
+            rate = float(rate_text) if colon else spec.rate_per_s
+        except ValueError:
+            rate = math.nan
+        if not (math.isfinite(rate) and rate > 0):
+            raise FamilyError(f"{part!r}: a blend's part is FAMILY or FAMILY:RATE, RATE > 0")
+        if name in (n for n, _ in parts):
+            raise FamilyError(f"{text!r}: family {name!r} twice in one blend")
+        parts.append((name, rate))
+    return Blend(tuple(parts))
+
+
 def family(name: str) -> FamilySpec:
-    """The family of this name; FamilyError naming the known ones otherwise."""
+    """The family of this name, or the blend it writes (`code:48+generation:24`, `Blend`);
+    FamilyError naming the known families otherwise."""
+    if "+" in name or ":" in name:
+        return parse_blend(name)
     if name not in FAMILIES:
         raise FamilyError(f"unknown workload family {name!r}: one of {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 
 def parse_families(text: str) -> list[str]:
-    """`code,chat` or `all` -> family names; FamilyError on an unknown one."""
+    """`code,chat`, `all` or blends (`code:48+generation:24,chat`) -> names; FamilyError on
+    an unknown one."""
     names = list(FAMILIES) if text == "all" else [n for n in text.split(",") if n]
     for name in names:
         family(name)

@@ -18,10 +18,12 @@ from serving.clustersim import SimRequest
 from serving.clustersim.families import (
     CHUNK,
     FAMILIES,
+    Blend,
     BurstyFamily,
     DiurnalFamily,
     FamilyError,
     family,
+    parse_blend,
     parse_families,
 )
 from serving.clustersim.workloads import BLOCK_TOKENS, diurnal_rate
@@ -198,6 +200,51 @@ def test_families_parse_from_names_or_all() -> None:
         family("nope")
 
 
+def test_a_blend_parses_with_each_familys_rate_or_its_own() -> None:
+    blend = parse_blend("code:48+generation")
+    assert blend == Blend((("code", 48.0), ("generation", FAMILIES["generation"].rate_per_s)))
+    assert blend.name == f"code:48+generation:{FAMILIES['generation'].rate_per_s:g}"
+    assert blend.rate_per_s == 48.0 + FAMILIES["generation"].rate_per_s
+    assert family("code:48+generation:24") == Blend((("code", 48.0), ("generation", 24.0)))
+    assert parse_families("chat,code:48+generation:24") == ["chat", "code:48+generation:24"]
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("code:48+nope:3", "unknown workload family 'nope'"),
+        ("code:48+code:3", "family 'code' twice in one blend"),
+        ("code:0+generation:3", "RATE > 0"),
+        ("code:fast+generation:3", "RATE > 0"),
+        ("code:nan", "RATE > 0"),
+    ],
+)
+def test_a_bad_blend_is_refused_by_name(text: str, match: str) -> None:
+    with pytest.raises(FamilyError, match=match):
+        family(text)
+
+
+def test_a_blend_is_its_parts_as_generated_alone_in_arrival_order() -> None:
+    blend = Blend((("code", 6.0), ("generation", 3.0)))
+    requests = blend.generate(seed=2, duration_s=WINDOW_S)
+    code = FAMILIES["code"].generate(seed=FAMILIES["code"].seed + 2, rate=6.0, duration_s=WINDOW_S)
+    generation = FAMILIES["generation"].generate(
+        seed=FAMILIES["generation"].seed + 2, rate=3.0, duration_s=WINDOW_S
+    )
+    assert code and generation
+    assert sorted(requests, key=lambda r: r.request_id) == sorted(
+        code + generation, key=lambda r: r.request_id
+    )
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    assert len({r.request_id for r in requests}) == len(requests)
+    # A rate rescales every part alike: 18 requests/s is each part's at twice its own.
+    doubled = blend.generate(seed=2, rate=18.0, duration_s=WINDOW_S)
+    code_doubled = FAMILIES["code"].generate(
+        seed=FAMILIES["code"].seed + 2, rate=12.0, duration_s=WINDOW_S
+    )
+    assert [r for r in doubled if r.request_id.startswith(code[0].request_id[:2])] == code_doubled
+
+
 def run_script(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120
@@ -218,7 +265,7 @@ def test_the_simulator_cli_runs_a_family(tmp_path: Path) -> None:
 def test_the_simulator_cli_refuses_an_unknown_family_with_status_2() -> None:
     done = run_script("-m", "serving.clustersim", "--family", "nope")
     assert done.returncode == 2
-    assert "invalid choice: 'nope'" in done.stderr
+    assert "unknown workload family 'nope'" in done.stderr
 
 
 TINY = (
@@ -238,6 +285,17 @@ def test_routing_runs_a_family_and_writes_its_search_as_json(tmp_path: Path) -> 
     assert entry["trace"] == entry["family"] == "chat"
     assert entry["policy"] == "least_load" and entry["gpu_class"] == "L40S-48GB"
     assert "chat: least_load" in done.stdout  # the fleet verdicts
+
+
+def test_routing_runs_a_blend_of_families_on_one_fleet(tmp_path: Path) -> None:
+    out = tmp_path / "blend.json"
+    done = run_script(
+        "bench/routing.py", "--families", "code:3+generation:2", *TINY, "--json", str(out)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "code:3+generation:2 at 5 requests/s, 5 s" in done.stdout
+    (entry,) = json.loads(out.read_text())["smallest"]
+    assert entry["family"] == "code:3+generation:2"
 
 
 def test_routing_refuses_an_unknown_family_with_status_2() -> None:
