@@ -107,6 +107,7 @@ from serving.clustersim.workloads import (
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
 from serving.router import DEFAULT_SLO_TIERS, POLICIES, RouterConfig, SloTier
+from serving.router.external import is_external, policy_class
 
 SLO_SHARE = 0.99
 # A fleet must keep up with every tier: at its p99, no tier's request waits longer than this
@@ -701,7 +702,8 @@ def fleet_verdicts(
         + "; ".join(f"{policy} {per_class(policy)}" for policy in policies)
     ]
     ours = cheapest.get("cost_aware")
-    peers = [p for p in policies if p in PEERS or p == "round_robin"]
+    # A policy written elsewhere (--policies file.py:Class) is judged as a peer.
+    peers = [p for p in policies if p in PEERS or p == "round_robin" or is_external(p)]
     against = [("best faithful peer", peers, PEER_TARGET)]
     if "least_load" in policies:
         against.append(("least-load", ["least_load"], LEAST_LOAD_TARGET))
@@ -800,7 +802,9 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument(
         "--policies",
         default=",".join(DEFAULT_SEARCH_POLICIES),
-        help="policies of the homogeneous search, comma-separated",
+        help="policies of the homogeneous search, comma-separated: ours, the peers', or one "
+        "written elsewhere as module:Class or file.py:Class (serving/router/external.py), "
+        "judged as a peer",
     )
     parser.add_argument(
         "--quick",
@@ -906,12 +910,13 @@ def parse_arguments() -> argparse.Namespace:
             "--azure-rate/--mooncake-rate"
         )
     args.policies = tuple(p for p in args.policies.split(",") if p)
-    unknown_policies = [p for p in args.policies if p not in POLICIES]
-    if unknown_policies or not args.policies:
-        parser.error(
-            f"--policies: unknown {', '.join(unknown_policies) or 'none given'}: "
-            f"from {', '.join(POLICIES)}"
-        )
+    if not args.policies:
+        parser.error(f"--policies: none given: from {', '.join(POLICIES)}")
+    for policy in args.policies:
+        try:
+            policy_class(policy)
+        except ValueError as error:
+            parser.error(f"--policies: {error}")
     if args.json is not None and not args.json.parent.is_dir():
         parser.error(f"--json {args.json}: no folder {args.json.parent}")
     if args.max_replicas < 1 or args.workers < 1:

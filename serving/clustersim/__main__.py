@@ -57,6 +57,7 @@ from serving.clustersim.workloads import (
     poisson,
 )
 from serving.router import POLICIES
+from serving.router.external import policy_class
 
 SYNTHETIC_RATE = 10.0  # requests/s of a synthetic workload when --rate is not given
 
@@ -82,6 +83,14 @@ def parse_fleet(text: str, autoscale: str | None, model: str) -> FleetSpec:
 def parse_bounds(text: str) -> AutoscaleBounds:
     low, _, high = text.partition(":")
     return AutoscaleBounds(int(low), int(high))
+
+
+def policy_name(text: str) -> str:
+    try:
+        policy_class(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def family_name(text: str) -> str:
@@ -189,7 +198,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-to-trough", type=float, default=4.0)
     parser.add_argument("--fleet", default="H100-SXM-80GB:64", help="GPU:count,GPU:count")
     parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--policy", choices=list(POLICIES), default="cost_aware")
+    parser.add_argument(
+        "--policy",
+        type=policy_name,
+        default="cost_aware",
+        help=f"{', '.join(POLICIES)}, or one written elsewhere as module:Class or "
+        "file.py:Class (serving/router/external.py)",
+    )
     parser.add_argument(
         "--autoscale",
         default=None,

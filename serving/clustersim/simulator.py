@@ -68,7 +68,6 @@ from serving.engine.core import (
 from serving.engine.link import LinkPort, load_link_specs, schedule_transfer
 from serving.router import (
     OWN_POLICIES,
-    POLICIES,
     DeploymentRoute,
     ModelRoute,
     Policy,
@@ -81,6 +80,7 @@ from serving.router import (
 from serving.router.coefficients import coefficients_from_perf
 from serving.router.contracts import KvLink
 from serving.router.disaggregated import Disaggregated
+from serving.router.external import policy_class
 
 DEPLOYMENT = "sim"
 DISAGGREGATED = Disaggregated.name
@@ -121,9 +121,11 @@ class SimConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES and self.policy != DISAGGREGATED:
-            known = ", ".join([*POLICIES, DISAGGREGATED])
-            raise ValueError(f"unknown policy {self.policy!r}; use one of {known}")
+        if self.policy != DISAGGREGATED:
+            try:
+                policy_class(self.policy)
+            except ValueError as error:
+                raise ValueError(f"{error} (or {DISAGGREGATED})") from None
         if self.gateways < 1:
             raise ValueError(f"gateways must be at least 1, not {self.gateways}")
         if not self.inflight_sync_delay_s >= 0:
@@ -137,7 +139,7 @@ class SimConfig:
 
     @property
     def policy_class(self) -> Callable[[RouterState, RouterConfig], Policy]:
-        return Disaggregated if self.policy == DISAGGREGATED else POLICIES[self.policy]
+        return Disaggregated if self.policy == DISAGGREGATED else policy_class(self.policy)
 
     @property
     def shares_prefix_index(self) -> bool:

@@ -307,7 +307,7 @@ def test_routing_refuses_an_unknown_family_with_status_2() -> None:
 def test_routing_refuses_an_unknown_policy_with_status_2() -> None:
     done = run_script("bench/routing.py", "--families", "chat", "--policies", "fastest")
     assert done.returncode == 2
-    assert "--policies: unknown fastest" in done.stderr
+    assert "--policies: unknown policy 'fastest': one of round_robin" in done.stderr
 
 
 @pytest.mark.parametrize("budget", ["0", "big", "-512"])
