@@ -372,8 +372,17 @@ def roofline_bound(baseline_gpu: str, classes: list[str]) -> str:
 def lower_bounds(router: RouterConfig, gpus: list[str]) -> dict[str, int | None]:
     """Per GPU class, the fewest replicas on which any router could meet the SLO as this
     benchmark judges it (99 % of interactive requests within both clocks), from
-    `serving.capacity.lower_bound` (its docstring derives it); None: no fleet of the class can."""
-    return {gpu: lower_bound_replicas(REQUESTS, **judged_as_here(router, gpu)) for gpu in gpus}
+    `serving.capacity.lower_bound` (its docstring derives it), every other tier's TTFT p99
+    within `KEEPS_UP_TTFT_S` as `meets` asks (term 7); None: no fleet of the class can."""
+    return {
+        gpu: lower_bound_replicas(
+            REQUESTS,
+            kept_up_ttft_s=KEEPS_UP_TTFT_S,
+            max_model_len=class_max_model_len(gpu),
+            **judged_as_here(router, gpu),
+        )
+        for gpu in gpus
+    }
 
 
 def sustained_floors(router: RouterConfig, gpus: list[str]) -> dict[str, float]:

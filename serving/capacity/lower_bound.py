@@ -62,6 +62,16 @@ decode step reading a sequence of context `x` takes at least `a + K x`, `a = t0 
    beta' keeps every request (one that misses only shrinks it); S1, S2, D drop their `k`
    largest. Where 5 bounds the batch by one context theta, this one lets long and short
    contexts share a step as they would; neither is implied by the other.
+7. **The other tiers kept up** (`kept_up_ttft_s`, what `bench/routing.py` also asks: every
+   tier's TTFT p99 within 30 s). A request of a tier not counted whose TTFT is within the
+   limit computes its new tokens (2) within `[a, a + limit]`, so term 3's windows carry
+   those FLOPs too. numpy's p99 (linear) is at least the value at rank
+   `floor(0.99 (n - 1))` of the tier's n served requests, so all but
+   `n - 1 - floor(0.99 (n - 1))` of them are within the limit: each tier drops that many of
+   its largest, on its own, beside the counted requests' `k`. A request longer than the
+   model's context never runs and is in no tier's p99: left out. Only the prefill: a
+   request may keep decoding long after its first token, so its decode is not forced into
+   any window.
 
 Windows slide by a quarter of their length from the first arrival to the last deadline, plus
 the whole span. Still loose, the largest first:
@@ -75,7 +85,8 @@ the whole span. Still loose, the largest first:
   nothing to route for but balance: bound 6; the simulator's smallest L40S fleets are 20
   under cost-aware and 26 under least load with vLLM's 2048-token steps, 11 and 22 with
   512-token steps, and were 23 and 27 with 8192).
-- Requests outside the counted tiers cost nothing (a router could park them).
+- Requests outside the counted tiers cost only their prefill, and only with
+  `kept_up_ttft_s` (term 7); their decodes nothing (a router could park them).
 - A step's prefill hides under its decode's memory time, so the terms are a maximum, never
   added.
 - 4's D uses lone steps for requests that run past the window, and 5 and 6 only see
@@ -239,11 +250,21 @@ def lower_bound_replicas(
     share: float = 0.99,
     window_s: float = 60.0,
     max_num_seqs: int = 256,
+    kept_up_ttft_s: float | None = None,
+    max_model_len: int | None = None,
 ) -> int | None:
     """The fewest replicas of `perf`'s class and TP on which any router could meet the SLO
     for `share` of the counted tiers' requests (module docstring); None when none could.
-    `counted_tiers` None: every tier with an objective (batch work is left to spare time)."""
+    `counted_tiers` None: every tier with an objective (batch work is left to spare time).
+    `kept_up_ttft_s`: every other tier must also keep its TTFT p99 within this (term 7;
+    requests longer than `max_model_len` never run and are left out of it)."""
     tiers = tiers or DEFAULT_SLO_TIERS
+    requests = list(requests)
+    kept_up = (
+        _kept_up_work(requests, perf, tiers, counted_tiers, kept_up_ttft_s, max_model_len)
+        if kept_up_ttft_s is not None
+        else []
+    )
     works, infeasible = _counted_work(requests, perf, tiers, counted_tiers)
     counted = len(works) + infeasible
     if counted == 0:
@@ -259,11 +280,12 @@ def lower_bound_replicas(
     held = work.ttft + work.lone
     lookback = float(held[np.isfinite(held)].max(initial=0.0))
     replicas = 1
-    for low, high in _windows(work, window_s):
+    kept_up_end = max((float(t.arrival.max()) + t.ttft_s for t in kept_up), default=0.0)
+    for low, high in _windows(work, window_s, kept_up_end):
         arrived = work.arriving(low, high)
         replicas = max(
             replicas,
-            _prefill_replicas(arrived, low, high, may_miss),
+            _prefill_replicas(arrived, low, high, may_miss, kept_up),
             _slot_replicas(work.arriving(low - lookback, high), engine, low, high, may_miss),
             _tpot_replicas(arrived, engine, low, high, may_miss),
             _budget_replicas(arrived, engine, low, high, may_miss),
@@ -399,6 +421,56 @@ def _counted_work(
     return works, infeasible
 
 
+@dataclass(frozen=True, slots=True)
+class _KeptUp:
+    """Term 7: one tier not counted, its requests' arrivals and new tokens' FLOPs."""
+
+    arrival: Floats
+    compute: Floats
+    ttft_s: float
+    may_miss: int
+
+
+def _p99_misses(count: int) -> int:
+    """How many of `count` values may exceed a limit their p99 is within: numpy's linear
+    p99 lies between the values at ranks floor(0.99 (n - 1)) and the next (0-based), so
+    that rank's value and all below it are within."""
+    return count - 1 - math.floor(0.99 * (count - 1) + 1e-9) if count else 0
+
+
+def _kept_up_work(
+    requests: Sequence[BoundRequest],
+    perf: PerfModel,
+    tiers: dict[str, SloTier],
+    counted_tiers: Sequence[str] | None,
+    ttft_s: float,
+    max_model_len: int | None,
+) -> list[_KeptUp]:
+    """Each tier not counted: its requests that can run, with their new tokens' FLOPs (the
+    blocks no earlier request of any tier had, as `_counted_work` counts them)."""
+    seen: set[int] = set()
+    arrivals: dict[str, list[float]] = {}
+    computes: dict[str, list[float]] = {}
+    for request in sorted(requests, key=lambda r: r.arrival_s):
+        new_tokens = max(1, _new_tokens(request, seen))
+        tier = tiers.get(request.tier)
+        has_objective = tier is not None and (tier.ttft_s is not None or tier.tpot_s is not None)
+        counted = request.tier in counted_tiers if counted_tiers is not None else has_objective
+        if counted or (max_model_len is not None and _length(request) > max_model_len):
+            continue
+        arrivals.setdefault(request.tier, []).append(request.arrival_s)
+        computes.setdefault(request.tier, []).append(perf.compute_time_s(new_tokens))
+    return [
+        _KeptUp(
+            arrival=np.array(arrivals[name], dtype=np.float64),
+            compute=np.array(computes[name], dtype=np.float64),
+            ttft_s=ttft_s,
+            may_miss=_p99_misses(len(arrivals[name])),
+        )
+        for name in arrivals
+    ]
+
+
 def _new_tokens(request: BoundRequest, seen: set[int]) -> int:
     """Prompt tokens outside every block an earlier request had (each block computed once)."""
     if not request.block_hashes:
@@ -412,9 +484,12 @@ def _new_tokens(request: BoundRequest, seen: set[int]) -> int:
     return fresh * BLOCK_TOKENS + max(0, request.prompt_tokens - hashed)
 
 
-def _windows(work: _Columns, window_s: float) -> Iterator[tuple[float, float]]:
+def _windows(
+    work: _Columns, window_s: float, whole_until: float = 0.0
+) -> Iterator[tuple[float, float]]:
     """Windows of each length up to `window_s`, sliding by a quarter of it from the first
-    arrival to the last deadline, then the whole span."""
+    arrival to the last deadline, then the whole span, and again to `whole_until` if that is
+    later."""
     start = float(work.arrival[0])
     ends = np.concatenate([work.deadline, work.arrival + work.ttft, work.arrival + work.prefill])
     end = float(np.max(ends[np.isfinite(ends)]))
@@ -423,7 +498,10 @@ def _windows(work: _Columns, window_s: float) -> Iterator[tuple[float, float]]:
         while low + length <= end:
             yield low, low + length
             low += length / 4
-    yield start, max(end, start + window_s)
+    whole = max(end, start + window_s)
+    yield start, whole
+    if whole_until > whole:
+        yield start, whole_until
 
 
 def _less_heaviest(values: Floats, may_miss: int) -> float:
@@ -435,10 +513,17 @@ def _less_heaviest(values: Floats, may_miss: int) -> float:
     return float(np.partition(values, values.size - may_miss)[: values.size - may_miss].sum())
 
 
-def _prefill_replicas(work: _Columns, low: float, high: float, may_miss: int) -> int:
-    """Term 3: the new tokens of the requests whose TTFT window lies inside."""
+def _prefill_replicas(
+    work: _Columns, low: float, high: float, may_miss: int, kept_up: Sequence[_KeptUp] = ()
+) -> int:
+    """Term 3: the new tokens of the requests whose TTFT window lies inside; and term 7's,
+    each tier not counted dropping its own largest that may miss."""
     inside = (work.arrival >= low) & (work.arrival + work.ttft <= high)
-    return _ceil(_less_heaviest(work.compute[inside], may_miss) / (high - low))
+    compute_s = _less_heaviest(work.compute[inside], may_miss)
+    for tier in kept_up:
+        within = (tier.arrival >= low) & (tier.arrival + tier.ttft_s <= high)
+        compute_s += _less_heaviest(tier.compute[within], tier.may_miss)
+    return _ceil(compute_s / (high - low))
 
 
 def _inside(work: _Columns, low: float, high: float) -> npt.NDArray[np.bool_]:

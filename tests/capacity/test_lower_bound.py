@@ -3,6 +3,7 @@ simulator's smallest fleet under a real router is never below it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -163,6 +164,49 @@ def test_no_router_in_the_simulator_meets_the_slo_below_the_bound() -> None:
     for policy in ("least_load", "cost_aware"):
         below = summarize(simulate(homogeneous(L40S, bound - 1), requests, SimConfig(policy)))
         assert below.tiers["interactive"].slo_attainment < 0.99, policy
+
+
+def heavy_batch_beside_a_trickle(replicas_of_prefill: float) -> list[SimRequest]:
+    """A trickle of interactive chat beside batch prompts of 4,000 tokens whose prefill alone
+    keeps `replicas_of_prefill` L40Ss computing, evenly spaced over 120 s."""
+    rate = replicas_of_prefill / perf(L40S).compute_time_s(4000)
+    batch = [replace(r, tier="batch") for r in stream(rate, 4000, 2, start=0.01)]
+    return sorted([*stream(1, 200, 20), *batch], key=lambda r: r.arrival_s)
+
+
+def test_the_other_tiers_kept_up_count_their_prefill() -> None:
+    requests = heavy_batch_beside_a_trickle(4.0)
+    alone = lower_bound_replicas(requests, perf(L40S), counted_tiers=("interactive",))
+    kept_up = lower_bound_replicas(
+        requests, perf(L40S), counted_tiers=("interactive",), kept_up_ttft_s=30.0
+    )
+    assert alone == 1
+    # The whole span, to the last batch request's 30 s: every batch prompt but the 1 % that
+    # may miss is computed in it, at least 4 x 120 / 150 replicas.
+    batch = [r for r in requests if r.tier == "batch"]
+    span = batch[-1].arrival_s + 30.0 - requests[0].arrival_s
+    kept = len(batch) - 1 - int(0.99 * (len(batch) - 1))
+    compute = perf(L40S).compute_time_s(4000) * (len(batch) - kept)
+    assert kept_up is not None and kept_up >= math.ceil(compute / span) >= 4
+    # Longer than the class's context, they never run and ask nothing.
+    assert lower_bound_replicas(
+        requests, perf(L40S), counted_tiers=("interactive",), kept_up_ttft_s=30.0,
+        max_model_len=4000,
+    ) == 1  # fmt: skip
+
+
+@pytest.mark.slow
+def test_below_the_bound_the_other_tiers_are_not_kept_up() -> None:
+    """One replica below the bound that counts batch's prefill, least load and cost-aware
+    leave batch's TTFT p99 past 30 s (what bench/routing.py calls not keeping up)."""
+    requests = heavy_batch_beside_a_trickle(4.0)
+    bound = lower_bound_replicas(
+        requests, perf(L40S), counted_tiers=("interactive",), kept_up_ttft_s=30.0
+    )
+    assert bound is not None and bound >= 4
+    for policy in ("least_load", "cost_aware"):
+        below = summarize(simulate(homogeneous(L40S, bound - 1), requests, SimConfig(policy)))
+        assert below.tiers["batch"].ttft_p99_s > 30.0, policy
 
 
 def every_tier(requests: list[SimRequest]) -> list[SimRequest]:
