@@ -44,7 +44,11 @@ def _module(where: str) -> Any:
             raise ValueError(f"{where} cannot be loaded as Python")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module  # dataclasses and pickling look modules up there
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
         return module
     return importlib.import_module(where)
 
