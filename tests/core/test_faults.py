@@ -206,7 +206,12 @@ class Platform:
     def wait_for_restart(self, name: str, old_pid: int, *words: str) -> psutil.Process:
         assert self.process is not None
         wait_for_line(self.lines, f"{name} exited with code -9; restarting in", self.process, 30)
-        deadline = time.monotonic() + 30
+        # The supervisor retries a child that fails to start after 1, 2, 4, 8 and 16 s
+        # (scripts/run.py, RESTART_DELAYS_S), so a postgres whose killed backends still hold
+        # its shared memory may need several tries. 30 s was once not enough for postgres on
+        # a 2-core machine busy with other work (its log was not kept); 60 s still fails a
+        # child that is never started again.
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 child = self.child(*words)
