@@ -385,10 +385,9 @@ def _counted_work(
     kv_token_s = perf.memory_time_s(1) - weights_s
     for request in sorted(requests, key=lambda r: r.arrival_s):
         new_tokens = max(1, _new_tokens(request, seen))  # the last token is always computed
-        tier = tiers.get(request.tier)
-        has_objective = tier is not None and (tier.ttft_s is not None or tier.tpot_s is not None)
-        if (request.tier not in counted_tiers) if counted_tiers is not None else not has_objective:
+        if not _is_counted(request.tier, tiers, counted_tiers):
             continue
+        tier = tiers.get(request.tier)
         ttft = tier.ttft_s if tier is not None and tier.ttft_s is not None else math.inf
         tpot = tier.tpot_s if tier is not None and tier.tpot_s is not None else math.inf
         prompt = max(1, request.prompt_tokens)
@@ -453,9 +452,7 @@ def _kept_up_work(
     computes: dict[str, list[float]] = {}
     for request in sorted(requests, key=lambda r: r.arrival_s):
         new_tokens = max(1, _new_tokens(request, seen))
-        tier = tiers.get(request.tier)
-        has_objective = tier is not None and (tier.ttft_s is not None or tier.tpot_s is not None)
-        counted = request.tier in counted_tiers if counted_tiers is not None else has_objective
+        counted = _is_counted(request.tier, tiers, counted_tiers)
         if counted or (max_model_len is not None and _length(request) > max_model_len):
             continue
         arrivals.setdefault(request.tier, []).append(request.arrival_s)
@@ -469,6 +466,15 @@ def _kept_up_work(
         )
         for name in arrivals
     ]
+
+
+def _is_counted(name: str, tiers: dict[str, SloTier], counted_tiers: Sequence[str] | None) -> bool:
+    """Whether a tier's requests are counted: named in `counted_tiers`, or by default any
+    tier with an objective."""
+    if counted_tiers is not None:
+        return name in counted_tiers
+    tier = tiers.get(name)
+    return tier is not None and (tier.ttft_s is not None or tier.tpot_s is not None)
 
 
 def _new_tokens(request: BoundRequest, seen: set[int]) -> int:
