@@ -1,8 +1,9 @@
 """A routing policy by name: one of ours or the peers' (`POLICIES`), or one written elsewhere.
 
 A policy written elsewhere is named `module:Class` (an importable module) or
-`path/to/file.py:Class`, so the simulator and the benchmarks can run a router this project
-did not write beside ours, on the same fleets and traffic:
+`path/to/file.py:Class`, so the cluster simulator and `bench/routing.py` can run a router
+this project did not write beside ours, on the same fleets and traffic (the other
+benchmarks and the gateway take the registered names only):
 
     .venv/bin/python bench/routing.py --families chat --policies cost_aware,my_router.py:Mine
     .venv/bin/python -m serving.clustersim --family rag --policy my_router.py:Mine
