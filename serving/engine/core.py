@@ -42,6 +42,7 @@ Roles, for disaggregated prefill and decode (`role`):
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -278,6 +279,27 @@ class Engine:
             seq.kv_transfer_s = kv_transfer_s
         self._by_id[req.request_id] = seq
         self._waiting.append(seq)
+
+    def copy(self) -> Engine:
+        """An engine in this one's state that shares nothing mutable with it: what it would
+        do next can be run on the copy (`bench/lookahead.py`'s router runs every replica's
+        forward) and leaves this one as it was."""
+        twin = copy.copy(self)
+        sequences: dict[int, _Sequence] = {}
+        for seq in self._by_id.values():
+            clone = copy.copy(seq)
+            clone.shared = list(seq.shared)
+            sequences[id(seq)] = clone
+        twin._by_id = {rid: sequences[id(seq)] for rid, seq in self._by_id.items()}
+        twin._running = [sequences[id(seq)] for seq in self._running]
+        twin._waiting = deque(sequences[id(seq)] for seq in self._waiting)
+        twin._receiving = [sequences[id(seq)] for seq in self._receiving]
+        twin._cache = dict(self._cache)
+        twin._evictable = OrderedDict(self._evictable)
+        twin._lora_refs = dict(self._lora_refs)
+        twin.prompt_tokens_by_source = dict(self.prompt_tokens_by_source)
+        twin.finished_total = dict(self.finished_total)
+        return twin
 
     def abort(self, request_id: str) -> bool:
         seq = self._by_id.pop(request_id, None)

@@ -352,3 +352,46 @@ def test_advance_gives_exactly_the_same_results_as_stepping(requests: list[Engin
         assert getattr(advanced_engine, seconds) == pytest.approx(
             getattr(stepped_engine, seconds), rel=1e-9
         ), seconds
+
+
+# --- a copy runs the same future and leaves the original alone ---------------------------
+
+
+def engine_counters(e: Engine) -> tuple[object, ...]:
+    return (
+        e.clock_s,
+        e.num_running,
+        e.num_waiting,
+        e.kv_usage,
+        e.prefix_hits_tokens,
+        e.preemptions_total,
+        dict(e.prompt_tokens_by_source),
+        dict(e.finished_total),
+    )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(), st.floats(0.0, 1.0), st.integers(0, 13))
+def test_a_copy_runs_the_same_future_and_leaves_the_original_as_it_was(
+    requests: list[EngineRequest], cut: float, extra: int
+) -> None:
+    # Midway through a workload (preemptions, shared prefixes, LoRA slots and all), a copy
+    # drained with one more request added must not touch the original: the original then
+    # drains exactly as a second copy taken at the same moment does, event for event.
+    e = small_engine()
+    at = requests[-1].arrival_s * cut
+    for r in requests:
+        if r.arrival_s <= at:
+            e.advance(r.arrival_s)
+            e.add_request(r)
+    e.advance(at)
+    before = engine_counters(e)
+    twin, other = e.copy(), e.copy()
+    added = requests[extra % len(requests)]
+    other.add_request(
+        EngineRequest("added", added.prompt_tokens, 5, at, added.block_hashes, added.lora)
+    )
+    assert any(ev.request_id == "added" for ev in other.advance(math.inf))
+    assert engine_counters(e) == before
+    assert e.advance(math.inf) == twin.advance(math.inf)
+    assert engine_counters(e) == engine_counters(twin)
