@@ -1,6 +1,7 @@
 """How far the routers stand from one that sees every replica's future: the smallest
 homogeneous fleet meeting `bench/routing.py`'s SLO under each policy, beside the same search
-under a lookahead router and the class's lower bound.
+under a lookahead router, the class's lower bound and its sustained floor
+(`serving/capacity/lower_bound.py`).
 
 The lookahead router is a yardstick, not a policy the product could ship: it reads each
 engine's whole state, exactly and at the moment of the decision, and runs its future. For
@@ -308,11 +309,12 @@ def main() -> int:
     args = parse_arguments()
     router = RouterConfig()
     policies = [*args.policies, LOOKAHEAD]
-    print("| workload | class | bound | " + " | ".join(policies) + " |")
-    print("|---|---|---|" + "---|" * len(policies))
+    print("| workload | class | bound | floor | " + " | ".join(policies) + " |")
+    print("|---|---|---|---|" + "---|" * len(policies))
     for name, requests in workloads(args):
         routing.REQUESTS[:] = requests
         bounds = routing.lower_bounds(router, args.gpus)
+        floors = routing.sustained_floors(router, args.gpus)
         tasks = [
             (gpu, policy, router, args.max_replicas, bounds[gpu])
             for gpu in args.gpus
@@ -328,7 +330,12 @@ def main() -> int:
             for policy in policies:
                 replicas, figure, _ = found[gpu, policy]
                 cells.append(f"{replicas} ({figure:.2%})" if replicas else f"none ({figure:.2%})")
-            print(f"| {name} | {gpu} | {bounds[gpu]} | " + " | ".join(cells) + " |", flush=True)
+            print(
+                f"| {name} | {gpu} | {bounds[gpu]} | {floors[gpu]:.2f} | "
+                + " | ".join(cells)
+                + " |",
+                flush=True,
+            )
         slowest = max(s for _, _, s in found.values())
         print(f"  ({len(requests)} requests; slowest search {slowest:.0f} s)", flush=True)
     return 0

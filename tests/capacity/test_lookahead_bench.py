@@ -97,7 +97,8 @@ def test_the_bench_prints_each_policy_beside_the_lookahead_and_the_bound() -> No
     rows = [line for line in done.stdout.splitlines() if line.startswith("| generation |")]
     assert len(rows) == 1
     cells = [c.strip() for c in rows[0].strip("|").split("|")]
-    bound, least_load, ahead = int(cells[2]), cells[3], cells[4]
+    bound, least_load, ahead = int(cells[2]), cells[4], cells[5]
+    assert float(cells[3]) > 0  # the sustained floor
     assert int(least_load.split()[0]) >= bound
     assert int(ahead.split()[0]) >= bound
 
