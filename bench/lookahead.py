@@ -6,16 +6,18 @@ under a lookahead router, the class's lower bound and its sustained floor
 The lookahead router is a yardstick, not a policy the product could ship: it reads each
 engine's whole state, exactly and at the moment of the decision, and runs its future. For
 every request it copies every replica's engine model (`Engine.copy`), runs the copy until it
-drains with the request added and again without it, no later arrival in either, and sends
-the request where adding it puts the fewest requests outside their objectives (every tier's
-TTFT and TPOT where it has them, batch's first token within the benchmark's 30 s), then
-where it adds least to the sum of every request's two clocks, each over its objective (so
-among replicas where all meet, the one where it slows the rest least and is served
-soonest). It knows the present perfectly and the future not at
-all: a policy it beats by much loses to a better reading of the present (telemetry,
-prediction); where it does no better, the distance from the lower bound is the bound's
-(which allows a router that knows the arrivals to come) or the traffic's, not the
-prediction's.
+drains with the request added, no later arrival in it, and compares it with the replica's
+future without the request (drained once per request routed there: the engine model is
+deterministic). It sends the request where adding it puts the fewest requests outside
+their objectives (every tier's TTFT and TPOT where it has them, batch's first token within
+the benchmark's 30 s), then where it adds least to the sum of every request's two clocks,
+each over its objective (so among replicas where all meet, the one where it slows the rest
+least and is served soonest). It knows the present perfectly and the future not at all,
+and it is greedy: a policy it beats by much loses to a better reading of the present
+(telemetry, prediction); where it does no better, better prediction alone does not close
+the distance from the lower bound. It is no yardstick on an overloaded fleet: once every
+replica's queue is late, one more request adds no miss anywhere and its choice goes blind
+(`bench/RESULTS.md`).
 
     .venv/bin/python bench/lookahead.py [--families chat,code] [--spread] [--gpus L40S-48GB]
         [--duration 60] [--seed N] [--policies cost_aware,least_load] [--max-replicas 64]
@@ -257,11 +259,13 @@ def smallest(
 
 
 def spread_stream(rate: float = 20.0, seconds: float = 60.0) -> list[SimRequest]:
-    """The lower bound's test stream (`tests/capacity/test_lower_bound.py`'s `spread`)."""
+    """Interactive requests evenly spaced, of every prompt from 500 to 6,000 tokens and every
+    output from 50 to 400, in a fixed interleaving: nothing shared, so nothing is cached (the
+    stream `tests/capacity/test_lower_bound.py` bounds)."""
     count = int(rate * seconds)
     return [
         SimRequest(
-            request_id=f"s{i}",
+            request_id=f"r0-{i}",
             arrival_s=i / rate,
             prompt_tokens=500 + (i * 37) % 5500,
             output_tokens=50 + (i * 53) % 350,

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.lookahead import spread_stream
 from serving.capacity.lower_bound import lower_bound_replicas, sustained_replicas
 from serving.clustersim import (
     FAMILIES,
@@ -117,22 +118,13 @@ def test_long_decodes_hold_a_slot_each_so_the_bound_counts_them_over_max_num_seq
     assert lower_bound_replicas(stream(60, 200, 50, seconds=30), perf()) == 1
 
 
-def spread(rate: float, seconds: float) -> list[SimRequest]:
-    """Interactive requests of every prompt from 500 to 6,000 tokens and every output from
-    50 to 400, in a fixed interleaving: nothing shared, so nothing is cached."""
-    return [
-        replace(r, prompt_tokens=500 + (i * 37) % 5500, output_tokens=50 + (i * 53) % 350)
-        for i, r in enumerate(stream(rate, 1, 1, seconds=seconds))
-    ]
-
-
 def test_decodes_of_every_context_share_their_tpot_budget() -> None:
     # 1,200 requests over 60 s on L40S (a = 29.5 ms, K = 217 ns a token): 268,350 decode
     # tokens, S1 = sum sqrt(K x) = 7,009, S2 = sum K x = 196 s, and 5,513 s of TPOT slack
     # (each token's 50 ms less a). At least S1^2 / 5,513 = 8,910 steps, so 262 s of fixed
     # parts and 196 s of KV reads: 458 s of steps within the 80 s to the last deadline, 6
     # replicas (term 6). One context per batch (term 5) sees 5.
-    requests = spread(20, 60)
+    requests = spread_stream(20, 60)
     assert lower_bound_replicas(requests, perf(L40S)) == 6
     below = summarize(simulate(homogeneous(L40S, 5), requests, SimConfig("cost_aware")))
     assert below.tiers["interactive"].slo_attainment < 0.99
