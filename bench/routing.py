@@ -188,8 +188,11 @@ def attainment(summary: Summary) -> float:
 
 
 def keeps_up(summary: Summary) -> bool:
-    """Whether every tier's TTFT p99 is within `KEEPS_UP_TTFT_S`."""
-    return all(tier.ttft_p99_s <= KEEPS_UP_TTFT_S for tier in summary.tiers.values())
+    """Whether every tier's TTFT p99 is within `KEEPS_UP_TTFT_S`, and the gateways refused
+    no request from their admission queues (a 429 or 503 is no answer either)."""
+    return not summary.refused and all(
+        tier.ttft_p99_s <= KEEPS_UP_TTFT_S for tier in summary.tiers.values()
+    )
 
 
 def meets(summary: Summary) -> bool:
@@ -200,8 +203,9 @@ def meets(summary: Summary) -> bool:
 
 
 def hopeless(summary: Summary) -> bool:
-    """More requests than the SLO allows to miss cannot run at all (prompt over the KV)."""
-    return summary.failed > (1 - SLO_SHARE) * summary.requests
+    """More requests than the SLO allows to miss cannot run at all (prompt over the KV); a
+    request the gateway refused from its admission queue could run on a larger fleet."""
+    return summary.failed - summary.refused > (1 - SLO_SHARE) * summary.requests
 
 
 def idle_misses(gpu: str, router: RouterConfig) -> float:

@@ -39,7 +39,7 @@ from metering.cost import (
     work_cost_usd_micros,
     work_weights,
 )
-from serving.clustersim.simulator import RequestRecord, SimReplica, SimResult
+from serving.clustersim.simulator import REFUSED, RequestRecord, SimReplica, SimResult
 from serving.router import DEFAULT_SLO_TIERS, SloTier
 
 PERCENTILES = (50, 95, 99)
@@ -95,6 +95,10 @@ class Summary:
     tpot_p95_s: float
     tpot_p99_s: float
     queue_advised: int
+    # Requests the gateways held in their admission queues, and those they refused from
+    # them (queue full, or waited past its limit: a 429 or 503 to the client).
+    held: int
+    refused: int
     preemptions: int
     # Served requests' work priced where it ran and where least load would have sent it
     # (module docstring); the saving is the second less the first.
@@ -155,7 +159,7 @@ def prediction_error(records: list[RequestRecord]) -> PredictionError | None:
     ttft = [
         actual - predicted
         for r in records
-        if (predicted := r.predicted_ttft_s) is not None and (actual := r.ttft_s) is not None
+        if (predicted := r.predicted_ttft_s) is not None and (actual := r.sent_ttft_s) is not None
     ]
     tpot = [
         actual - predicted
@@ -343,6 +347,8 @@ def summarize(result: SimResult, slo_tiers: dict[str, SloTier] | None = None) ->
         tpot_p95_s=tpot[1],
         tpot_p99_s=tpot[2],
         queue_advised=result.queue_advised,
+        held=sum(1 for r in records if r.queued_s is not None),
+        refused=sum(1 for r in records if r.failed in REFUSED),
         preemptions=sum(r.preemptions for r in records),
         work_cost_usd=work_micros / 1e6,
         baseline_work_cost_usd=baseline_micros / 1e6,
@@ -567,6 +573,8 @@ def format_summary(summary: Summary) -> str:
         f"{summary.bandwidth_utilization:.0%}  "
         f"cost ${summary.cost_usd:.2f} (${summary.cost_per_hour:.2f}/h, "
         f"${summary.cost_per_million_tokens:.3f} per M tokens)",
+        f"  gateways held {summary.held} requests in their admission queues, refused "
+        f"{summary.refused}; the router advised waiting {summary.queue_advised} times",
         f"  work ${summary.work_cost_usd:.4f} where it ran, "
         f"${summary.baseline_work_cost_usd:.4f} where least load would have sent it: "
         f"saving vs least load ${summary.saving_vs_least_load_usd:.4f}",

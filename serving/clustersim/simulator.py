@@ -78,11 +78,13 @@ from serving.router import (
     RouterState,
 )
 from serving.router.coefficients import coefficients_from_perf
-from serving.router.contracts import KvLink
+from serving.router.contracts import TIER_RANK, Decision, KvLink
 from serving.router.disaggregated import Disaggregated
 from serving.router.external import policy_class
 
 DEPLOYMENT = "sim"
+# Why a gateway refused a request from its admission queue: full (429), or waited too long (503).
+REFUSED = ("queue_full", "queue_timeout")
 DISAGGREGATED = Disaggregated.name
 # Our policies read telemetry the gateway refreshes from Redis; peers name their own interval.
 DEFAULT_REFRESH_INTERVAL_S = 2.0
@@ -119,6 +121,14 @@ class SimConfig:
     # The daily pattern the autoscaler's forecast looks back over; None: no forecast.
     forecast_period_s: float | None = None
     seed: int = 0
+    # Whether a gateway holds a request the router advises queueing (`Decision.queue_advised`)
+    # in its admission queue, as the product's gateway does (serving/gateway/service.py,
+    # `wait_in_queue`): None, as the product does it (our policies; the peers' routers ship
+    # no such queue). The queue's size, aging and wait limit are `GatewayConfig`'s defaults.
+    admission_queue: bool | None = None
+    queue_max: int = 1024
+    queue_aging_s: float = 10.0
+    queue_timeout_s: float = 20.0
 
     def __post_init__(self) -> None:
         if self.policy != DISAGGREGATED:
@@ -131,6 +141,11 @@ class SimConfig:
         if not self.inflight_sync_delay_s >= 0:
             raise ValueError(
                 f"inflight_sync_delay_s must be at least 0, not {self.inflight_sync_delay_s}"
+            )
+        if self.queue_max < 1 or not self.queue_aging_s > 0 or not self.queue_timeout_s > 0:
+            raise ValueError(
+                "the admission queue needs queue_max >= 1, queue_aging_s > 0 and "
+                "queue_timeout_s > 0"
             )
         if self.telemetry_interval_s is not None and not self.telemetry_interval_s > 0:
             raise ValueError(
@@ -146,6 +161,12 @@ class SimConfig:
         if self.share_prefix_index is not None:
             return self.share_prefix_index
         return self.policy in OWN_POLICIES or self.policy == DISAGGREGATED
+
+    @property
+    def holds_advised(self) -> bool:
+        if self.admission_queue is not None:
+            return self.admission_queue
+        return self.policy in OWN_POLICIES
 
     @property
     def shares_inflight(self) -> bool:
@@ -177,8 +198,13 @@ class RequestRecord:
     preemptions: int = 0
     # The prefill the router's in-flight accounting was told about (prompt less expected cache).
     prefill_tokens: int = 0
-    # Why it never ran: "no_candidates", "too_long"; None when it was served.
+    # Why it never ran: "no_candidates", "too_long", "queue_full" (the gateway's 429),
+    # "queue_timeout" (its 503 after `queue_timeout_s` in the queue); None when it was served.
     failed: str | None = None
+    # When the gateway put it in its admission queue, and when it sent it on (None: never
+    # held; sent at arrival).
+    queued_s: float | None = None
+    sent_s: float | None = None
     # The gateway that routed it, and the replicas its start is counted on there that the
     # other gateways do not know of yet.
     gateway: int = 0
@@ -203,6 +229,15 @@ class RequestRecord:
         if self.first_token_s is None:
             return None
         return self.first_token_s - self.request.arrival_s
+
+    @property
+    def sent_ttft_s(self) -> float | None:
+        """From the moment the gateway sent it to its first token: what the router predicted
+        and learns from (`ttft_s` less its wait in the admission queue)."""
+        if self.first_token_s is None:
+            return None
+        sent = self.sent_s if self.sent_s is not None else self.request.arrival_s
+        return self.first_token_s - sent
 
     @property
     def tpot_s(self) -> float | None:
@@ -330,6 +365,19 @@ class ClusterSimulator:
         self._timeline: list[TimePoint] = []
         self._scaling: list[tuple[float, str, int, str]] = []
         self._queue_advised = 0
+        # Each gateway's admission queue: a heap of (tier rank x aging + enqueued at, order,
+        # record), as `serving.router.queue.AdmissionQueue` keys it; the same records in
+        # the order they came, for their wait limit; and the slots released by the
+        # gateway's requests finishing, (when, gateway), to hand out when the loop gets there.
+        self._held: list[list[tuple[float, int, RequestRecord]]] = [
+            [] for _ in range(self.config.gateways)
+        ]
+        self._held_order: list[deque[RequestRecord]] = [
+            deque() for _ in range(self.config.gateways)
+        ]
+        self._held_made = 0
+        self._waiting = [0] * self.config.gateways
+        self._releases: list[tuple[float, int]] = []
         self._dirty = False
 
     # --- replicas ----------------------------------------------------------------------
@@ -556,13 +604,18 @@ class ClusterSimulator:
                 self._count(record, event.time_s, "request_first_token", replica.replica_id, prompt)
                 ttft = event.time_s - record.request.arrival_s
                 if record.ttft_scale is not None:
-                    self._observe_ttft(record, event.time_s, replica.replica_id, ttft)
+                    sent_ttft = record.sent_ttft_s
+                    assert sent_ttft is not None
+                    self._observe_ttft(record, event.time_s, replica.replica_id, sent_ttft)
                 tier = self.config.router.slo_tiers.get(record.request.tier)
                 if tier is not None and tier.ttft_s:
                     self._recent_ttft[replica.pool.name].append(ttft / tier.ttft_s)
             elif kind == FINISHED:
                 record.finished_s = event.time_s
                 record.output_tokens = event.output_tokens
+                if self._waiting[record.gateway]:
+                    # The gateway that streamed it hands its slot to the best waiter.
+                    heapq.heappush(self._releases, (event.time_s, record.gateway))
                 self._count(
                     record,
                     event.time_s,
@@ -616,6 +669,14 @@ class ClusterSimulator:
         self._arrivals += 1
         record = RequestRecord(request, gateway=gateway.index)
         self._records[request.request_id] = record
+        self._dispatch(record, request.arrival_s, may_hold=True)
+
+    def _dispatch(self, record: RequestRecord, at_s: float, *, may_hold: bool) -> bool:
+        """Ask the record's gateway where to send it at `at_s` and send it there; with
+        `may_hold`, hold it in the gateway's admission queue instead where the router advises
+        queueing (`SimConfig.holds_advised`). Whether it left the gateway (sent or failed)."""
+        request = record.request
+        gateway = self._gateways[record.gateway]
         decision = gateway.policy.choose(
             RouteRequest(
                 model=request.model or self.fleet.model,
@@ -626,15 +687,26 @@ class ClusterSimulator:
                 request_id=request.request_id,
                 prefix_hashes=request.block_hashes,
             ),
-            request.arrival_s,
+            at_s,
         )
         if decision.replica is None:
             record.failed = "no_candidates"
-            return
+            return True
         if decision.queue_advised:
-            # The gateway would hold it in the admission queue; sending it now is the
-            # least-bad choice the router made, so the simulation follows it and counts.
             self._queue_advised += 1
+            if may_hold and self.config.holds_advised:
+                if record.queued_s is None:
+                    self._hold(record, at_s)
+                return record.failed is not None
+            # Not held (a queue-less gateway, or a slot handed to it): the least-bad choice
+            # the router made, as the gateway sends it.
+        self._send(record, decision, at_s)
+        return True
+
+    def _send(self, record: RequestRecord, decision: Decision, at_s: float) -> None:
+        request = record.request
+        record.sent_s = at_s
+        assert decision.replica is not None
         replica = self._replicas[decision.replica.replica_id]
         engine = replica.engine
         if request.prompt_tokens + request.output_tokens > engine.max_model_len:
@@ -648,7 +720,6 @@ class ClusterSimulator:
             self._route_disaggregated(record, decision.prefill_replica.replica_id, replica)
             record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
             prefill = self._replicas[decision.prefill_replica.replica_id]
-            at_s = request.arrival_s
             self._count(
                 record,
                 at_s,
@@ -672,7 +743,7 @@ class ClusterSimulator:
                     request.request_id,
                     request.prompt_tokens,
                     1,
-                    request.arrival_s,
+                    at_s,
                     request.block_hashes,
                 )
             )
@@ -684,11 +755,11 @@ class ClusterSimulator:
         record.prefill_tokens = max(0, request.prompt_tokens - decision.cached_tokens)
         self._count(
             record,
-            request.arrival_s,
+            at_s,
             "request_started",
             replica.replica_id,
             record.prefill_tokens,
-            now=request.arrival_s,
+            now=at_s,
             context_tokens=request.prompt_tokens,
             tpot_objective_s=decision.tpot_objective_s,
         )
@@ -697,10 +768,108 @@ class ClusterSimulator:
                 request.request_id,
                 request.prompt_tokens,
                 request.output_tokens,
-                request.arrival_s,
+                at_s,
                 request.block_hashes,
             )
         )
+
+    # --- the gateways' admission queues -------------------------------------------------
+
+    def _hold(self, record: RequestRecord, at_s: float) -> None:
+        """Put the record in its gateway's admission queue; full, the gateway refuses it
+        (429). Keyed as `AdmissionQueue.wait_for_slot` keys it: the tier's rank times the
+        aging, plus when it came (a batch request that has waited two agings goes first)."""
+        g = record.gateway
+        if self._waiting[g] >= self.config.queue_max:
+            record.failed = REFUSED[0]
+            return
+        record.queued_s = at_s
+        rank = TIER_RANK.get(record.request.tier, max(TIER_RANK.values()))
+        self._held_made += 1
+        key = rank * self.config.queue_aging_s + at_s
+        heapq.heappush(self._held[g], (key, self._held_made, record))
+        self._held_order[g].append(record)
+        self._waiting[g] += 1
+
+    @staticmethod
+    def _is_waiting(record: RequestRecord) -> bool:
+        return record.queued_s is not None and record.sent_s is None and record.failed is None
+
+    def _leave(self, record: RequestRecord) -> None:
+        """The record left its gateway's queue (sent or failed); its heap entry goes lazily."""
+        self._waiting[record.gateway] -= 1
+
+    def _expire(self, now_s: float) -> None:
+        """The waiters whose wait limit has passed leave with the gateway's 503."""
+        limit = self.config.queue_timeout_s
+        for order in self._held_order:
+            while order and (
+                not self._is_waiting(order[0]) or order[0].queued_s + limit <= now_s  # type: ignore[operator]
+            ):
+                record = order.popleft()
+                if self._is_waiting(record):
+                    record.failed = REFUSED[1]
+                    self._leave(record)
+
+    def _next_expiry(self) -> float:
+        """When the first waiter of any gateway reaches its wait limit (inf: none waits)."""
+        limit = self.config.queue_timeout_s
+        first = math.inf
+        for order in self._held_order:
+            while order and not self._is_waiting(order[0]):
+                order.popleft()
+            if order:
+                first = min(first, order[0].queued_s + limit)  # type: ignore[operator]
+        return first
+
+    def _pop_waiter(self, g: int) -> RequestRecord | None:
+        heap = self._held[g]
+        while heap:
+            record = heapq.heappop(heap)[2]
+            if self._is_waiting(record):
+                return record
+        return None
+
+    def _deferred_for(self, record: RequestRecord, now_s: float) -> tuple[float, float]:
+        """How long the waiter has waited, and its tier's `RouterConfig.deferral_s`."""
+        assert record.queued_s is not None
+        return now_s - record.queued_s, self.config.router.deferral_s(record.request.tier)
+
+    def _release(self, now_s: float) -> None:
+        """The slots the gateways' finished requests released by `now_s`: each goes to its
+        gateway's best waiter, sent wherever the router then chooses, as
+        `wait_in_queue` sends a request whose slot came (advised to queue or not)."""
+        releases = self._releases
+        while releases and releases[0][0] <= now_s:
+            _, g = heapq.heappop(releases)
+            record = self._pop_waiter(g) if self._waiting[g] else None
+            if record is None:
+                continue
+            # Given a slot, it goes, unless the router still advises waiting and it is a
+            # looser tier's request held less than its tier's deferral.
+            waited, deferral = self._deferred_for(record, now_s)
+            if self._dispatch(record, now_s, may_hold=waited < deferral):
+                self._leave(record)
+            else:  # still advised to wait: back in its place
+                rank = TIER_RANK.get(record.request.tier, max(TIER_RANK.values()))
+                key = rank * self.config.queue_aging_s + record.queued_s  # type: ignore[operator]
+                heapq.heappush(self._held[g], (key, self._held_made, record))
+
+    def _retry_held(self, now_s: float) -> None:
+        """At a telemetry refresh every waiter asks the router again, best first, and leaves
+        the queue where it would now be sent without queueing, or where it is a looser
+        tier's request held its tier's deferral (`wait_in_queue`)."""
+        for g, heap in enumerate(self._held):
+            if not self._waiting[g]:
+                continue
+            for _, _, record in sorted(heap):
+                if not self._is_waiting(record):
+                    continue
+                # A looser tier's request held its tier's deferral goes now; another waits
+                # for a slot while the router advises waiting.
+                waited, deferral = self._deferred_for(record, now_s)
+                if self._dispatch(record, now_s, may_hold=not 0 < deferral <= waited):
+                    self._leave(record)
 
     # --- telemetry and autoscaling -----------------------------------------------------
 
@@ -831,13 +1000,23 @@ class ClusterSimulator:
             if index >= total and not self._busy():
                 break
             next_handoff = self._handoffs[0][0] if self._handoffs else math.inf
-            now = min(arrival, next_scrape, next_ready, next_handoff)
+            next_release = self._releases[0][0] if self._releases else math.inf
+            now = min(arrival, next_scrape, next_ready, next_handoff, next_release)
+            now = min(now, self._next_expiry())
             self._now = now
             self._advance_all(now)
             if next_ready <= now or self._dirty:
                 self._republish(now)
+            if any(self._waiting):
+                self._apply_deferred(now)
+                self._expire(now)
+            if self._releases:
+                self._release(now)
             if now == next_scrape:
                 self._scrape(now)
+                if any(self._waiting):
+                    self._apply_deferred(now)
+                    self._retry_held(now)
                 next_scrape += tick
                 if next_scale <= now:
                     self._autoscale(now)
@@ -879,7 +1058,11 @@ class ClusterSimulator:
         self._handoff_to[record.request.request_id] = decode.replica_id
 
     def _busy(self) -> bool:
-        return bool(self._handoffs) or any(r.engine.has_work for r in self._replicas.values())
+        return (
+            bool(self._handoffs)
+            or any(self._waiting)
+            or any(r.engine.has_work for r in self._replicas.values())
+        )
 
 
 def simulate(

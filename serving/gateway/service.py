@@ -69,7 +69,7 @@ class GatewayConfig:
     redis_max_connections: int = 512
     policy: str = "cost_aware"
     default_max_tokens: int = 1024
-    queue_max: int = 256
+    queue_max: int = 1024
     queue_aging_s: float = 10.0
     queue_timeout_s: float = 20.0
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
@@ -346,9 +346,43 @@ class Gateway:
         A request of this gateway finishing releases the best waiter. Capacity that appears
         otherwise (requests of other gateway processes finishing, a replica added) shows
         only in the telemetry, so on every telemetry refresh each waiter asks the router
-        again and leaves the queue as soon as it would be sent without queueing."""
+        again and leaves the queue as soon as it would be sent without queueing. A waiter
+        given a slot is sent wherever the router then chooses, unless the router still
+        advises waiting and it is a looser tier's request held less than its tier's
+        `RouterConfig.deferral_s`: it then goes back to its place in the queue."""
+        enqueued_at = time.monotonic()
+        deferral_s = self.router_config.deferral_s(tier)
+        while True:
+            waited = time.monotonic() - enqueued_at
+            decision = await self._wait_for_slot(
+                tier,
+                request,
+                exclude,
+                enqueued_at,
+                self.config.queue_timeout_s - waited,
+                deferral_s,
+            )
+            if decision is not None:
+                return decision
+            decision = self.choose(request, exclude)
+            held = time.monotonic() - enqueued_at
+            if decision.replica is None or not decision.queue_advised or held >= deferral_s:
+                return decision
+
+    async def _wait_for_slot(
+        self,
+        tier: str,
+        request: RouteRequest,
+        exclude: frozenset[str],
+        enqueued_at: float,
+        timeout_s: float,
+        deferral_s: float,
+    ) -> Decision | None:
+        """Wait for a slot (None when it came) or a refresh at which the router no longer
+        advises waiting, or a looser tier's request has been held its tier's deferral (that
+        decision); a 429 when the queue is full, a 503 past the wait."""
         slot = asyncio.ensure_future(
-            self.queue.wait_for_slot(tier, timeout_s=self.config.queue_timeout_s)
+            self.queue.wait_for_slot(tier, timeout_s=max(0.0, timeout_s), enqueued_at=enqueued_at)
         )
         try:
             while True:
@@ -359,9 +393,10 @@ class Gateway:
                     refreshed.cancel()
                 if slot.done():
                     slot.result()  # QueueFull or TimeoutError
-                    return self.choose(request, exclude)
+                    return None
                 decision = self.choose(request, exclude)
-                if decision.replica is not None and not decision.queue_advised:
+                deferred = 0 < deferral_s <= time.monotonic() - enqueued_at
+                if decision.replica is not None and (deferred or not decision.queue_advised):
                     return decision
         except QueueFull as full:
             raise ApiError(

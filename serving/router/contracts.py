@@ -255,6 +255,15 @@ class RouterConfig:
     # When nothing meets the SLO and the least bad misses it by more than this factor,
     # the decision advises the gateway to queue (or refuse) rather than send.
     queue_over_slo_factor: float = 1.5
+    # A request of a looser tier than the tightest is advised to wait in the gateway's
+    # admission queue when, wherever it goes, it would wait longer than this share of the
+    # tightest TTFT objective before its own prefill: the queue is already as long as a
+    # tighter request can bear, and it would lengthen it (the gateway sends it when a slot
+    # frees or the telemetry shows room). None: never.
+    defer_looser_after: float | None = 0.5
+    # ... for at most this share of its own TTFT objective (as routed, `untimed_ttft_s` for a
+    # tier without one): a slot freed after that goes to it wherever the router sends it.
+    defer_looser_for: float = 0.5
     # When nothing meets the SLO, a request of a looser tier than the tightest configured
     # takes the cheapest replica missing its objective by at most `queue_over_slo_factor`
     # instead of the least bad: in an overload it leaves the fast replicas to the tier that
@@ -306,6 +315,17 @@ class RouterConfig:
         in place of a TTFT objective it lacks."""
         tier = self._routing_tiers.get(name)
         return tier if tier is not None else self._bounded(SloTier(name, None, None))
+
+    def deferral_s(self, name: str) -> float:
+        """How long a gateway may keep a request of tier `name` in its admission queue while
+        the router still advises it to wait (`defer_looser_after`): `defer_looser_for` of its
+        own TTFT objective as routed, for a looser tier than the tightest; 0 for the tightest
+        tier, or with deferral off (a freed slot then sends it wherever the router chooses)."""
+        objectives = [t.ttft_s for t in self.slo_tiers.values() if t.ttft_s is not None]
+        own = self.tier(name).ttft_s
+        if self.defer_looser_after is None or own is None or not objectives:
+            return 0.0
+        return self.defer_looser_for * own if own > min(objectives) else 0.0
 
     def limits(self, tier: SloTier) -> tuple[float, float]:
         """The TTFT and TPOT a prediction may reach and still be accepted: the tier's

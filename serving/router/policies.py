@@ -924,6 +924,20 @@ class CostAware:
                 chosen, best = option, key
         return chosen
 
+    def _defers(
+        self, request: RouteRequest, replica: ReplicaState, ttft_s: float, blocks: int
+    ) -> bool:
+        """Whether a looser tier's request would wait past `defer_looser_after` of the
+        tightest TTFT objective before its own prefill on the replica chosen for it."""
+        share = self.config.defer_looser_after
+        if share is None or self._tightest_ttft_s is None:
+            return False
+        if not self._yields(self.config.tier(request.tier)):
+            return False
+        uncached = max(1, request.prompt_tokens - blocks * self.config.prefix_block_tokens)
+        wait = ttft_s - idle_prefill_s(replica.perf, uncached)
+        return wait > share * self._tightest_ttft_s
+
     def _yields(self, tier: SloTier) -> bool:
         """Whether a request of this tier gives way to tighter tiers when nothing meets."""
         if not self.config.yield_to_tighter_tiers or self._tightest_ttft_s is None:
@@ -960,6 +974,8 @@ class CostAware:
             )
         # The hot loop's figures are these; the cost it never computed.
         prediction = predictor.predict(replica, blocks)
+        if not queue_advised and self._defers(request, replica, prediction.ttft_s, blocks):
+            queue_advised = True
         return Decision(
             replica,
             reason,

@@ -59,14 +59,19 @@ class AdmissionQueue:
         estimate = self._waiting * self._drain_interval_s
         return min(max(estimate, self._min_retry_after_s), self._max_retry_after_s)
 
-    async def wait_for_slot(self, tier: str, timeout_s: float | None = None) -> float:
-        """Wait until released; return the seconds waited.
+    async def wait_for_slot(
+        self, tier: str, timeout_s: float | None = None, enqueued_at: float | None = None
+    ) -> float:
+        """Wait until released; return the seconds waited since `enqueued_at` (now if None:
+        a waiter given a slot it may not use yet comes back with its first time, and keeps
+        its place).
 
         Raises QueueFull at once when the queue is full, TimeoutError after `timeout_s`.
         """
         if self._waiting >= self.max_size:
             raise QueueFull(self.retry_after_s())
-        enqueued_at = self._clock()
+        if enqueued_at is None:
+            enqueued_at = self._clock()
         rank = TIER_RANK.get(tier, max(TIER_RANK.values()))
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._heap, (rank * self.aging_s + enqueued_at, next(self._sequence), slot))

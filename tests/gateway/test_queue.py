@@ -70,3 +70,51 @@ def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
     assert time.monotonic() - freed_at < 4
     assert len(gateway.queue) == 0
     http.close()
+
+
+def test_a_standard_request_waits_out_a_queue_interactive_cannot_bear_then_goes(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    """Telemetry shows about 1.3 s of prompts queued on the only replica: past half of
+    interactive's 1 s TTFT, so a standard request (no x-priority header) is held at the
+    gateway (`RouterConfig.defer_looser_after`) while an interactive one goes at once. The
+    queue stays, so the standard request goes when it has been held its tier's deferral
+    (`RouterConfig.deferral_s`: half of its 3 s objective), at the next telemetry refresh."""
+    sim = fleet.start()
+    fleet.publish()
+    publish_catalog(redis_client)
+    key = make_key("acme")
+    http = httpx.Client(
+        base_url=gateway_server.url, timeout=30, headers={"Authorization": f"Bearer {key.secret}"}
+    )
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200  # gateway started
+    gateway = gateway_server.gateway()
+    deferral_s = gateway.router_config.deferral_s("standard")
+    assert deferral_s == 1.5
+
+    def queued_prompts() -> None:  # refreshed, so the telemetry never goes stale
+        row = {"running": 0, "waiting": 100, "kv": 0.0, "scraped_at": time.time()}
+        redis_client.hset(ROUTING_TELEMETRY_KEY, sim.replica_id, orjson.dumps(row))
+
+    queued_prompts()
+    replica = gateway.routing.snapshot.state.replica(sim.replica_id)
+    assert replica is not None
+    assert wait_until(lambda: replica.waiting == 100)
+    interactive = http.post(
+        "/v1/chat/completions", json=body, headers={"x-priority": "interactive"}
+    )
+    assert interactive.status_code == 200 and len(gateway.queue) == 0
+    with ThreadPoolExecutor(1) as pool:
+        sent_at = time.monotonic()
+        standard = pool.submit(http.post, "/v1/chat/completions", json=body)
+        assert wait_until(lambda: len(gateway.queue) == 1)
+        while not standard.done() and time.monotonic() - sent_at < 10:
+            queued_prompts()
+            time.sleep(0.2)
+        reply = standard.result(timeout=10)
+    took = time.monotonic() - sent_at
+    assert reply.status_code == 200, reply.text
+    assert deferral_s <= took < deferral_s + 3.0  # a refresh a second, and some slack
+    assert len(gateway.queue) == 0
+    http.close()

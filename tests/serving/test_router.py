@@ -204,7 +204,11 @@ def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tie
     assert 1.0 < misses["h100"] < misses["l40s"] <= config.queue_over_slo_factor
     decision = CostAware(state, config).choose(request(), NOW)
     assert decision.replica is not None and decision.replica.replica_id == "l40s"
-    assert decision.reason is Reason.LEAST_BAD and not decision.queue_advised
+    # It would wait 3.6 s there before its prefill, past half of interactive's 1 s: the
+    # gateway is advised to hold it (`defer_looser_after`); without deferral, not.
+    assert decision.reason is Reason.LEAST_BAD and decision.queue_advised
+    undeferred = CostAware(state, replace(config, defer_looser_after=None)).choose(request(), NOW)
+    assert undeferred.replica is decision.replica and not undeferred.queue_advised
     # The tightest tier does not yield for its tier: it takes the least bad, the H100 (it
     # misses everywhere, so the rule for lost requests is off to see the tier rule alone).
     own_tier = replace(config, yield_when_lost=False)
@@ -284,7 +288,8 @@ def test_a_looser_tier_leaves_a_tighter_tiers_replica_for_a_cheaper_one_it_still
     decision = CostAware(state).choose(standard, NOW)
     assert decision.replica is not None and decision.replica.replica_id == expected
     assert decision.meets_slo == (expected == "h100")
-    assert not decision.queue_advised
+    # Held at the gateway where it would wait past half of interactive's 1 s TTFT.
+    assert decision.queue_advised == (expected == "l40s")
 
 
 def test_a_request_lost_everywhere_yields_to_a_cheaper_replica_missing_by_a_little_more() -> None:
@@ -308,6 +313,33 @@ def test_a_request_lost_everywhere_yields_to_a_cheaper_replica_missing_by_a_litt
     decision = CostAware(state, config).choose(interactive, NOW)
     assert decision.replica is not None and decision.replica.replica_id == "l40s"
     assert decision.reason is Reason.LEAST_BAD and not decision.queue_advised
+
+
+@pytest.mark.parametrize("tier", ["standard", "batch"])
+@pytest.mark.parametrize(("wait_s", "advised"), [(0.3, False), (0.7, True)])
+def test_a_looser_tier_waits_at_the_gateway_where_a_queue_a_tighter_tier_cannot_bear_formed(
+    tier: str, wait_s: float, advised: bool
+) -> None:
+    # Two H100s with that much prefill queued on each: a standard or batch request meets its
+    # own objective on either (3 s; batch's 20 s as routed), but where it would wait past
+    # half of interactive's 1 s TTFT the router advises the gateway to hold it, and the
+    # gateway may hold it for half of its own objective (`RouterConfig.deferral_s`).
+    h100_perf, _ = gpu(H100)
+    pending = int(wait_s / h100_perf.prefill_s_per_token)
+    state = fleet(
+        replica("a", H100, prefill_pending_tokens=pending),
+        replica("b", H100, prefill_pending_tokens=pending),
+    )
+    decision = CostAware(state).choose(request(tier=tier), NOW)
+    assert decision.replica is not None and decision.queue_advised is advised
+    # An interactive request is never held for another tier's sake, and without deferral
+    # nothing is held while it still meets.
+    assert not CostAware(state).choose(request(tier="interactive"), NOW).queue_advised
+    off = RouterConfig(defer_looser_after=None)
+    assert not CostAware(state, off).choose(request(tier=tier), NOW).queue_advised
+    config = RouterConfig()
+    assert config.deferral_s(tier) == 0.5 * (3.0 if tier == "standard" else 20.0)
+    assert config.deferral_s("interactive") == 0.0 and off.deferral_s(tier) == 0.0
 
 
 def test_batch_requests_have_no_slo_and_go_to_the_cheapest_replica() -> None:
