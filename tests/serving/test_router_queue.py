@@ -126,3 +126,24 @@ async def test_a_released_slot_skips_waiters_that_gave_up() -> None:
     assert queue.release() == 1
     assert await stayer == 0.0
     assert len(queue) == 0
+
+
+async def test_a_waiter_coming_back_with_its_first_time_keeps_its_place() -> None:
+    # A deferred request given a slot it may not use yet comes back (`Gateway.wait_in_queue`)
+    # with the time it first came: ahead of a standard request that came after it, and it
+    # reports the whole wait.
+    clock = Clock()
+    queue = AdmissionQueue(max_size=10, aging_s=30.0, clock=clock)
+    order: list[str] = []
+    waited: list[float] = []
+
+    async def come_back() -> None:
+        waited.append(await queue.wait_for_slot("standard", enqueued_at=0.0))
+        order.append("first")
+
+    clock.now = 5.0
+    tasks = [asyncio.create_task(enqueue(queue, "standard", order, "later"))]
+    await settle()
+    tasks.append(asyncio.create_task(come_back()))
+    await drain(queue, tasks)
+    assert order == ["first", "later"] and waited == [5.0]
