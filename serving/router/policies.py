@@ -622,7 +622,10 @@ class CostAware:
             if candidates.options:
                 split = version if position == 0 else None
                 baseline = least_load_pick(state, self.config, request, now, split=split)
-                return self._pick(candidates, request, tier, baseline)
+                decision = self._pick(candidates, request, tier, baseline)
+                if not decision.queue_advised and self._defers(candidates, request, tier):
+                    decision.queue_advised = True
+                return decision
         return _no_route(request, state, self.name)
 
     def _options(
@@ -924,19 +927,25 @@ class CostAware:
                 chosen, best = option, key
         return chosen
 
-    def _defers(
-        self, request: RouteRequest, replica: ReplicaState, ttft_s: float, blocks: int
-    ) -> bool:
+    def _defers(self, candidates: _Candidates, request: RouteRequest, tier: SloTier) -> bool:
         """Whether a looser tier's request would wait past `defer_looser_after` of the
-        tightest TTFT objective before its own prefill on the replica chosen for it."""
+        tightest TTFT objective before its own prefill on every candidate: the whole fleet
+        (or every replica drawn) has a queue a tighter request cannot bear. Replicas that
+        gather looser work queue it by design (`_gather`), and a request waiting there is no
+        reason to hold it while another replica has room."""
         share = self.config.defer_looser_after
-        if share is None or self._tightest_ttft_s is None:
+        if share is None or self._tightest_ttft_s is None or not self._yields(tier):
             return False
-        if not self._yields(self.config.tier(request.tier)):
-            return False
-        uncached = max(1, request.prompt_tokens - blocks * self.config.prefix_block_tokens)
-        wait = ttft_s - idle_prefill_s(replica.perf, uncached)
-        return wait > share * self._tightest_ttft_s
+        limit = share * self._tightest_ttft_s
+        block_tokens = self.config.prefix_block_tokens
+        for option in candidates.options:
+            ttft = option[_TTFT]
+            if ttft is None:  # its decode misses the TPOT objective: no room there either
+                continue
+            uncached = max(1, request.prompt_tokens - option[_BLOCKS] * block_tokens)
+            if ttft - idle_prefill_s(option[_REPLICA].perf, uncached) <= limit:
+                return False
+        return True
 
     def _yields(self, tier: SloTier) -> bool:
         """Whether a request of this tier gives way to tighter tiers when nothing meets."""
@@ -974,8 +983,6 @@ class CostAware:
             )
         # The hot loop's figures are these; the cost it never computed.
         prediction = predictor.predict(replica, blocks)
-        if not queue_advised and self._defers(request, replica, prediction.ttft_s, blocks):
-            queue_advised = True
         return Decision(
             replica,
             reason,

@@ -204,8 +204,8 @@ def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tie
     assert 1.0 < misses["h100"] < misses["l40s"] <= config.queue_over_slo_factor
     decision = CostAware(state, config).choose(request(), NOW)
     assert decision.replica is not None and decision.replica.replica_id == "l40s"
-    # It would wait 3.6 s there before its prefill, past half of interactive's 1 s: the
-    # gateway is advised to hold it (`defer_looser_after`); without deferral, not.
+    # It would wait over 3 s before its prefill on either, past half of interactive's 1 s:
+    # the gateway is advised to hold it (`defer_looser_after`); without deferral, not.
     assert decision.reason is Reason.LEAST_BAD and decision.queue_advised
     undeferred = CostAware(state, replace(config, defer_looser_after=None)).choose(request(), NOW)
     assert undeferred.replica is decision.replica and not undeferred.queue_advised
@@ -288,8 +288,9 @@ def test_a_looser_tier_leaves_a_tighter_tiers_replica_for_a_cheaper_one_it_still
     decision = CostAware(state).choose(standard, NOW)
     assert decision.replica is not None and decision.replica.replica_id == expected
     assert decision.meets_slo == (expected == "h100")
-    # Held at the gateway where it would wait past half of interactive's 1 s TTFT.
-    assert decision.queue_advised == (expected == "l40s")
+    # Not held at the gateway: the H100 has room (its queue is within half of interactive's
+    # 1 s TTFT), so not every replica has a queue a tighter tier cannot bear.
+    assert not decision.queue_advised
 
 
 def test_a_request_lost_everywhere_yields_to_a_cheaper_replica_missing_by_a_little_more() -> None:
@@ -322,8 +323,8 @@ def test_a_looser_tier_waits_at_the_gateway_where_a_queue_a_tighter_tier_cannot_
 ) -> None:
     # Two H100s with that much prefill queued on each: a standard or batch request meets its
     # own objective on either (3 s; batch's 20 s as routed), but where it would wait past
-    # half of interactive's 1 s TTFT the router advises the gateway to hold it, and the
-    # gateway may hold it for half of its own objective (`RouterConfig.deferral_s`).
+    # half of interactive's 1 s TTFT on both the router advises the gateway to hold it, and
+    # the gateway may hold it for half of its own objective (`RouterConfig.deferral_s`).
     h100_perf, _ = gpu(H100)
     pending = int(wait_s / h100_perf.prefill_s_per_token)
     state = fleet(
@@ -337,6 +338,13 @@ def test_a_looser_tier_waits_at_the_gateway_where_a_queue_a_tighter_tier_cannot_
     assert not CostAware(state).choose(request(tier="interactive"), NOW).queue_advised
     off = RouterConfig(defer_looser_after=None)
     assert not CostAware(state, off).choose(request(tier=tier), NOW).queue_advised
+    # One replica with room is enough to send it now (wherever it then goes: it meets its
+    # own objective on both, and a looser tier may gather where others of it wait).
+    roomy = fleet(
+        replica("a", H100, prefill_pending_tokens=int(1.0 / h100_perf.prefill_s_per_token)),
+        replica("b", H100, prefill_pending_tokens=int(0.1 / h100_perf.prefill_s_per_token)),
+    )
+    assert not CostAware(roomy).choose(request(tier=tier), NOW).queue_advised
     config = RouterConfig()
     assert config.deferral_s(tier) == 0.5 * (3.0 if tier == "standard" else 20.0)
     assert config.deferral_s("interactive") == 0.0 and off.deferral_s(tier) == 0.0
