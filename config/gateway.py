@@ -28,6 +28,7 @@ def gateway_config() -> GatewayConfig:
         redis_cluster=settings.REDIS_CLUSTER,
         redis_timeout_s=settings.REDIS_SOCKET_TIMEOUT_S,
         policy=settings.GATEWAY_ROUTER_POLICY,
+        defer_looser_after=settings.GATEWAY_DEFER_LOOSER_AFTER,
         upstream=UpstreamTimeouts(
             connect_s=settings.GATEWAY_CONNECT_TIMEOUT_S, read_s=settings.GATEWAY_READ_TIMEOUT_S
         ),

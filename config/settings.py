@@ -316,6 +316,18 @@ if GATEWAY_ROUTER_POLICY not in {"round_robin", "least_load", "weighted_scorer",
         GATEWAY_ROUTER_POLICY,
         "one of round_robin, least_load, weighted_scorer, cost_aware",
     )
+# Hold a standard or batch request at the gateway while every replica has more prompts
+# queued than this share of interactive's TTFT objective (RouterConfig.defer_looser_after);
+# empty: never (the default).
+_DEFER = env_str("GATEWAY_DEFER_LOOSER_AFTER", "")
+try:
+    GATEWAY_DEFER_LOOSER_AFTER = float(_DEFER) if _DEFER else None
+except ValueError:
+    GATEWAY_DEFER_LOOSER_AFTER = -1.0
+if GATEWAY_DEFER_LOOSER_AFTER is not None and not 0 < GATEWAY_DEFER_LOOSER_AFTER <= 10:
+    raise ImproperEnvironment(
+        "GATEWAY_DEFER_LOOSER_AFTER", _DEFER, "empty, or a number above 0 and at most 10"
+    )
 GATEWAY_CONNECT_TIMEOUT_S = env_float("GATEWAY_CONNECT_TIMEOUT_S", 2.0)
 GATEWAY_READ_TIMEOUT_S = env_float("GATEWAY_READ_TIMEOUT_S", 30.0)
 # Usage events that could not reach Redis wait here (one file per process when unset).

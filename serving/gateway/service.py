@@ -72,6 +72,9 @@ class GatewayConfig:
     queue_max: int = 1024
     queue_aging_s: float = 10.0
     queue_timeout_s: float = 20.0
+    # RouterConfig.defer_looser_after: hold a looser tier's request while every replica has
+    # a queue the tightest tier cannot bear (None: never, the default).
+    defer_looser_after: float | None = None
     upstream: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     breaker_failures: int = 3
     breaker_base_s: float = 2.0
@@ -113,7 +116,7 @@ class Gateway:
         self.catalog = Catalog()
         self.price_book = PriceBook([])
         self.guardrails: list[Guardrail] = load_chain(config.guardrails)
-        self.router_config = RouterConfig()
+        self.router_config = RouterConfig(defer_looser_after=config.defer_looser_after)
         # The gateways sharing the traffic: the router takes what this one sent that the
         # others do not know of yet this many times over.
         self.peers = GatewayPeers(self.redis)
@@ -192,8 +195,12 @@ class Gateway:
         gateways = await self.peers.beat()
         if gateways != self.router_config.gateways:
             log.info("%d gateway processes share the traffic", gateways)
-            self.router_config = replace(self.router_config, gateways=gateways)
-            self._policy = None  # built again over the new config on the next request
+            self.configure_router(replace(self.router_config, gateways=gateways))
+
+    def configure_router(self, config: RouterConfig) -> None:
+        """Route with `config` from the next request on (the policy is built again)."""
+        self.router_config = config
+        self._policy = None
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -259,8 +259,13 @@ class RouterConfig:
     # admission queue when, wherever it goes, it would wait longer than this share of the
     # tightest TTFT objective before its own prefill: the queue is already as long as a
     # tighter request can bear, and it would lengthen it (the gateway sends it when a slot
-    # frees or the telemetry shows room). None: never.
-    defer_looser_after: float | None = 0.5
+    # frees or the telemetry shows room). None (the default): never. At 0.5 it keeps 98.5-
+    # 99.9 % of bursty's interactive requests within both clocks over 4 H100 where 78-85 %
+    # were, but costs the standard tier its own objectives elsewhere (diurnal over 8 H100:
+    # 74 % of standard within both clocks, against 98 %; chat's mixed fleet with sixteen
+    # gateways: 39 %), so it is a choice for a deployment, not the default
+    # (bench/RESULTS.md, "Looser tiers deferred at the gateway").
+    defer_looser_after: float | None = None
     # ... for at most this share of its own TTFT objective (as routed, `untimed_ttft_s` for a
     # tier without one): a slot freed after that goes to it wherever the router sends it.
     defer_looser_for: float = 0.5

@@ -16,11 +16,11 @@ from serving.gateway.service import GatewayConfig
 from serving.router import RouterConfig
 
 H100 = "H100-SXM-80GB"
-UNDEFERRED = RouterConfig(defer_looser_after=None)
+DEFERRED = SimConfig(router=RouterConfig(defer_looser_after=0.5))
 
 
 def bursty(seconds: float = 30.0) -> SimResult:
-    return simulate(homogeneous(H100, 4), FAMILIES["bursty"].generate(duration_s=seconds))
+    return simulate(homogeneous(H100, 4), FAMILIES["bursty"].generate(duration_s=seconds), DEFERRED)
 
 
 def test_the_simulated_queue_is_the_gateways() -> None:
@@ -51,14 +51,14 @@ def test_deferring_the_looser_tiers_through_a_burst_keeps_interactive_within_bot
     a telemetry refresh, and none is refused."""
     requests = FAMILIES["bursty"].generate(duration_s=30.0)
     fleet = homogeneous(H100, 4)
-    deferred = simulate(fleet, requests)
-    sent = simulate(fleet, requests, SimConfig(router=UNDEFERRED))
+    deferred = simulate(fleet, requests, DEFERRED)
+    sent = simulate(fleet, requests)
     with_deferral, without = summarize(deferred), summarize(sent)
     assert with_deferral.tiers["interactive"].slo_attainment >= 0.99
     assert without.tiers["interactive"].slo_attainment < 0.97
     assert with_deferral.refused == 0
-    router = RouterConfig()
-    refresh = SimConfig().scrape_interval_s
+    router = DEFERRED.router
+    refresh = DEFERRED.scrape_interval_s
     looser = [
         r for r in deferred.records if r.queued_s is not None and r.request.tier != "interactive"
     ]

@@ -83,10 +83,9 @@ def digest(result: SimResult) -> str:
 # decodes they wait behind and learned each replica's TTFT scale at its first tokens
 # (`ReplicaState.ttft_scale`), and when the TTFT margin went to 0.9 while TPOT's stayed
 # at 0.8 (`RouterConfig.ttft_margin`); and when the simulator held the requests the router
-# advises queueing in the gateway's admission queue, as the gateway does, and the router
-# deferred a looser tier's request past a queue the tightest tier cannot bear
-# (`RouterConfig.defer_looser_after`): sent at once and undeferred ("cost_aware_sent"), the
-# run is the one before. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
+# advises queueing in the gateway's admission queue, as the gateway does, it held none of
+# this run's requests: the run with the queue and without ("cost_aware_sent") are the one
+# before. The runs keep that budget (`max_num_batched_tokens="vllm"`): the
 # platform's smaller one is an engine flag, not a gateway change, and has its own tests
 # (test_step_budget).
 SINGLE_GATEWAY_RUNS = {
@@ -94,12 +93,12 @@ SINGLE_GATEWAY_RUNS = {
         MIXED,
         lambda: poisson(12, 60, seed=3),
         SimConfig(),
-        "a29e089ffd1480cb",
+        "6588eed981347bca",
     ),
     "cost_aware_sent": (
         MIXED,
         lambda: poisson(12, 60, seed=3),
-        SimConfig(admission_queue=False, router=RouterConfig(defer_looser_after=None)),
+        SimConfig(admission_queue=False),
         "6588eed981347bca",
     ),
     "least_load": (
@@ -200,8 +199,8 @@ def test_cost_aware_gateways_that_share_their_counts_keep_a_burst_within_the_slo
     # part of what the unaware ones do not see (95.00, 99.62, 98.33 and 99.70 before it;
     # 97.80, 99.70, 98.41 and 99.62 with it, before the TTFT margin went to 0.9). Since the
     # gateways hold what the router advises queueing, taking its own sixteen times
-    # over-predicts the queues: the gateways hold 874 requests, each waiting for one of its
-    # own few finishes or a refresh, and keep 90.91 %; sending them at once keeps 98.71.
+    # over-predicts the queues: the gateways hold 391 requests, each waiting for one of its
+    # own few finishes or a refresh, and keep 85.83 %; sending them at once keeps 98.71.
     assert unaware < one - 0.01
     assert sharing >= one - 0.01 and sharing > unaware and sharing > counting
     sent = summarize(

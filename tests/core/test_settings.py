@@ -52,3 +52,34 @@ def test_a_bad_database_url_names_the_variable() -> None:
     result = run_manage("check", DEBUG="true", DATABASE_URL="mysql://nope")
     assert result.returncode != 0
     assert "DATABASE_URL" in result.stderr
+
+
+def test_a_bad_deferral_share_names_the_variable() -> None:
+    for value in ("soon", "0", "-1"):
+        result = run_manage("check", DEBUG="true", GATEWAY_DEFER_LOOSER_AFTER=value)
+        assert result.returncode != 0
+        assert f"Bad environment variable GATEWAY_DEFER_LOOSER_AFTER={value!r}" in result.stderr
+    assert run_manage("check", DEBUG="true", GATEWAY_DEFER_LOOSER_AFTER="0.5").returncode == 0
+
+
+def test_the_deferral_share_reaches_the_gateways_router() -> None:
+    code = (
+        "import django; django.setup(); from config.gateway import gateway_config; "
+        "print(gateway_config().defer_looser_after)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "GATEWAY_DEFER_LOOSER_AFTER"}
+    for value, shown in (("0.5", "0.5"), ("", "None")):
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env={
+                **env,
+                "DJANGO_SETTINGS_MODULE": "config.settings",
+                "DEBUG": "true",
+                "GATEWAY_DEFER_LOOSER_AFTER": value,
+            },
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.stdout.strip() == shown, result.stderr

@@ -90,6 +90,8 @@ def test_a_standard_request_waits_out_a_queue_interactive_cannot_bear_then_goes(
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert http.post("/v1/chat/completions", json=body).status_code == 200  # gateway started
     gateway = gateway_server.gateway()
+    assert gateway.router_config.deferral_s("standard") == 0.0  # off unless configured
+    gateway.configure_router(dataclasses.replace(gateway.router_config, defer_looser_after=0.5))
     deferral_s = gateway.router_config.deferral_s("standard")
     assert deferral_s == 1.5
 

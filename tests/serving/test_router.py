@@ -204,11 +204,11 @@ def test_when_nothing_meets_a_looser_tier_yields_the_fast_replica_to_tighter_tie
     assert 1.0 < misses["h100"] < misses["l40s"] <= config.queue_over_slo_factor
     decision = CostAware(state, config).choose(request(), NOW)
     assert decision.replica is not None and decision.replica.replica_id == "l40s"
+    assert decision.reason is Reason.LEAST_BAD and not decision.queue_advised
     # It would wait over 3 s before its prefill on either, past half of interactive's 1 s:
-    # the gateway is advised to hold it (`defer_looser_after`); without deferral, not.
-    assert decision.reason is Reason.LEAST_BAD and decision.queue_advised
-    undeferred = CostAware(state, replace(config, defer_looser_after=None)).choose(request(), NOW)
-    assert undeferred.replica is decision.replica and not undeferred.queue_advised
+    # with deferral on (`defer_looser_after`), the gateway is advised to hold it.
+    deferred = CostAware(state, replace(config, defer_looser_after=0.5)).choose(request(), NOW)
+    assert deferred.replica is decision.replica and deferred.queue_advised
     # The tightest tier does not yield for its tier: it takes the least bad, the H100 (it
     # misses everywhere, so the rule for lost requests is off to see the tier rule alone).
     own_tier = replace(config, yield_when_lost=False)
@@ -331,12 +331,13 @@ def test_a_looser_tier_waits_at_the_gateway_where_a_queue_a_tighter_tier_cannot_
         replica("a", H100, prefill_pending_tokens=pending),
         replica("b", H100, prefill_pending_tokens=pending),
     )
-    decision = CostAware(state).choose(request(tier=tier), NOW)
+    on = RouterConfig(defer_looser_after=0.5)
+    decision = CostAware(state, on).choose(request(tier=tier), NOW)
     assert decision.replica is not None and decision.queue_advised is advised
     # An interactive request is never held for another tier's sake, and without deferral
-    # nothing is held while it still meets.
-    assert not CostAware(state).choose(request(tier="interactive"), NOW).queue_advised
-    off = RouterConfig(defer_looser_after=None)
+    # (the default) nothing is held while it still meets.
+    assert not CostAware(state, on).choose(request(tier="interactive"), NOW).queue_advised
+    off = RouterConfig()
     assert not CostAware(state, off).choose(request(tier=tier), NOW).queue_advised
     # One replica with room is enough to send it now (wherever it then goes: it meets its
     # own objective on both, and a looser tier may gather where others of it wait).
@@ -344,10 +345,9 @@ def test_a_looser_tier_waits_at_the_gateway_where_a_queue_a_tighter_tier_cannot_
         replica("a", H100, prefill_pending_tokens=int(1.0 / h100_perf.prefill_s_per_token)),
         replica("b", H100, prefill_pending_tokens=int(0.1 / h100_perf.prefill_s_per_token)),
     )
-    assert not CostAware(roomy).choose(request(tier=tier), NOW).queue_advised
-    config = RouterConfig()
-    assert config.deferral_s(tier) == 0.5 * (3.0 if tier == "standard" else 20.0)
-    assert config.deferral_s("interactive") == 0.0 and off.deferral_s(tier) == 0.0
+    assert not CostAware(roomy, on).choose(request(tier=tier), NOW).queue_advised
+    assert on.deferral_s(tier) == 0.5 * (3.0 if tier == "standard" else 20.0)
+    assert on.deferral_s("interactive") == 0.0 and off.deferral_s(tier) == 0.0
 
 
 def test_batch_requests_have_no_slo_and_go_to_the_cheapest_replica() -> None:
