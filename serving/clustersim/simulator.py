@@ -850,9 +850,10 @@ class ClusterSimulator:
             waited, deferral = self._deferred_for(record, now_s)
             if self._dispatch(record, now_s, may_hold=waited < deferral):
                 self._leave(record)
-            else:  # still advised to wait: back in its place
+            else:  # still advised to wait: back in its place (a new order breaks ties)
                 rank = TIER_RANK.get(record.request.tier, max(TIER_RANK.values()))
                 key = rank * self.config.queue_aging_s + record.queued_s  # type: ignore[operator]
+                self._held_made += 1
                 heapq.heappush(self._held[g], (key, self._held_made, record))
 
     def _retry_held(self, now_s: float) -> None:
