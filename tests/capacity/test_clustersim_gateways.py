@@ -322,9 +322,10 @@ def test_a_request_is_counted_only_by_the_gateway_that_routed_it_where_counts_ar
     for replica in result.replicas:
         for gateway, state in enumerate(replica.states):
             started = [
-                r.sent_s
+                sent
                 for r in result.records
                 if r.gateway == gateway and r.replica_id == replica.replica_id and r.prefill_tokens
+                if (sent := r.sent_s) is not None
             ]
             assert state.prompt_rate_at == max(started, default=0.0)
     assert len({r.gateway for r in result.records}) == 4
