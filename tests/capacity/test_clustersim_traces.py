@@ -325,6 +325,7 @@ def made_up(attained: float, batch_ttft_p99_s: float = 0.5) -> SimpleNamespace:
     both clocks, and each tier's TTFT p99."""
     return SimpleNamespace(
         failed=0,
+        refused=0,
         requests=1000,
         tiers={
             "interactive": SimpleNamespace(slo_attainment=attained, ttft_p99_s=0.3),
