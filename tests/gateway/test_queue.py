@@ -11,6 +11,7 @@ import orjson
 import pytest
 import redis
 
+from serving.gateway.service import Gateway
 from serving.redis_contracts import ROUTING_TELEMETRY_KEY
 from tests.gateway.conftest import (
     MODEL,
@@ -36,9 +37,13 @@ def report_load(client: redis.Redis, sim: EngineSim, *, running: int, waiting: i
     client.hset(ROUTING_TELEMETRY_KEY, sim.replica_id, orjson.dumps(row))
 
 
-def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def started(
     gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
-) -> None:
+) -> tuple[EngineSim, httpx.Client, Gateway]:
+    """One replica published, acme's client, and the gateway after a first request started it."""
     sim = fleet.start()
     fleet.publish()
     publish_catalog(redis_client)
@@ -46,9 +51,14 @@ def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
     http = httpx.Client(
         base_url=gateway_server.url, timeout=30, headers={"Authorization": f"Bearer {key.secret}"}
     )
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    assert http.post("/v1/chat/completions", json=body).status_code == 200  # gateway started
-    gateway = gateway_server.gateway()
+    assert http.post("/v1/chat/completions", json=BODY).status_code == 200  # gateway started
+    return sim, http, gateway_server.gateway()
+
+
+def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
+    gateway_server: GatewayServer, fleet: Fleet, make_key, redis_client: redis.Redis
+) -> None:
+    sim, http, gateway = started(gateway_server, fleet, make_key, redis_client)
     # Past the queue timeout a waiter gets a 503 whatever happens: keep a failure short.
     gateway.config = dataclasses.replace(gateway.config, queue_timeout_s=10.0)
 
@@ -58,7 +68,7 @@ def test_a_queued_request_goes_when_telemetry_shows_capacity_freed_elsewhere(
     assert replica is not None
     assert wait_until(lambda: replica.waiting == 2000)
     with ThreadPoolExecutor(1) as pool:
-        queued = pool.submit(http.post, "/v1/chat/completions", json=body)
+        queued = pool.submit(http.post, "/v1/chat/completions", json=BODY)
         assert wait_until(lambda: len(gateway.queue) == 1)
 
         # Those requests finish there, not here: only the telemetry says so.
@@ -80,16 +90,7 @@ def test_a_standard_request_waits_out_a_queue_interactive_cannot_bear_then_goes(
     gateway (`RouterConfig.defer_looser_after`) while an interactive one goes at once. The
     queue stays, so the standard request goes when it has been held its tier's deferral
     (`RouterConfig.deferral_s`: half of its 3 s objective), at the next telemetry refresh."""
-    sim = fleet.start()
-    fleet.publish()
-    publish_catalog(redis_client)
-    key = make_key("acme")
-    http = httpx.Client(
-        base_url=gateway_server.url, timeout=30, headers={"Authorization": f"Bearer {key.secret}"}
-    )
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    assert http.post("/v1/chat/completions", json=body).status_code == 200  # gateway started
-    gateway = gateway_server.gateway()
+    sim, http, gateway = started(gateway_server, fleet, make_key, redis_client)
     assert gateway.router_config.deferral_s("standard") == 0.0  # off unless configured
     gateway.configure_router(dataclasses.replace(gateway.router_config, defer_looser_after=0.5))
     deferral_s = gateway.router_config.deferral_s("standard")
@@ -104,12 +105,12 @@ def test_a_standard_request_waits_out_a_queue_interactive_cannot_bear_then_goes(
     assert replica is not None
     assert wait_until(lambda: replica.waiting == 100)
     interactive = http.post(
-        "/v1/chat/completions", json=body, headers={"x-priority": "interactive"}
+        "/v1/chat/completions", json=BODY, headers={"x-priority": "interactive"}
     )
     assert interactive.status_code == 200 and len(gateway.queue) == 0
     with ThreadPoolExecutor(1) as pool:
         sent_at = time.monotonic()
-        standard = pool.submit(http.post, "/v1/chat/completions", json=body)
+        standard = pool.submit(http.post, "/v1/chat/completions", json=BODY)
         assert wait_until(lambda: len(gateway.queue) == 1)
         while not standard.done() and time.monotonic() - sent_at < 10:
             queued_prompts()
