@@ -78,9 +78,10 @@ from serving.router import (
     RouterState,
 )
 from serving.router.coefficients import coefficients_from_perf
-from serving.router.contracts import TIER_RANK, Decision, KvLink
+from serving.router.contracts import Decision, KvLink
 from serving.router.disaggregated import Disaggregated
 from serving.router.external import policy_class
+from serving.router.queue import queue_key
 
 DEPLOYMENT = "sim"
 # Why a gateway refused a request from its admission queue: full (429), or waited too long (503).
@@ -777,16 +778,15 @@ class ClusterSimulator:
 
     def _hold(self, record: RequestRecord, at_s: float) -> None:
         """Put the record in its gateway's admission queue; full, the gateway refuses it
-        (429). Keyed as `AdmissionQueue.wait_for_slot` keys it: the tier's rank times the
-        aging, plus when it came (a batch request that has waited two agings goes first)."""
+        (429). Keyed as `AdmissionQueue.wait_for_slot` keys it (`queue_key`): a batch request
+        that has waited two agings goes first."""
         g = record.gateway
         if self._waiting[g] >= self.config.queue_max:
             record.failed = REFUSED[0]
             return
         record.queued_s = at_s
-        rank = TIER_RANK.get(record.request.tier, max(TIER_RANK.values()))
         self._held_made += 1
-        key = rank * self.config.queue_aging_s + at_s
+        key = queue_key(record.request.tier, at_s, self.config.queue_aging_s)
         heapq.heappush(self._held[g], (key, self._held_made, record))
         self._held_order[g].append(record)
         self._waiting[g] += 1
@@ -851,8 +851,8 @@ class ClusterSimulator:
             if self._dispatch(record, now_s, may_hold=waited < deferral):
                 self._leave(record)
             else:  # still advised to wait: back in its place (a new order breaks ties)
-                rank = TIER_RANK.get(record.request.tier, max(TIER_RANK.values()))
-                key = rank * self.config.queue_aging_s + record.queued_s  # type: ignore[operator]
+                assert record.queued_s is not None
+                key = queue_key(record.request.tier, record.queued_s, self.config.queue_aging_s)
                 self._held_made += 1
                 heapq.heappush(self._held[g], (key, self._held_made, record))
 

@@ -20,6 +20,12 @@ from collections.abc import Callable
 from serving.router.contracts import TIER_RANK
 
 
+def queue_key(tier: str, enqueued_at: float, aging_s: float) -> float:
+    """A waiter's place in the queue: its tier's rank times the aging, plus when it came
+    (an unknown tier ranks last)."""
+    return TIER_RANK.get(tier, max(TIER_RANK.values())) * aging_s + enqueued_at
+
+
 class QueueFull(Exception):
     def __init__(self, retry_after_s: float) -> None:
         super().__init__(f"admission queue full; retry after {retry_after_s:.0f} s")
@@ -72,9 +78,10 @@ class AdmissionQueue:
             raise QueueFull(self.retry_after_s())
         if enqueued_at is None:
             enqueued_at = self._clock()
-        rank = TIER_RANK.get(tier, max(TIER_RANK.values()))
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, (rank * self.aging_s + enqueued_at, next(self._sequence), slot))
+        heapq.heappush(
+            self._heap, (queue_key(tier, enqueued_at, self.aging_s), next(self._sequence), slot)
+        )
         self._waiting += 1
         try:
             async with asyncio.timeout(timeout_s):
