@@ -16,8 +16,8 @@ Messages, on one channel, each gateway's in the order it sent them:
         ["s", replica, prefill, context, tpot]  started (tpot: objective or null)
         ["f", replica, prefill]                 first token
         ["x", replica, prefill, context, tpot, first_token_seen]   finished
-    {"g": gateway id, "c": {replica: [inflight, prefill, context, pending, [[tpot, n]]]}}
-                                                its own counts, every `snapshot_s`
+    {"g": gateway id, "c": {replica: [inflight, prefill, context, pending, [[tpot, n]]]},
+     "n": snapshot number}                      its own counts, every `snapshot_s`
 
 Pub/sub delivers at most once: a gateway that reconnects misses messages, and one that
 dies never sends its finishes. So each gateway also keeps, per other gateway, what that
@@ -26,6 +26,15 @@ snapshot and the sum differ, the difference is corrected (`RouterState.adjust_in
 and a gateway silent for `silent_s` has its counts taken away. Redis away: nothing is
 synced, everything a gateway sends stays unsynced, and its router falls back to taking its
 own counts N times over.
+
+A start whose message was lost that way (dropped while Redis was away, or past
+`MAX_PENDING`) never comes back on the channel, so it would stay unsynced, counted N times
+over, until it finished: for minutes after a blip of seconds, on a gateway whose telemetry
+is fresh again, and its admission queue would hold requests on that over-count. The next
+snapshot to reach the channel carries it (a snapshot is every request this gateway has in
+flight, and the others correct their sums to it), so when that snapshot comes back, the
+lost starts it covers are synced. Snapshots carry a number (`"n"`) for this; the others
+ignore it.
 """
 
 from __future__ import annotations
@@ -128,6 +137,11 @@ class InflightSync:
         # This gateway's starts the others do not know of yet, (replica, prefill) -> how
         # many: queued or published, not yet back on the channel.
         self.unsynced: dict[tuple[str, int], int] = {}
+        # Of those, the ones whose start message was lost (Redis away): the next snapshot
+        # that comes back syncs them. Per snapshot published, the lost starts it covers.
+        self.lost: dict[tuple[str, int], int] = {}
+        self._covered: dict[int, dict[tuple[str, int], int]] = {}
+        self._snapshots = 0
         self._pending: list[list[Any]] = []
         self._wake = asyncio.Event()
         # One publish at a time, so the channel carries this gateway's messages in the order
@@ -186,6 +200,15 @@ class InflightSync:
         if len(self._pending) < MAX_PENDING:  # Redis away: drop, not grow
             self._pending.append(event)
             self._wake.set()
+        else:
+            self._lose([event])
+
+    def _lose(self, events: list[list[Any]]) -> None:
+        """These events will never reach the channel: count their starts as lost."""
+        for event in events:
+            if event[0] == "s":
+                key = (event[1], event[2])
+                self.lost[key] = self.lost.get(key, 0) + 1
 
     # --- publishing -----------------------------------------------------------------------
 
@@ -208,13 +231,27 @@ class InflightSync:
         async with self._publishing:
             await self._flush()  # the events first: the snapshot counts them
             counts = {replica_id: c.encode() for replica_id, c in self.own.items()}
-            message = orjson.dumps({"g": self.gateway_id, "c": counts})
-            await self.redis.publish(self.channel, message)
+            self._snapshots += 1
+            number, covered, self.lost = self._snapshots, self.lost, {}
+            message = orjson.dumps({"g": self.gateway_id, "c": counts, "n": number})
+            try:
+                await self.redis.publish(self.channel, message)
+            except BaseException:
+                self._relose(covered)  # the next snapshot covers them
+                raise
+            if covered:
+                self._covered[number] = covered
 
     async def _flush(self) -> None:
         while self._pending:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            await self.redis.publish(self.channel, orjson.dumps({"g": self.gateway_id, "e": batch}))
+            try:
+                await self.redis.publish(
+                    self.channel, orjson.dumps({"g": self.gateway_id, "e": batch})
+                )
+            except BaseException:
+                self._lose(batch)
+                raise
 
     async def _publish_forever(self) -> None:
         # No timer: a publish goes out as soon as the last one is done, carrying whatever
@@ -227,8 +264,19 @@ class InflightSync:
             backoff_s=1.0,
         )
 
+    def _relose(self, covered: dict[tuple[str, int], int]) -> None:
+        """Back to `lost`, kept to what is still unsynced: a long outage leaves no more
+        than the requests in flight."""
+        for key, count in covered.items():
+            count = min(self.lost.get(key, 0) + count, self.unsynced.get(key, 0))
+            if count > 0:
+                self.lost[key] = count
+            else:
+                self.lost.pop(key, None)
+
     def _drop_pending(self) -> None:
-        self._pending = []  # Redis away: what was queued stays unsynced
+        self._lose(self._pending)  # Redis away: unsynced until a snapshot comes back
+        self._pending = []
 
     async def _woken(self) -> None:
         await self._wake.wait()
@@ -276,7 +324,7 @@ class InflightSync:
         if "c" in message:
             snapshot = {str(r): Counts.decode(c) for r, c in dict(message["c"]).items()}
             if origin == self.gateway_id:
-                return 0
+                return self._snapshot_returned(message.get("n"))
             self.heard[origin] = now
             self._correct(origin, snapshot)
             return len(snapshot)
@@ -290,6 +338,26 @@ class InflightSync:
             if event[0] == "s" and self._take_unsynced(event[1], event[2]):
                 state.request_synced(event[1], event[2])
                 synced += 1
+        return synced
+
+    def _snapshot_returned(self, number: Any) -> int:
+        """This gateway's snapshot `number` came back: the others have every request it had
+        in flight, the lost starts of this snapshot and of earlier ones (which it counts
+        too) included. Sync those still unsynced; how many."""
+        if not isinstance(number, int):
+            return 0
+        state = self.state()
+        synced = 0
+        for covered_by in [n for n in self._covered if n <= number]:
+            for (replica_id, prefill), lost in self._covered.pop(covered_by).items():
+                # A lost start that finished took its own unsynced count already. With a
+                # newer start of the same replica and prefill in flight, this syncs that one
+                # a moment early instead: its message is on its way.
+                for _ in range(lost):
+                    if not self._take_unsynced(replica_id, prefill):
+                        break
+                    state.request_synced(replica_id, prefill)
+                    synced += 1
         return synced
 
     def _correct(self, origin: str, snapshot: dict[str, Counts]) -> None:

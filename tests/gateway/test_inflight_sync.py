@@ -19,6 +19,7 @@ from serving.gateway.inflight_sync import InflightSync
 from serving.gateway.service import Gateway, GatewayConfig
 from serving.router import ReplicaState, RouterState
 from tenants.keys import KeyPrincipal
+from tests.gateway.redis_proxy import RedisProxy
 from tests.serving.test_router import H100, fleet, replica
 
 
@@ -168,6 +169,81 @@ def test_with_redis_away_every_start_stays_unsynced_and_counts_n_times() -> None
     assert sync.finished("r1", 100, 100, None, True)
     state.request_finished("r1", 100, unsynced=True)
     assert (target.inflight, target.unsynced) == (2, 2)
+
+
+async def test_starts_lost_while_redis_was_away_are_synced_by_the_next_snapshot_back(
+    redis_client: redis.Redis,
+) -> None:
+    # Gateway a reaches Redis through a proxy that goes down; b reaches it directly.
+    proxy = RedisProxy(settings.REDIS_URL).start()
+    through_proxy = aioredis.Redis.from_url(proxy.url, socket_timeout=1)
+    direct = aioredis.Redis.from_url(settings.REDIS_URL)
+    states = {"a": two_replicas(), "b": two_replicas()}
+    channel = f"routing:inflight:test:{uuid.uuid4().hex}"
+    syncs = {
+        "a": InflightSync(
+            through_proxy, "a", holding(states["a"]), channel=channel, snapshot_s=0.2
+        ),
+        "b": InflightSync(direct, "b", holding(states["b"]), channel=channel, snapshot_s=0.2),
+    }
+    a, b = states["a"], states["b"]
+    try:
+        for sync in syncs.values():
+            await sync.start()
+        await asyncio.wait_for(
+            asyncio.gather(*(s.subscribed.wait() for s in syncs.values())), timeout=5
+        )
+        proxy.go_down()
+        for _ in range(2):
+            a.request_started("r1", 600, 1.0, context_tokens=900, unsynced=True)
+            syncs["a"].started("r1", 600, 900, 0.05)
+        await until(lambda: syncs["a"].lost == {("r1", 600): 2}, "a's starts were never lost")
+        assert counts(b)[0] == 0  # b never heard of them
+        assert counts(a)[3] == 2  # a takes them once per gateway meanwhile
+        proxy.come_back()
+        # a's next snapshot tells b; when it comes back, b has them, and so a syncs them.
+        await until(lambda: counts(b)[0] == 2, "b never counted a's lost starts")
+        await until(lambda: counts(a)[3] == 0, "a's lost starts stayed unsynced")
+        assert counts(a)[:3] == (2, 1800, 1200)
+        assert syncs["a"].lost == {} and syncs["a"].unsynced == {}
+        assert not syncs["a"].finished("r1", 600, 900, 0.05, False)  # synced: taken once
+    finally:
+        for sync in syncs.values():
+            await sync.close()
+        await through_proxy.aclose()
+        await direct.aclose()
+        proxy.stop()
+
+
+async def test_a_lost_start_that_finished_before_the_snapshot_came_back_is_not_synced_twice(
+    redis_client: redis.Redis,
+) -> None:
+    client = aioredis.Redis.from_url(settings.REDIS_URL)
+    state = two_replicas()
+    channel = f"routing:inflight:test:{uuid.uuid4().hex}"  # nobody listens: apply by hand
+    sync = InflightSync(client, "a", holding(state), channel=channel)
+    try:
+        for prefill in (600, 600, 50):
+            state.request_started("r1", prefill, 1.0, unsynced=True)
+            sync.started("r1", prefill, prefill, None)
+        sync._drop_pending()  # Redis was away when they were to be published
+        assert sync.lost == {("r1", 600): 2, ("r1", 50): 1}
+        assert sync.finished("r1", 600, 600, None, False)  # still unsynced at its end
+        state.request_finished("r1", 600, unsynced=True)
+        await sync.publish_snapshot()
+        assert sync.lost == {}
+        # A snapshot of another gateway, or an unnumbered one, syncs nothing of a's.
+        assert sync.apply(orjson.dumps({"g": "a", "c": {}}), 2.0) == 0
+        assert counts(state)[3] == 2
+        assert sync.apply(orjson.dumps({"g": "a", "c": {}, "n": 1}), 2.0) == 2
+        assert (counts(state)[0], counts(state)[3]) == (2, 0)
+        assert sync.unsynced == {}
+        # Its own later messages still come back; none syncs anything twice.
+        batch = orjson.dumps({"g": "a", "e": [["s", "r1", 600, 600, None]]})
+        assert sync.apply(batch, 2.1) == 0
+        assert counts(state)[3] == 0
+    finally:
+        await client.aclose()
 
 
 async def test_the_gateway_tells_the_others_of_each_start_first_token_and_finish(
