@@ -11,7 +11,9 @@ overview page renders first, so both show the same numbers.
 - Queue depth: requests waiting in the engines (sum over replicas).
 - Tokens per second: generated tokens, from the change of the engines' counters between two
   snapshots (the previous totals are kept in Redis).
-- TTFT p50/p99: over requests that ended in the last five minutes (metering's usage rows).
+- TTFT and TPOT p50/p99, and per tier with objectives the share of requests within both
+  clocks (TTFT and TPOT within the tier's objectives; failed ones missed, client-cancelled
+  ones not judged): over requests that ended in the last five minutes (metering's usage rows).
 - Cost per hour: every GPU of a Ready node at its pool's price (idle GPUs cost money too);
   cost per million tokens is that divided by the current token rate.
 
@@ -35,6 +37,7 @@ from django.utils import timezone
 from config.redis import get_many, redis_client
 from serving import telemetry
 from serving.models import Gpu, Node, Replica
+from serving.router.contracts import DEFAULT_SLO_TIERS
 
 PREVIOUS_TOTALS_KEY = "console:fleet:previous_totals"
 HISTORY_KEY = "console:fleet:history"
@@ -42,7 +45,7 @@ HISTORY_KEY = "console:fleet:history"
 HISTORY_POINTS = 300
 # A history nobody has extended for this long is no longer "recent".
 HISTORY_TTL_S = 3600
-TTFT_WINDOW = timedelta(minutes=5)
+LATENCY_WINDOW = timedelta(minutes=5)
 GPU_STATES = ("ready", "starting", "draining", "failed", "idle", "unavailable")
 
 
@@ -95,18 +98,70 @@ def _cost_per_hour() -> float:
     return total
 
 
-def ttft_percentiles_ms(window: timedelta = TTFT_WINDOW) -> tuple[float | None, float | None]:
-    """TTFT p50 and p99 of requests that ended within `window` (None when there were none)."""
+# The tiers with objectives: the overview shows each one's share within both clocks.
+JUDGED_TIERS = tuple(
+    name
+    for name, tier in DEFAULT_SLO_TIERS.items()
+    if tier.ttft_s is not None or tier.tpot_s is not None
+)
+
+
+LATENCY_FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+# Each answer of the window with its TPOT, the SLO's second clock, as
+# `metering.models.UsageEvent.tpot_ms` computes it.
+_EVENTS_SQL = (
+    "WITH e AS (SELECT priority, status, ttft_ms,"
+    " CASE WHEN ttft_ms IS NOT NULL AND completion_tokens >= 2"
+    " THEN greatest(total_ms - ttft_ms, 0) / (completion_tokens - 1) END AS tpot_ms"
+    " FROM metering_usageevent WHERE ended_at >= %s) "
+)
+
+_PERCENTILES_SQL = (
+    "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_ms),"
+    " percentile_cont(0.99) WITHIN GROUP (ORDER BY ttft_ms),"
+    " percentile_cont(0.5) WITHIN GROUP (ORDER BY tpot_ms),"
+    " percentile_cont(0.99) WITHIN GROUP (ORDER BY tpot_ms) FROM e"
+)
+# Per tier, the answers judged (not client-cancelled) and those within both of its objectives
+# (`serving.router.contracts.slo_outcome`'s rule); {} takes one VALUES row per tier.
+_ATTAINMENT_SQL = (
+    "SELECT e.priority, count(*), count(*) FILTER (WHERE e.status = 'ok'"
+    " AND e.ttft_ms IS NOT NULL AND (o.ttft_ms IS NULL OR e.ttft_ms <= o.ttft_ms)"
+    " AND (e.tpot_ms IS NULL OR o.tpot_ms IS NULL OR e.tpot_ms <= o.tpot_ms))"
+    " FROM e JOIN (VALUES {}) AS o(tier, ttft_ms, tpot_ms)"
+    " ON e.priority = o.tier WHERE e.status <> 'client_cancelled' GROUP BY e.priority"
+)
+
+
+def latency_figures(window: timedelta = LATENCY_WINDOW) -> dict[str, float | None]:
+    """TTFT and TPOT p50 and p99 (ms) of the requests that ended within `window`, and per
+    tier with objectives the share judged that met both clocks (`slo_<tier>`), judged as
+    `serving.router.contracts.slo_outcome` judges one answer: failed ones count as missed,
+    client-cancelled ones not at all. None where there were none."""
     since = timezone.now() - window
+    judged_tiers = [
+        (name, _ms(tier.ttft_s), _ms(tier.tpot_s))
+        for name, tier in DEFAULT_SLO_TIERS.items()
+        if name in JUDGED_TIERS
+    ]
+    figures: dict[str, float | None] = {f"slo_{name}": None for name, _, _ in judged_tiers}
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ttft_ms),"
-            " percentile_cont(0.99) WITHIN GROUP (ORDER BY ttft_ms)"
-            " FROM metering_usageevent WHERE ended_at >= %s AND ttft_ms IS NOT NULL",
-            [since],
-        )
-        p50, p99 = cursor.fetchone()
-    return (None if p50 is None else float(p50), None if p99 is None else float(p99))
+        cursor.execute(_EVENTS_SQL + _PERCENTILES_SQL, [since])  # nosec B608: constants
+        row = cursor.fetchone()
+        for name, value in zip(LATENCY_FIGURES, row, strict=True):
+            figures[name] = None if value is None else float(value)
+        objectives = ", ".join(["(%s, %s::float8, %s::float8)"] * len(judged_tiers))
+        sql = _EVENTS_SQL + _ATTAINMENT_SQL.format(objectives)  # nosec B608: placeholders only
+        cursor.execute(sql, [since, *(value for tier in judged_tiers for value in tier)])
+        for tier, judged, met in cursor.fetchall():
+            figures[f"slo_{tier}"] = met / judged if judged else None
+    return figures
 
 
 def _token_rate(client: redis.Redis, generated_total: int, now: float) -> float | None:
@@ -173,6 +228,9 @@ def unavailable_snapshot() -> dict[str, Any]:
         "tokens_per_s": None,
         "ttft_p50_ms": None,
         "ttft_p99_ms": None,
+        "tpot_p50_ms": None,
+        "tpot_p99_ms": None,
+        **{f"slo_{name}": None for name in JUDGED_TIERS},
         "cost_per_hour": None,
         "cost_per_mtok": None,
     }
@@ -189,7 +247,7 @@ def _snapshot(
     ready = [row for row in rows if row["state"] == Replica.State.READY]
     kv_values = [row["kv"] for row in ready if str(row["id"]) in seen]
     cost_per_hour = _cost_per_hour()
-    p50, p99 = ttft_percentiles_ms()
+    latency = latency_figures()
     per_mtok = None
     if tokens_per_s:
         per_mtok = cost_per_hour / (tokens_per_s * 3600 / 1_000_000)
@@ -204,8 +262,7 @@ def _snapshot(
         "queue_depth": sum(row["waiting"] for row in rows),
         "running": sum(row["running"] for row in rows),
         "tokens_per_s": tokens_per_s,
-        "ttft_p50_ms": p50,
-        "ttft_p99_ms": p99,
+        **latency,
         "cost_per_hour": cost_per_hour,
         "cost_per_mtok": per_mtok,
     }

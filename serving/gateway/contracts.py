@@ -15,7 +15,7 @@ import aiohttp
 from metering.usage import UsageEvent
 from serving.gateway.guardrails import Guardrail
 from serving.gateway.routing import ReplicaEndpoint
-from serving.router import Decision, RouteRequest
+from serving.router import Decision, RouteRequest, SloTier
 from tenants.keys import KeyPrincipal
 from tenants.limiter import Admission, Reservation
 
@@ -37,6 +37,10 @@ class ExchangeServices(Protocol):
         ...
 
     def is_deployed(self, base_model: str) -> bool: ...
+
+    def slo_tier(self, tier: str) -> SloTier | None:
+        """The tier's objectives, as the router routes for them."""
+        ...
 
     def check_loaded(self) -> None:
         """Raise the 503 to retry while the catalog or the routing table is not read yet."""

@@ -28,6 +28,20 @@ INTER_TOKEN_LATENCY = Histogram(
     ["model", "pool", "tier"],
     buckets=TOKEN_GAP_BUCKETS,
 )
+TIME_PER_OUTPUT_TOKEN = Histogram(
+    "platform_gateway_time_per_output_token_seconds",
+    "A request's TPOT, the SLO's second clock: from its first token to its end over its "
+    "completion tokens less one (requests of two tokens or more).",
+    ["model", "pool", "tier"],
+    buckets=TOKEN_GAP_BUCKETS,
+)
+SLO_REQUESTS = Counter(
+    "platform_gateway_slo_requests_total",
+    "Requests of tiers with objectives by what they met: met (TTFT and TPOT within the "
+    "tier's objectives), ttft or tpot (the clock missed, TTFT first), failed (no answer); "
+    "client-cancelled ones are not judged.",
+    ["model", "pool", "tier", "outcome"],
+)
 REQUEST_TIME = Histogram(
     "platform_gateway_request_seconds",
     "From arrival to the last byte.",

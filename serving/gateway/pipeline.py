@@ -35,7 +35,7 @@ from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from serving.gateway.tracing import RequestTrace, end
 from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream, post_json
 from serving.router import Decision, ReplicaState, RouteRequest
-from serving.router.contracts import Tier
+from serving.router.contracts import Tier, slo_outcome
 from tenants.keys import KeyPrincipal
 from tenants.limiter import Admission, Reservation
 
@@ -890,11 +890,32 @@ class Exchange:
         outcome = self.outcome
         labels = self._labels()
         metrics.REQUEST_TIME.labels(*labels).observe(total_s)
+        tpot_s = self._tpot_s(total_s)
+        if tpot_s is not None:
+            metrics.TIME_PER_OUTPUT_TOKEN.labels(*labels).observe(tpot_s)
+        judged = self._slo_outcome(tpot_s)
+        if judged is not None:
+            metrics.SLO_REQUESTS.labels(*labels, judged).inc()
         metrics.QUEUE_TIME.labels(*labels).observe(outcome.queue_s)
         metrics.REQUESTS.labels(self.model, outcome.status).inc()
         slug = self.principal.tenant_slug
         metrics.TOKENS.labels(slug, self.model, "prompt").inc(outcome.prompt_tokens)
         metrics.TOKENS.labels(slug, self.model, "completion").inc(outcome.completion_tokens)
+
+    def _tpot_s(self, total_s: float) -> float | None:
+        """(end - first token) / (completion tokens - 1); None under two tokens."""
+        first = self.outcome.first_token_at
+        tokens = self.outcome.completion_tokens
+        if first is None or tokens < 2:
+            return None
+        return max(0.0, self.started_mono + total_s - first) / (tokens - 1)
+
+    def _slo_outcome(self, tpot_s: float | None) -> str | None:
+        """met, ttft, tpot or failed against the tier's objectives; None when not judged
+        (a tier without objectives, a client that hung up)."""
+        first = self.outcome.first_token_at
+        ttft_s = None if first is None else first - self.started_mono
+        return slo_outcome(self.gateway.slo_tier(self.tier), self.outcome.status, ttft_s, tpot_s)
 
     def usage_event(self, *, ended_at: float, total_ms: float) -> UsageEvent:
         """The usage event that bills this request (what the gateway's settle writes)."""

@@ -49,6 +49,7 @@ from serving.router import (
     QueueFull,
     RouterConfig,
     RouteRequest,
+    SloTier,
 )
 from tenants.keys import DatabaseLoader, KeyAuthenticator, KeyPrincipal
 from tenants.limiter import Admission, LimiterUnavailable, RateLimiter, Reservation
@@ -274,6 +275,9 @@ class Gateway:
     @property
     def default_max_tokens(self) -> int:
         return self.config.default_max_tokens
+
+    def slo_tier(self, tier: str) -> SloTier | None:
+        return self.router_config.slo_tiers.get(tier)
 
     def resolve_model(self, name: str, principal: KeyPrincipal) -> tuple[str, str | None] | None:
         return self.catalog.resolve(name, principal)
@@ -649,7 +653,7 @@ class Gateway:
             await self._queue_limiter_settle(pipeline, event, reservation)
         add_usage_event(pipeline, event)
         if rollout_deployment_id is not None:
-            tier = self.router_config.slo_tiers.get(event.priority)
+            tier = self.slo_tier(event.priority)
             objective = tier.ttft_s if tier is not None else None
             _count_for_rollout(pipeline, rollout_deployment_id, event, objective)
         return pipeline

@@ -178,6 +178,34 @@ class SloTier:
     ttft_s: float | None
     tpot_s: float | None
 
+    def missed(self, ttft_s: float | None, tpot_s: float | None) -> str | None:
+        """Which clock a served request missed, "ttft" first, or None when it met both.
+        `ttft_s` None: it never had a first token. `tpot_s` None: fewer than two tokens,
+        no TPOT to miss. The SLO is both clocks; a tier without an objective misses none."""
+        if ttft_s is None:
+            return "ttft"
+        if self.ttft_s is not None and ttft_s > self.ttft_s:
+            return "ttft"
+        if tpot_s is not None and self.tpot_s is not None and tpot_s > self.tpot_s:
+            return "tpot"
+        return None
+
+
+def slo_outcome(
+    tier: SloTier | None, status: str, ttft_s: float | None, tpot_s: float | None
+) -> str | None:
+    """How an answer stands against its tier's SLO: "met", "ttft" or "tpot" (the clock it
+    missed) or "failed" (status not "ok"); None when it is not judged: a tier without
+    objectives, or a client that hung up ("client_cancelled"). The gateway's metric, the
+    console and the usage records all judge by this."""
+    if tier is None or (tier.ttft_s is None and tier.tpot_s is None):
+        return None
+    if status == "client_cancelled":
+        return None
+    if status != "ok":
+        return "failed"
+    return tier.missed(ttft_s, tpot_s) or "met"
+
 
 # Defaults, overridden by configuration. Interactive: a chat user notices a first token
 # after about a second and reads at ~20 tokens/s, so 50 ms per token keeps ahead of them.

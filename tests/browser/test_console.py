@@ -17,8 +17,10 @@ from serving import telemetry
 from serving.actions import nodes as fleet_nodes
 from serving.console.live import publish_fleet_snapshot
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
+from tenants.actions import do_create_tenant
 from tests.browser.conftest import in_thread, log_in, make_user, screenshot
 from tests.gateway.conftest import GatewayServer
+from tests.metering.helpers import stored
 from tests.registry.conftest import approved_version, make_model
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
@@ -92,11 +94,20 @@ def test_an_admin_sees_the_live_fleet_change_when_a_replica_stops(
     gateway_server: GatewayServer, serving_fleet: dict[str, Any], page: Page
 ) -> None:
     make_user("ops", is_staff=True)
+    # Three interactive answers of the last minute: two within both clocks, one whose first
+    # token came in time and whose decode did not (80 ms a token against 50).
+    acme = do_create_tenant("acme", "Acme")
+    for tpot_ms in (40.0, 45.0, 80.0):
+        at = timezone.now() - timedelta(seconds=60)
+        stored(acme, at, priority="interactive", ttft_ms=300.0, completion_tokens=11,
+               total_ms=300.0 + 10 * tpot_ms)  # fmt: skip
     log_in(page, gateway_server.url, "ops")
     expect(page).to_have_url(f"{gateway_server.url}/console/")
     expect(page.locator("#live-status")).to_have_text("live")
     ready = page.locator('[data-live="replicas_ready"]')
     expect(ready).to_have_text("2")
+    expect(page.locator('[data-live="slo_interactive"]')).to_have_text("66.67%")
+    expect(page.locator('[data-live="tpot_p50_ms"]')).to_have_text("45 ms")
     expect(page.locator("#replica-table tbody tr")).to_have_count(2)
 
     node, (kept, stopped) = serving_fleet["node"], serving_fleet["replicas"]

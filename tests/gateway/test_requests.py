@@ -10,6 +10,7 @@ import pytest
 import redis
 from django.db import OperationalError
 from django.db.backends.utils import CursorWrapper
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.conftest import (
     MODEL,
@@ -197,6 +198,40 @@ def test_gateway_metrics_are_exposed_in_prometheus_format(ready) -> None:
         'platform_gateway_tokens_total{kind="completion",model="llama-3.1-8b",tenant="acme"}'
         in text
     )
+
+
+def test_each_answer_is_judged_on_both_clocks_of_its_tier(ready) -> None:
+    server, _, http = ready
+
+    def judged() -> dict[tuple[str, str], float]:
+        found: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+            for point in family.samples:
+                if point.name == "platform_gateway_slo_requests_total":
+                    key = (point.labels["tier"], point.labels["outcome"])
+                    found[key] = found.get(key, 0.0) + point.value
+                elif point.name == "platform_gateway_time_per_output_token_seconds_count":
+                    key = (point.labels["tier"], "tpot observed")
+                    found[key] = found.get(key, 0.0) + point.value
+        return found
+
+    before = judged()
+    for tier, stream in (("interactive", True), ("interactive", False), ("batch", True)):
+        reply = http.post(
+            "/v1/chat/completions", json={**BODY, "stream": stream}, headers={"x-priority": tier}
+        )
+        assert reply.status_code == 200
+    after = judged()
+
+    def grew(key: tuple[str, str]) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    # The engine simulator answers 4 tokens well within interactive's 1 s and 50 ms a token.
+    assert grew(("interactive", "met")) == 2
+    assert grew(("interactive", "tpot observed")) == 2
+    assert grew(("batch", "tpot observed")) == 1
+    # Batch has no objective: timed, never judged.
+    assert not any(grew(("batch", outcome)) for outcome in ("met", "ttft", "tpot", "failed"))
 
 
 @pytest.mark.parametrize(

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from datetime import UTC, datetime
+from typing import Any
 
 import redis
 
+from metering import ingest, models
 from metering.usage import EVENT_FIELD, USAGE_STREAM, UsageEvent
+from tenants.models import Tenant
 
 _ids = itertools.count()
 
@@ -46,3 +50,12 @@ def stream_events(client: redis.Redis) -> list[UsageEvent]:
         assert fields is not None, "an entry without fields"
         events.append(UsageEvent.from_json(fields[EVENT_FIELD]))
     return events
+
+
+def stored(tenant: Tenant, at: datetime, **fields: Any) -> models.UsageEvent:
+    """An event of `tenant` started at `at` and ended a second later, in PostgreSQL."""
+    e = event(tenant.pk, started_at=at.timestamp(), ended_at=at.timestamp() + 1, **fields)
+    row = {name: getattr(e, name) for name in ingest.COLUMNS}
+    row["started_at"] = datetime.fromtimestamp(e.started_at, UTC)
+    row["ended_at"] = datetime.fromtimestamp(e.ended_at, UTC)
+    return models.UsageEvent.objects.create(**row)

@@ -18,12 +18,11 @@ from django.test import Client
 from django.utils import timezone
 
 from config.jobs import Enqueue
-from metering import ingest
 from metering.models import PriceSheet, UsageEvent
 from metering.tasks import publish_prices
 from tenants.actions import do_create_api_key
 from tenants.models import ApiKey, Quota, Tenant
-from tests.metering.helpers import event
+from tests.metering.helpers import stored as store
 from tests.registry.conftest import make_model
 from tests.tenants.conftest import make_tenant, user
 
@@ -61,14 +60,6 @@ def messages_of(reply: Any) -> list[str]:
 def last_message(reply: Any) -> str:
     """The message of the last form sent (earlier ones queue up unread, the redirects unread)."""
     return messages_of(reply)[-1]
-
-
-def store(tenant: Tenant, at: datetime, **fields: Any) -> UsageEvent:
-    e = event(tenant.pk, started_at=at.timestamp(), ended_at=at.timestamp() + 1, **fields)
-    row = {name: getattr(e, name) for name in ingest.COLUMNS}
-    row["started_at"] = datetime.fromtimestamp(e.started_at, UTC)
-    row["ended_at"] = datetime.fromtimestamp(e.ended_at, UTC)
-    return UsageEvent.objects.create(**row)
 
 
 # ------------------------------------------------------------------------- price sheets

@@ -1000,3 +1000,22 @@ def test_between_replicas_that_all_miss_the_prefix_holder_still_draws_its_prefix
     # Without the floor the holder's discount is gone past its limits, and harm decides.
     unfloored = CostAware(state, RouterConfig(prefix_bonus_floor=0.0)).choose(req, NOW)
     assert unfloored.replica is not None and unfloored.replica.replica_id == "other"
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "tpot_s", "missed"),
+    [
+        (0.9, 0.049, None),
+        (1.0, 0.05, None),  # at the objective is within it
+        (1.2, 0.01, "ttft"),
+        (1.2, 0.2, "ttft"),  # TTFT first
+        (0.5, 0.051, "tpot"),
+        (0.5, None, None),  # one token: no TPOT to miss
+        (None, None, "ttft"),  # never a first token
+    ],
+)
+def test_a_request_meets_its_tier_on_both_clocks(
+    ttft_s: float | None, tpot_s: float | None, missed: str | None
+) -> None:
+    assert DEFAULT_SLO_TIERS["interactive"].missed(ttft_s, tpot_s) == missed
+    assert DEFAULT_SLO_TIERS["batch"].missed(60.0, 1.0) is None  # no objective, nothing missed
