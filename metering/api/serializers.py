@@ -52,6 +52,19 @@ class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Usa
     staff_only_fields = ("replica_id", "prefill_replica_id", "gpu_seconds", "cost_to_serve_usd")
     price_charged_usd = serializers.SerializerMethodField()
     cost_to_serve_usd = serializers.SerializerMethodField(help_text="Staff only.")
+    tpot_ms = serializers.FloatField(
+        read_only=True,
+        allow_null=True,
+        help_text="Time per output token after the first: (total_ms - ttft_ms) / "
+        "(completion_tokens - 1); null under two tokens.",
+    )
+    slo_outcome = serializers.ChoiceField(
+        choices=["met", "ttft", "tpot", "failed"],
+        read_only=True,
+        allow_null=True,
+        help_text="Against the tier's objectives, both clocks: met, the clock missed (ttft "
+        "first), or failed; null when not judged (batch, or a client that hung up).",
+    )
 
     class Meta:
         model = UsageEvent
@@ -75,6 +88,8 @@ class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Usa
             "finish_reason",
             "queue_ms",
             "ttft_ms",
+            "tpot_ms",
+            "slo_outcome",
             "total_ms",
             "started_at",
             "ended_at",

@@ -17,7 +17,6 @@ from django.urls import URLPattern, resolve
 from rest_framework.test import APIClient
 
 from config.jobs import Enqueue
-from metering import ingest
 from metering.api import urls as metering_urls
 from metering.invoices import do_build_invoice
 from metering.models import (
@@ -26,7 +25,6 @@ from metering.models import (
     Invoice,
     PriceSheet,
     ReplicaHour,
-    UsageEvent,
     micros_to_usd,
 )
 from metering.pricing import PRICE_BOOK_KEY
@@ -35,7 +33,7 @@ from metering.tasks import publish_prices
 from registry.models import Visibility
 from tenants.actions import do_create_api_key
 from tenants.models import Tenant
-from tests.metering.helpers import event
+from tests.metering.helpers import stored as store
 from tests.registry.conftest import make_model
 from tests.tenants.conftest import make_tenant, user
 
@@ -75,14 +73,6 @@ def bearer(tenant: Tenant, scopes: list[str]) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {raw}")
     return client
-
-
-def store(tenant: Tenant, at: datetime, **fields: Any) -> UsageEvent:
-    e = event(tenant.pk, started_at=at.timestamp(), ended_at=at.timestamp() + 1, **fields)
-    row = {name: getattr(e, name) for name in ingest.COLUMNS}
-    row["started_at"] = datetime.fromtimestamp(e.started_at, UTC)
-    row["ended_at"] = datetime.fromtimestamp(e.ended_at, UTC)
-    return UsageEvent.objects.create(**row)
 
 
 def rollup(tenant: Tenant, hour: datetime, **fields: Any) -> HourlyRollup:
@@ -252,6 +242,16 @@ def test_a_usage_event_carries_the_trace_id_of_its_request(acme: Tenant) -> None
     [row] = session("acme-viewer").get(url).json()["results"]
 
     assert row["trace_id"] == "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_a_usage_event_says_its_tpot_and_the_clock_it_missed(acme: Tenant) -> None:
+    # Interactive: a first token in 0.4 s, then 9 more tokens in 0.9 s (100 ms each, over 50).
+    store(acme, JAN, priority="interactive", ttft_ms=400.0, completion_tokens=10, total_ms=1300.0)
+    url = "/api/v1/tenants/acme/usage/events/?start=2026-01-01&end=2026-01-02"
+
+    [row] = session("acme-viewer").get(url).json()["results"]
+
+    assert (row["tpot_ms"], row["slo_outcome"]) == (pytest.approx(100.0), "tpot")
 
 
 def test_usage_events_show_cost_to_serve_to_staff_only(acme: Tenant, staff: Any) -> None:

@@ -423,6 +423,8 @@ def test_the_csv_has_the_header_and_exactly_the_filtered_rows(
         "cached_prompt_tokens": "0",
         "completion_tokens": str(traffic["base"].completion_tokens),
         "ttft_ms": "80.0",
+        "tpot_ms": str(round(820.0 / (traffic["base"].completion_tokens - 1), 2)),
+        "slo": "met",  # a standard request within 3 s and 100 ms a token
         "total_ms": "900.0",
         "price_charged_usd": "0.001500",
         "replica": "r1",
@@ -435,7 +437,7 @@ def test_the_csv_of_no_rows_is_its_header(staff: Client, traffic: dict[str, Usag
     reply = staff.get("/console/usage/export.csv", {**RANGE, "model": "none-such"})
     assert reply.getvalue().decode().splitlines() == [
         "started_at,request_id,tenant,key_prefix,model,status,prompt_tokens,cached_prompt_tokens,"
-        "completion_tokens,ttft_ms,total_ms,price_charged_usd,replica,pool,prefill_pool"
+        "completion_tokens,ttft_ms,tpot_ms,slo,total_ms,price_charged_usd,replica,pool,prefill_pool"
     ]
 
 
