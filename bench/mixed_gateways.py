@@ -1,6 +1,6 @@
 """Mixed fleets of equal budget over several seeds, with one gateway and with sixteen.
 
-    .venv/bin/python bench/mixed_gateways.py [--families all|code,chat,...] [--seeds 5]
+    .venv/bin/python bench/mixed_gateways.py [--families all|code,chat,...|BLEND] [--seeds 5]
         [--gateways 1,16] [--policies cost_aware] [--h100 code=3,chat=4,...]
         [--mix H100-SXM-80GB:1+L40S-48GB:1] [--duration S] [--rate R] [--workers 2]
         [--json FILE]
@@ -11,7 +11,9 @@ bench/RESULTS.md, "Router 782aa31"), spent half on H100 and half on L40S (`--mix
 replicas, never over budget: `with_budget`). Every policy is run on it with the arrivals
 dealt to each `--gateways` count, at `SimConfig.seed` 0 to `--seeds` - 1 (the router's and
 the simulator's draws; the family's own arrivals stay those of its seed, as the search
-runs them). Seed 0 with one gateway is the search's own run, figure for figure.
+runs them). Seed 0 with one gateway is the search's own run, figure for figure. A blend
+(`code:48+generation:24`, `serving.clustersim.families.Blend`) takes its H100 count from
+`--h100 'code:48+generation:24=4'`.
 
 Why seeds: these fleets have about three quarters of the capacity their traffic needs, and
 a run can tip into a worse state and stay there (bench/RESULTS.md, "Router 782aa31"), so a
@@ -36,7 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.routing import H100, attainment, parse_mixes
-from serving.clustersim import FAMILIES, SimConfig, SimRequest, simulate, summarize
+from serving.clustersim import SimConfig, SimRequest, simulate, summarize
+from serving.clustersim.families import FamilyError, family, parse_families
 from serving.clustersim.fleet import FleetSpec, with_budget
 from serving.engine.specs import load_gpu_specs
 from serving.router import POLICIES, RouterConfig
@@ -112,10 +115,14 @@ def table(family: str, fleet: FleetSpec, runs: list[Run], counts: list[int]) -> 
 def parse_counts(text: str) -> dict[str, int]:
     counts = {}
     for part in text.split(","):
-        family, _, count = part.partition("=")
-        if family not in FAMILIES or not count.isdigit() or int(count) < 1:
+        name, _, count = part.partition("=")
+        try:
+            family(name)
+        except FamilyError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if not count.isdigit() or int(count) < 1:
             raise argparse.ArgumentTypeError(f"{part!r} is not FAMILY=COUNT")
-        counts[family] = int(count)
+        counts[name] = int(count)
     return counts
 
 
@@ -132,13 +139,17 @@ def parse_arguments() -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    families = list(FAMILIES) if args.families == "all" else args.families.split(",")
+    try:
+        families = parse_families(args.families)
+    except FamilyError as error:
+        parser.error(str(error))
     policies = list(POLICIES) if args.policies == "all" else args.policies.split(",")
-    unknown = [f for f in families if f not in FAMILIES] + [
-        p for p in policies if p not in POLICIES
-    ]
+    unknown = [p for p in policies if p not in POLICIES]
     if unknown:
-        parser.error(f"unknown family or policy: {', '.join(unknown)}")
+        parser.error(f"unknown policy: {', '.join(unknown)}")
+    unsized = [f for f in families if f not in {**DEFAULT_H100, **args.h100}]
+    if unsized:
+        parser.error(f"name the H100 fleet whose budget a blend gets: --h100 {unsized[0]}=N")
     try:
         args.gateways = [int(n) for n in args.gateways.split(",")]
     except ValueError:
@@ -161,12 +172,12 @@ def main() -> int:
     started = time.perf_counter()
     verdicts: list[str] = []
     entries: list[dict[str, object]] = []
-    for family in args.families:
-        spec = FAMILIES[family]
+    for name in args.families:
+        spec = family(name)
         duration = args.duration or spec.duration_s
         rate = args.rate or spec.rate_per_s
         REQUESTS = spec.generate(seed=spec.seed, rate=rate, duration_s=duration)
-        budget = {**DEFAULT_H100, **args.h100}[family] * h100_price
+        budget = {**DEFAULT_H100, **args.h100}[name] * h100_price
         fleet = replace(with_budget(args.mix, budget), max_num_batched_tokens="platform")
         tasks = [
             (fleet, policy, count, seed)
@@ -176,8 +187,8 @@ def main() -> int:
         ]
         with get_context("fork").Pool(args.workers) as pool:  # forked after REQUESTS is set
             runs = pool.map(run, tasks)
-        verdicts += table(family, fleet, runs, args.gateways)
-        entries += [{"family": family, "fleet": fleet.describe(), **asdict(r)} for r in runs]
+        verdicts += table(name, fleet, runs, args.gateways)
+        entries += [{"family": name, "fleet": fleet.describe(), **asdict(r)} for r in runs]
     print(f"\nverdicts ({time.perf_counter() - started:.0f} s):")
     for line in verdicts:
         print("  " + line)

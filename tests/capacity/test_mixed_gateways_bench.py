@@ -54,11 +54,26 @@ def test_the_bench_runs_every_seed_and_count_and_seed_0_is_the_searchs_own_run(
     assert 0.0 <= base["interactive"] <= 1.0
 
 
+def test_a_blend_gets_the_budget_of_the_h100_fleet_named_for_it(tmp_path: Path) -> None:
+    out = tmp_path / "runs.json"
+    blend = "chat:3+rag:2"
+    done = bench(
+        "--families", blend, "--duration", "6", "--workers", "1", "--seeds", "1",
+        "--gateways", "1,2", "--h100", f"{blend}=2", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert {(r["family"], r["fleet"]) for r in runs} == {(blend, "1x H100-SXM-80GB + 3x L40S-48GB")}
+    assert f"{blend}, cost_aware: 1 -> 2 gateways moves the mean of 1 seeds by" in done.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--families", "nope"), "unknown family or policy: nope"),
-        (("--policies", "fastest"), "unknown family or policy: fastest"),
+        (("--families", "nope"), "unknown workload family 'nope'"),
+        (("--policies", "fastest"), "unknown policy: fastest"),
+        (("--families", "chat:4+rag:2"), "--h100 chat:4+rag:2=N"),  # a blend's budget
+        (("--h100", "nope=2"), "unknown workload family 'nope'"),
         (("--gateways", "1,x"), "--gateways takes a comma list of counts"),
         (("--seeds", "0"), "must be at least 1"),
         (("--h100", "chat=0"), "'chat=0' is not FAMILY=COUNT"),
