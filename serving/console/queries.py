@@ -146,9 +146,8 @@ def latency_figures(window: timedelta = LATENCY_WINDOW) -> dict[str, float | Non
     client-cancelled ones not at all. None where there were none."""
     since = timezone.now() - window
     judged_tiers = [
-        (name, _ms(tier.ttft_s), _ms(tier.tpot_s))
-        for name, tier in DEFAULT_SLO_TIERS.items()
-        if name in JUDGED_TIERS
+        (name, _ms(DEFAULT_SLO_TIERS[name].ttft_s), _ms(DEFAULT_SLO_TIERS[name].tpot_s))
+        for name in JUDGED_TIERS
     ]
     figures: dict[str, float | None] = {f"slo_{name}": None for name, _, _ in judged_tiers}
     with connection.cursor() as cursor:
@@ -156,6 +155,8 @@ def latency_figures(window: timedelta = LATENCY_WINDOW) -> dict[str, float | Non
         row = cursor.fetchone()
         for name, value in zip(LATENCY_FIGURES, row, strict=True):
             figures[name] = None if value is None else float(value)
+        if not judged_tiers:
+            return figures
         objectives = ", ".join(["(%s, %s::float8, %s::float8)"] * len(judged_tiers))
         sql = _EVENTS_SQL + _ATTAINMENT_SQL.format(objectives)  # nosec B608: placeholders only
         cursor.execute(sql, [since, *(value for tier in judged_tiers for value in tier)])

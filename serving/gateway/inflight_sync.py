@@ -59,7 +59,8 @@ INFLIGHT_CHANNEL = "routing:inflight"
 SNAPSHOT_S = 1.0  # own counts republished this often: a lost message is mended within it
 SILENT_S = 10.0  # a gateway not heard from for this long is gone (as gateway:alive counts)
 MAX_BATCH = 1024  # events a message carries at most
-MAX_PENDING = 16 * MAX_BATCH  # Redis away: stop queueing, leave them unsynced
+MAX_PENDING = 16 * MAX_BATCH  # Redis away: stop queueing; what is dropped is lost
+MAX_COVERED = 8  # snapshots awaiting their echo; an older one's lost starts go to the next
 
 
 @dataclass(slots=True)
@@ -194,7 +195,15 @@ class InflightSync:
             self.unsynced[key] = left
         else:
             del self.unsynced[key]
+        if self.lost.get(key, 0) > left:
+            self._set_lost(key, left)  # never more lost than unsynced: bounded by what is in flight
         return True
+
+    def _set_lost(self, key: tuple[str, int], count: int) -> None:
+        if count > 0:
+            self.lost[key] = count
+        else:
+            self.lost.pop(key, None)
 
     def _queue(self, event: list[Any]) -> None:
         if len(self._pending) < MAX_PENDING:  # Redis away: drop, not grow
@@ -204,11 +213,14 @@ class InflightSync:
             self._lose([event])
 
     def _lose(self, events: list[list[Any]]) -> None:
-        """These events will never reach the channel: count their starts as lost."""
+        """These events will not reach the channel: count their starts as lost (those still
+        unsynced). A publish that timed out may have gone after all; its batch then comes
+        back too and syncs its starts, and the covering snapshot syncs as many others of the
+        same replica and prefill a moment early, whose messages are on their way or lost."""
         for event in events:
             if event[0] == "s":
                 key = (event[1], event[2])
-                self.lost[key] = self.lost.get(key, 0) + 1
+                self._set_lost(key, min(self.lost.get(key, 0) + 1, self.unsynced.get(key, 0)))
 
     # --- publishing -----------------------------------------------------------------------
 
@@ -233,14 +245,16 @@ class InflightSync:
             counts = {replica_id: c.encode() for replica_id, c in self.own.items()}
             self._snapshots += 1
             number, covered, self.lost = self._snapshots, self.lost, {}
+            if covered:  # before the publish: its echo may arrive before the publish returns
+                self._covered[number] = covered
             message = orjson.dumps({"g": self.gateway_id, "c": counts, "n": number})
             try:
                 await self.redis.publish(self.channel, message)
             except BaseException:
-                self._relose(covered)  # the next snapshot covers them
+                self._relose(self._covered.pop(number, {}))  # the next snapshot covers them
                 raise
-            if covered:
-                self._covered[number] = covered
+            while len(self._covered) > MAX_COVERED:  # echoes not heard (unsubscribed)
+                self._relose(self._covered.pop(min(self._covered)))
 
     async def _flush(self) -> None:
         while self._pending:
@@ -265,14 +279,9 @@ class InflightSync:
         )
 
     def _relose(self, covered: dict[tuple[str, int], int]) -> None:
-        """Back to `lost`, kept to what is still unsynced: a long outage leaves no more
-        than the requests in flight."""
+        """Back to `lost`, for the next snapshot to cover (as many as are still unsynced)."""
         for key, count in covered.items():
-            count = min(self.lost.get(key, 0) + count, self.unsynced.get(key, 0))
-            if count > 0:
-                self.lost[key] = count
-            else:
-                self.lost.pop(key, None)
+            self._set_lost(key, min(self.lost.get(key, 0) + count, self.unsynced.get(key, 0)))
 
     def _drop_pending(self) -> None:
         self._lose(self._pending)  # Redis away: unsynced until a snapshot comes back
@@ -305,8 +314,9 @@ class InflightSync:
             log.warning("a malformed in-flight message: %s", error)
 
     def apply(self, raw: bytes | str, now: float) -> int:
-        """Apply a message from the channel; how many events or replicas it carried. Raises
-        ValueError (or TypeError, KeyError) for a malformed one, changing nothing."""
+        """Apply a message from the channel; how many events or replicas it carried (of this
+        gateway's own, how many starts it synced). Raises ValueError (or TypeError,
+        KeyError) for a malformed one, changing nothing."""
         message = orjson.loads(raw)
         if not isinstance(message, dict) or not isinstance(message.get("g"), str):
             raise ValueError("an in-flight message is a JSON object with a gateway id")
@@ -352,7 +362,7 @@ class InflightSync:
             for (replica_id, prefill), lost in self._covered.pop(covered_by).items():
                 # A lost start that finished took its own unsynced count already. With a
                 # newer start of the same replica and prefill in flight, this syncs that one
-                # a moment early instead: its message is on its way.
+                # instead, a moment early if its message is on its way.
                 for _ in range(lost):
                     if not self._take_unsynced(replica_id, prefill):
                         break

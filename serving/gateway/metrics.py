@@ -38,7 +38,8 @@ TIME_PER_OUTPUT_TOKEN = Histogram(
 SLO_REQUESTS = Counter(
     "platform_gateway_slo_requests_total",
     "Requests of tiers with objectives by what they met: met (TTFT and TPOT within the "
-    "tier's objectives), ttft or tpot (the clock missed, TTFT first), failed (no answer); "
+    "tier's objectives), ttft or tpot (the clock missed, TTFT first), failed (admitted, not "
+    "answered); "
     "client-cancelled ones are not judged.",
     ["model", "pool", "tier", "outcome"],
 )

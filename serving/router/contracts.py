@@ -181,7 +181,9 @@ class SloTier:
     def missed(self, ttft_s: float | None, tpot_s: float | None) -> str | None:
         """Which clock a served request missed, "ttft" first, or None when it met both.
         `ttft_s` None: it never had a first token. `tpot_s` None: fewer than two tokens,
-        no TPOT to miss. The SLO is both clocks; a tier without an objective misses none."""
+        no TPOT to miss. The SLO is both clocks; a tier without objectives misses none."""
+        if self.ttft_s is None and self.tpot_s is None:
+            return None
         if ttft_s is None:
             return "ttft"
         if self.ttft_s is not None and ttft_s > self.ttft_s:
@@ -195,9 +197,11 @@ def slo_outcome(
     tier: SloTier | None, status: str, ttft_s: float | None, tpot_s: float | None
 ) -> str | None:
     """How an answer stands against its tier's SLO: "met", "ttft" or "tpot" (the clock it
-    missed) or "failed" (status not "ok"); None when it is not judged: a tier without
+    missed) or "failed" (status not "ok": admitted and not answered, for want of capacity,
+    by a failure, or refused by the engine); None when it is not judged: a tier without
     objectives, or a client that hung up ("client_cancelled"). The gateway's metric, the
-    console and the usage records all judge by this."""
+    console's figures (in SQL, `serving.console.queries`) and the usage records judge by
+    this; the simulator's report by the same rule over its records."""
     if tier is None or (tier.ttft_s is None and tier.tpot_s is None):
         return None
     if status == "client_cancelled":

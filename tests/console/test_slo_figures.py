@@ -36,10 +36,11 @@ ANSWERS: list[tuple[str, str, float | None, int, float, str | None]] = [
 def answer(tenant: Tenant, ended_ago_s: float, row: tuple[Any, ...]) -> UsageEvent:
     tier, status, ttft_ms, tokens, tpot_ms, _ = row
     total_ms = (ttft_ms or 0.0) + tpot_ms * max(0, tokens - 1)
-    at = timezone.now() - timedelta(seconds=ended_ago_s) - timedelta(milliseconds=total_ms)
+    ended = timezone.now() - timedelta(seconds=ended_ago_s)
     return stored(
         tenant,
-        at,
+        ended - timedelta(milliseconds=total_ms),
+        ended_at=ended.timestamp(),
         priority=tier,
         status=status,
         ttft_ms=ttft_ms,

@@ -14,13 +14,21 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.retry import Retry
 
+from serving.gateway import inflight_sync
 from serving.gateway.inflight_sync import InflightSync
 from serving.gateway.service import Gateway, GatewayConfig
 from serving.router import ReplicaState, RouterState
 from tenants.keys import KeyPrincipal
+from tests.gateway.conftest import free_port
 from tests.gateway.redis_proxy import RedisProxy
 from tests.serving.test_router import H100, fleet, replica
+
+# As the gateway's client retries (serving.gateway.service._redis_client): once, at once.
+ONE_RETRY = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 def counts(state: RouterState, replica_id: str = "r1") -> tuple[int, int, int, int, float]:
@@ -176,7 +184,7 @@ async def test_starts_lost_while_redis_was_away_are_synced_by_the_next_snapshot_
 ) -> None:
     # Gateway a reaches Redis through a proxy that goes down; b reaches it directly.
     proxy = RedisProxy(settings.REDIS_URL).start()
-    through_proxy = aioredis.Redis.from_url(proxy.url, socket_timeout=1)
+    through_proxy = aioredis.Redis.from_url(proxy.url, socket_timeout=1, retry=ONE_RETRY)
     direct = aioredis.Redis.from_url(settings.REDIS_URL)
     states = {"a": two_replicas(), "b": two_replicas()}
     channel = f"routing:inflight:test:{uuid.uuid4().hex}"
@@ -201,6 +209,7 @@ async def test_starts_lost_while_redis_was_away_are_synced_by_the_next_snapshot_
         assert counts(b)[0] == 0  # b never heard of them
         assert counts(a)[3] == 2  # a takes them once per gateway meanwhile
         proxy.come_back()
+        await asyncio.wait_for(syncs["a"].subscribed.wait(), timeout=5)
         # a's next snapshot tells b; when it comes back, b has them, and so a syncs them.
         await until(lambda: counts(b)[0] == 2, "b never counted a's lost starts")
         await until(lambda: counts(a)[3] == 0, "a's lost starts stayed unsynced")
@@ -232,7 +241,7 @@ async def test_a_lost_start_that_finished_before_the_snapshot_came_back_is_not_s
         state.request_finished("r1", 600, unsynced=True)
         await sync.publish_snapshot()
         assert sync.lost == {}
-        # A snapshot of another gateway, or an unnumbered one, syncs nothing of a's.
+        # An unnumbered snapshot of a's (an older gateway's) syncs nothing.
         assert sync.apply(orjson.dumps({"g": "a", "c": {}}), 2.0) == 0
         assert counts(state)[3] == 2
         assert sync.apply(orjson.dumps({"g": "a", "c": {}, "n": 1}), 2.0) == 2
@@ -244,6 +253,58 @@ async def test_a_lost_start_that_finished_before_the_snapshot_came_back_is_not_s
         assert counts(state)[3] == 0
     finally:
         await client.aclose()
+
+
+async def test_an_outage_loses_no_more_starts_than_are_in_flight_and_a_failed_snapshot_is_covered_by_the_next(
+    redis_client: redis.Redis,
+) -> None:
+    state = two_replicas()
+    channel = f"routing:inflight:test:{uuid.uuid4().hex}"
+    away = aioredis.Redis(host="127.0.0.1", port=free_port(), retry=Retry(NoBackoff(), 0))
+    sync = InflightSync(away, "a", holding(state), channel=channel)
+    back = aioredis.Redis.from_url(settings.REDIS_URL)
+    try:
+        # Redis away for ten snapshots, a request starting and finishing between each.
+        for _ in range(10):
+            state.request_started("r1", 600, 1.0, unsynced=True)
+            sync.started("r1", 600, 600, None)
+            with pytest.raises(RedisConnectionError):
+                await sync.publish_snapshot()  # its events fail first: lost
+            assert sync.finished("r1", 600, 600, None, True)
+            state.request_finished("r1", 600, unsynced=True)
+            assert sync.lost == {}  # the finished start is lost no more
+        state.request_started("r1", 600, 1.0, unsynced=True)
+        sync.started("r1", 600, 600, None)
+        with pytest.raises(RedisConnectionError):
+            await sync.flush()
+        sync._drop_pending()
+        assert sync.lost == {("r1", 600): 1}  # one in flight, one lost
+        # A snapshot whose own publish fails covers nothing; the next one covers it.
+        sync.redis = away
+        with pytest.raises(RedisConnectionError):
+            await sync.publish_snapshot()
+        assert sync.lost == {("r1", 600): 1} and sync._covered == {}
+        sync.redis = back
+        await sync.publish_snapshot()  # number 2 (1 failed; the failed flushes took none)
+        assert sync.lost == {} and list(sync._covered) == [2]
+        # Its echo is lost (a's subscription was away); the next one's, 3, comes back.
+        await sync.publish_snapshot()
+        assert sync.apply(orjson.dumps({"g": "a", "c": {}, "n": 3}), 3.0) == 1
+        assert (counts(state)[0], counts(state)[3]) == (1, 0)
+        assert sync._covered == {} and sync.unsynced == {}
+    finally:
+        await away.aclose()
+        await back.aclose()
+
+
+def test_a_start_past_the_pending_cap_is_lost_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inflight_sync, "MAX_PENDING", 2)
+    state = two_replicas()
+    sync = InflightSync(None, "a", holding(state))  # type: ignore[arg-type]  # no Redis
+    for _ in range(3):
+        state.request_started("r1", 100, 1.0, unsynced=True)
+        sync.started("r1", 100, 100, None)
+    assert len(sync._pending) == 2 and sync.lost == {("r1", 100): 1}
 
 
 async def test_the_gateway_tells_the_others_of_each_start_first_token_and_finish(

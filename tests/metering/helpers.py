@@ -53,8 +53,10 @@ def stream_events(client: redis.Redis) -> list[UsageEvent]:
 
 
 def stored(tenant: Tenant, at: datetime, **fields: Any) -> models.UsageEvent:
-    """An event of `tenant` started at `at` and ended a second later, in PostgreSQL."""
-    e = event(tenant.pk, started_at=at.timestamp(), ended_at=at.timestamp() + 1, **fields)
+    """An event of `tenant` started at `at` and ended a second later (or at `ended_at`, a
+    timestamp), in PostgreSQL."""
+    times = {"started_at": at.timestamp(), "ended_at": at.timestamp() + 1, **fields}
+    e = event(tenant.pk, **times)
     row = {name: getattr(e, name) for name in ingest.COLUMNS}
     row["started_at"] = datetime.fromtimestamp(e.started_at, UTC)
     row["ended_at"] = datetime.fromtimestamp(e.ended_at, UTC)

@@ -1018,4 +1018,6 @@ def test_a_request_meets_its_tier_on_both_clocks(
     ttft_s: float | None, tpot_s: float | None, missed: str | None
 ) -> None:
     assert DEFAULT_SLO_TIERS["interactive"].missed(ttft_s, tpot_s) == missed
-    assert DEFAULT_SLO_TIERS["batch"].missed(60.0, 1.0) is None  # no objective, nothing missed
+    # No objectives, nothing missed, not even without a first token.
+    assert DEFAULT_SLO_TIERS["batch"].missed(60.0, 1.0) is None
+    assert DEFAULT_SLO_TIERS["batch"].missed(None, None) is None
