@@ -220,7 +220,12 @@ class Platform:
             except (AssertionError, psutil.Error):
                 pass
             time.sleep(0.3)
-        raise AssertionError(f"{name} was not started again")
+        # What the supervisor and the child said since, to tell a start that failed (and
+        # why) from one never tried.
+        said = [line.rstrip() for line in self.lines if f"{name} " in line or "run " in line]
+        raise AssertionError(
+            f"{name} was not started again; its last lines:\n" + "\n".join(said[-30:])
+        )
 
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.database_url, connect_timeout=5) as conn:

@@ -14,9 +14,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.retry import Retry
 
 from serving.gateway import inflight_sync
 from serving.gateway.inflight_sync import InflightSync

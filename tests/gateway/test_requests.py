@@ -228,8 +228,8 @@ def test_each_answer_is_judged_on_both_clocks_of_its_tier(ready) -> None:
 
     # Both interactive answers judged once each (met, on any machine not stalled for 50 ms a
     # token; the rule itself is tested in tests/serving/test_router.py), none failed.
-    judged = [grew(("interactive", outcome)) for outcome in ("met", "ttft", "tpot", "failed")]
-    assert sum(judged) == 2 and judged[3] == 0
+    outcomes = [grew(("interactive", outcome)) for outcome in ("met", "ttft", "tpot", "failed")]
+    assert sum(outcomes) == 2 and outcomes[3] == 0
     assert grew(("interactive", "tpot observed")) == 2
     assert grew(("batch", "tpot observed")) == 1
     # Batch has no objective: timed, never judged.
