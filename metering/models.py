@@ -22,7 +22,7 @@ from django.contrib.postgres.indexes import BrinIndex
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from serving.router.contracts import DEFAULT_SLO_TIERS, slo_outcome
+from metering.usage import JudgedOnBothClocks
 from tenants.models import Tenant
 
 MICROS = Decimal("0.000001")
@@ -32,7 +32,7 @@ def micros_to_usd(micros: int) -> Decimal:
     return (Decimal(micros) * MICROS).quantize(MICROS)
 
 
-class UsageEvent(models.Model):
+class UsageEvent(JudgedOnBothClocks, models.Model):
     """One request, as the gateway settled it (see metering.usage.UsageEvent)."""
 
     request_id = models.CharField(max_length=64, primary_key=True)
@@ -77,25 +77,6 @@ class UsageEvent(models.Model):
 
     def __str__(self) -> str:
         return self.request_id
-
-    @property
-    def tpot_ms(self) -> float | None:
-        """Its time per output token after the first, the SLO's second clock: (total - TTFT)
-        over its completion tokens less one; None under two tokens or without a first token."""
-        if self.ttft_ms is None or self.completion_tokens < 2:
-            return None
-        return max(0.0, self.total_ms - self.ttft_ms) / (self.completion_tokens - 1)
-
-    @property
-    def slo_outcome(self) -> str | None:
-        """met, ttft, tpot or failed against its tier's objectives (None: not judged)."""
-        ttft_ms, tpot_ms = self.ttft_ms, self.tpot_ms
-        return slo_outcome(
-            DEFAULT_SLO_TIERS.get(self.priority),
-            self.status,
-            None if ttft_ms is None else ttft_ms / 1000,
-            None if tpot_ms is None else tpot_ms / 1000,
-        )
 
 
 class PriceSheet(models.Model):

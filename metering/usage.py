@@ -24,6 +24,8 @@ from typing import Any, Literal
 import orjson
 import redis.asyncio as aioredis
 
+from serving.router.contracts import DEFAULT_SLO_TIERS, slo_outcome
+
 USAGE_STREAM = "usage:events"
 # Approximate trimming (MAXLEN ~) keeps XADD O(1); the cap only bounds memory if ingest stops
 # for a long time, it never drops what the consumer group has not yet read at normal rates.
@@ -39,8 +41,40 @@ Status = Literal["ok", "error", "client_cancelled", "upstream_failed"]
 STATUSES: tuple[str, ...] = ("ok", "error", "client_cancelled", "upstream_failed")
 
 
+class JudgedOnBothClocks:
+    """A request's TPOT and its SLO outcome, from the fields a usage event and its row share
+    (`ttft_ms`, `total_ms`, `completion_tokens`, `priority`, `status`)."""
+
+    __slots__ = ()
+    ttft_ms: float | None
+    total_ms: float
+    completion_tokens: int
+    priority: str
+    status: str
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Its time per output token after the first, the SLO's second clock: (total - TTFT)
+        over its completion tokens less one; None under two tokens or without a first token."""
+        if self.ttft_ms is None or self.completion_tokens < 2:
+            return None
+        return max(0.0, self.total_ms - self.ttft_ms) / (self.completion_tokens - 1)
+
+    @property
+    def slo_outcome(self) -> str | None:
+        """met, ttft, tpot or failed against its tier's objectives (None: not judged;
+        `serving.router.contracts.slo_outcome`)."""
+        ttft_ms, tpot_ms = self.ttft_ms, self.tpot_ms
+        return slo_outcome(
+            DEFAULT_SLO_TIERS.get(self.priority),
+            self.status,
+            None if ttft_ms is None else ttft_ms / 1000,
+            None if tpot_ms is None else tpot_ms / 1000,
+        )
+
+
 @dataclass(frozen=True, slots=True)
-class UsageEvent:
+class UsageEvent(JudgedOnBothClocks):
     request_id: str
     tenant_id: int
     key_id: int | None
