@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
-from metering import ingest, models
 from metering.usage import EVENT_FIELD, USAGE_STREAM, UsageEvent
-from tenants.models import Tenant
+
+if TYPE_CHECKING:  # Django-free at import: the spool tests' subprocesses build events here
+    from metering import models
+    from tenants.models import Tenant
 
 _ids = itertools.count()
 
@@ -55,6 +57,8 @@ def stream_events(client: redis.Redis) -> list[UsageEvent]:
 def stored(tenant: Tenant, at: datetime, **fields: Any) -> models.UsageEvent:
     """An event of `tenant` started at `at` and ended a second later (or at `ended_at`, a
     timestamp), in PostgreSQL."""
+    from metering import ingest, models
+
     times = {"started_at": at.timestamp(), "ended_at": at.timestamp() + 1, **fields}
     e = event(tenant.pk, **times)
     row = {name: getattr(e, name) for name in ingest.COLUMNS}
