@@ -24,7 +24,7 @@ from typing import Any, Literal
 import orjson
 import redis.asyncio as aioredis
 
-from serving.router.contracts import DEFAULT_SLO_TIERS, slo_outcome
+from serving.router.contracts import DEFAULT_SLO_TIERS, slo_outcome, time_per_output_token
 
 USAGE_STREAM = "usage:events"
 # Approximate trimming (MAXLEN ~) keeps XADD O(1); the cap only bounds memory if ingest stops
@@ -56,9 +56,7 @@ class JudgedOnBothClocks:
     def tpot_ms(self) -> float | None:
         """Its time per output token after the first, the SLO's second clock: (total - TTFT)
         over its completion tokens less one; None under two tokens or without a first token."""
-        if self.ttft_ms is None or self.completion_tokens < 2:
-            return None
-        return max(0.0, self.total_ms - self.ttft_ms) / (self.completion_tokens - 1)
+        return time_per_output_token(self.ttft_ms, self.total_ms, self.completion_tokens)
 
     @property
     def slo_outcome(self) -> str | None:

@@ -194,18 +194,18 @@ def _meets_ttft(record: RequestRecord, tier: SloTier) -> bool:
     return ttft is not None and (tier.ttft_s is None or ttft <= tier.ttft_s)
 
 
-def _meets_tpot(record: RequestRecord, tier: SloTier) -> bool:
-    if record.finished_s is None:
-        return False
-    tpot = record.tpot_s
-    return tpot is None or tier.tpot_s is None or tpot <= tier.tpot_s
+def _meets_both(record: RequestRecord, tier: SloTier) -> bool:
+    """Served in full with a first token, and within both clocks (`SloTier.missed`, the
+    rule the gateway and the usage records judge by)."""
+    served = record.finished_s is not None and record.ttft_s is not None
+    return served and tier.missed(record.ttft_s, record.tpot_s) is None
 
 
 def tier_figures(name: str, records: list[RequestRecord], tier: SloTier) -> TierFigures:
     ttfts = [t for r in records if (t := r.ttft_s) is not None]
     tpots = [t for r in records if (t := r.tpot_s) is not None]
     met_ttft = sum(1 for r in records if _meets_ttft(r, tier))
-    met_both = sum(1 for r in records if _meets_ttft(r, tier) and _meets_tpot(r, tier))
+    met_both = sum(1 for r in records if _meets_both(r, tier))
     count = len(records)
     return TierFigures(
         name,

@@ -78,7 +78,7 @@ from serving.router import (
     RouterState,
 )
 from serving.router.coefficients import coefficients_from_perf
-from serving.router.contracts import Decision, KvLink
+from serving.router.contracts import Decision, KvLink, time_per_output_token
 from serving.router.disaggregated import Disaggregated
 from serving.router.external import policy_class
 from serving.router.queue import queue_key
@@ -242,9 +242,7 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        if self.finished_s is None or self.first_token_s is None or self.output_tokens < 2:
-            return None
-        return (self.finished_s - self.first_token_s) / (self.output_tokens - 1)
+        return time_per_output_token(self.first_token_s, self.finished_s, self.output_tokens)
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from serving.gateway.tracing import RequestTrace, end
 from serving.gateway.upstream import UpstreamError, UpstreamStream, open_stream, post_json
 from serving.router import Decision, ReplicaState, RouteRequest
-from serving.router.contracts import Tier, slo_outcome
+from serving.router.contracts import Tier, slo_outcome, time_per_output_token
 from tenants.keys import KeyPrincipal
 from tenants.limiter import Admission, Reservation
 
@@ -903,12 +903,9 @@ class Exchange:
         metrics.TOKENS.labels(slug, self.model, "completion").inc(outcome.completion_tokens)
 
     def _tpot_s(self, total_s: float) -> float | None:
-        """(end - first token) / (completion tokens - 1); None under two tokens."""
-        first = self.outcome.first_token_at
-        tokens = self.outcome.completion_tokens
-        if first is None or tokens < 2:
-            return None
-        return max(0.0, self.started_mono + total_s - first) / (tokens - 1)
+        outcome = self.outcome
+        end = self.started_mono + total_s
+        return time_per_output_token(outcome.first_token_at, end, outcome.completion_tokens)
 
     def _slo_outcome(self, tpot_s: float | None) -> str | None:
         """met, ttft, tpot or failed against the tier's objectives; None when not judged

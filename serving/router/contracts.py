@@ -193,6 +193,18 @@ class SloTier:
         return None
 
 
+def time_per_output_token(
+    first_token: float | None, end: float | None, tokens: int
+) -> float | None:
+    """The SLO's second clock: the time from a request's first token to its last over its
+    tokens less one, in the unit of `first_token` and `end` (two instants, or TTFT and the
+    total from one start); None without a first token or an end, or under two tokens. The
+    gateway's metric, the usage event and the simulator's records all time it so."""
+    if first_token is None or end is None or tokens < 2:
+        return None
+    return max(0.0, end - first_token) / (tokens - 1)
+
+
 def slo_outcome(
     tier: SloTier | None, status: str, ttft_s: float | None, tpot_s: float | None
 ) -> str | None:

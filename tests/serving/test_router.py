@@ -30,6 +30,7 @@ from serving.router import (
     predict,
 )
 from serving.router.coefficients import coefficients_from_perf
+from serving.router.contracts import time_per_output_token
 from serving.router.predict import decayed_finish_rate
 
 MODEL = "llama-3.1-8b"
@@ -1021,3 +1022,22 @@ def test_a_request_meets_its_tier_on_both_clocks(
     # No objectives, nothing missed, not even without a first token.
     assert DEFAULT_SLO_TIERS["batch"].missed(60.0, 1.0) is None
     assert DEFAULT_SLO_TIERS["batch"].missed(None, None) is None
+
+
+@pytest.mark.parametrize(
+    ("first", "end", "tokens", "tpot"),
+    [
+        (0.2, 1.2, 11, 0.1),  # ten gaps after the first token
+        (0.2, 1.2, 2, 1.0),
+        (0.2, 1.2, 1, None),  # one token: no TPOT
+        (0.2, 1.2, 0, None),
+        (None, 1.2, 5, None),  # never a first token
+        (0.2, None, 5, None),  # not finished
+        (1.3, 1.2, 5, 0.0),  # a clock read out of order is no negative TPOT
+    ],
+)
+def test_time_per_output_token_is_the_gaps_after_the_first(
+    first: float | None, end: float | None, tokens: int, tpot: float | None
+) -> None:
+    got = time_per_output_token(first, end, tokens)
+    assert got == (None if tpot is None else pytest.approx(tpot))
