@@ -48,7 +48,7 @@ LATENCY_BUCKETS_MS: tuple[float, ...] = (
     60_000,
     120_000,
 )
-ERROR_STATUSES = ("error", "upstream_failed")
+ERROR_STATUSES = ("error", "refused", "upstream_failed")
 
 
 def hour_floor(at: datetime) -> datetime:

@@ -37,8 +37,13 @@ SPOOL_FAMILY = "usage-spool-*.jsonl"
 
 log = logging.getLogger(__name__)
 
-Status = Literal["ok", "error", "client_cancelled", "upstream_failed"]
-STATUSES: tuple[str, ...] = ("ok", "error", "client_cancelled", "upstream_failed")
+# ok: answered in full. client_cancelled: the client hung up. refused: the engine refused the
+# request as the client wrote it (a 4xx of its own: longer than the model's context, a
+# parameter it does not accept), the client's doing. upstream_failed: the replicas failed it.
+# error: anything else the platform did not answer (no capacity, a queue timeout, a failure
+# of the gateway's own).
+Status = Literal["ok", "error", "client_cancelled", "refused", "upstream_failed"]
+STATUSES: tuple[str, ...] = ("ok", "error", "client_cancelled", "refused", "upstream_failed")
 
 
 class JudgedOnBothClocks:

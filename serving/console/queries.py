@@ -37,7 +37,7 @@ from django.utils import timezone
 from config.redis import get_many, redis_client
 from serving import telemetry
 from serving.models import Gpu, Node, Replica
-from serving.router.contracts import DEFAULT_SLO_TIERS
+from serving.router.contracts import DEFAULT_SLO_TIERS, NOT_JUDGED_STATUSES
 
 PREVIOUS_TOTALS_KEY = "console:fleet:previous_totals"
 HISTORY_KEY = "console:fleet:history"
@@ -128,14 +128,15 @@ _PERCENTILES_SQL = (
     " percentile_cont(0.5) WITHIN GROUP (ORDER BY tpot_ms),"
     " percentile_cont(0.99) WITHIN GROUP (ORDER BY tpot_ms) FROM e"
 )
-# Per tier, the answers judged (not client-cancelled) and those within both of its objectives
-# (`serving.router.contracts.slo_outcome`'s rule); {} takes one VALUES row per tier.
+# Per tier, the answers judged (not client-cancelled, not refused by the engine) and those
+# within both of its objectives (`serving.router.contracts.slo_outcome`'s rule); {} takes one
+# VALUES row per tier, the last placeholder the statuses not judged.
 _ATTAINMENT_SQL = (
     "SELECT e.priority, count(*), count(*) FILTER (WHERE e.status = 'ok'"
     " AND e.ttft_ms IS NOT NULL AND (o.ttft_ms IS NULL OR e.ttft_ms <= o.ttft_ms)"
     " AND (e.tpot_ms IS NULL OR o.tpot_ms IS NULL OR e.tpot_ms <= o.tpot_ms))"
     " FROM e JOIN (VALUES {}) AS o(tier, ttft_ms, tpot_ms)"
-    " ON e.priority = o.tier WHERE e.status <> 'client_cancelled' GROUP BY e.priority"
+    " ON e.priority = o.tier WHERE NOT e.status = ANY(%s) GROUP BY e.priority"
 )
 
 
@@ -143,7 +144,7 @@ def latency_figures(window: timedelta = LATENCY_WINDOW) -> dict[str, float | Non
     """TTFT and TPOT p50 and p99 (ms) of the requests that ended within `window`, and per
     tier with objectives the share judged that met both clocks (`slo_<tier>`), judged as
     `serving.router.contracts.slo_outcome` judges one answer: failed ones count as missed,
-    client-cancelled ones not at all. None where there were none."""
+    client-cancelled ones and the engine's refusals not at all. None where there were none."""
     since = timezone.now() - window
     judged_tiers = [
         (name, _ms(DEFAULT_SLO_TIERS[name].ttft_s), _ms(DEFAULT_SLO_TIERS[name].tpot_s))
@@ -159,7 +160,8 @@ def latency_figures(window: timedelta = LATENCY_WINDOW) -> dict[str, float | Non
             return figures
         objectives = ", ".join(["(%s, %s::float8, %s::float8)"] * len(judged_tiers))
         sql = _EVENTS_SQL + _ATTAINMENT_SQL.format(objectives)  # nosec B608: placeholders only
-        cursor.execute(sql, [since, *(value for tier in judged_tiers for value in tier)])
+        objectives_values = [value for tier in judged_tiers for value in tier]
+        cursor.execute(sql, [since, *objectives_values, list(NOT_JUDGED_STATUSES)])
         for tier, judged, met in cursor.fetchall():
             figures[f"slo_{tier}"] = met / judged if judged else None
     return figures

@@ -40,7 +40,7 @@ SLO_REQUESTS = Counter(
     "Requests of tiers with objectives by what they met: met (TTFT and TPOT within the "
     "tier's objectives), ttft or tpot (the clock missed, TTFT first), failed (admitted, not "
     "answered); "
-    "client-cancelled ones are not judged.",
+    "client-cancelled ones, and the engine's refusals of what the client wrote, are not judged.",
     ["model", "pool", "tier", "outcome"],
 )
 REQUEST_TIME = Histogram(

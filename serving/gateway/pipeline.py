@@ -74,7 +74,12 @@ def engine_cache_salt(tenant_id: object) -> str:
     return f"tenant-{tenant_id}"
 
 
-def refused_by_engine(error: UpstreamError) -> ApiError:
+class RefusedByEngine(ApiError):
+    """The engine refused the request as the client wrote it: its usage status is
+    "refused", which the SLO does not judge."""
+
+
+def refused_by_engine(error: UpstreamError) -> RefusedByEngine:
     """The engine's refusal of the request (longer than its context, a parameter it does
     not accept) in OpenAI's shape, with the engine's own message and param."""
     status = error.status if error.status in CLIENT_ERROR_STATUSES else 400
@@ -82,7 +87,7 @@ def refused_by_engine(error: UpstreamError) -> ApiError:
         f"The model engine refused the request with HTTP {error.status} and gave no reason; "
         "check the request's parameters against the model's limits."
     )
-    return ApiError(status, message, code="invalid_request", param=error.param)
+    return RefusedByEngine(status, message, code="invalid_request", param=error.param)
 
 
 def replica_at_fault(error: UpstreamError) -> bool:
@@ -727,7 +732,13 @@ class Exchange:
         try:
             self._upstream, chunks, first = await self._open_upstream()
         except ApiError as error:
-            self.outcome.status = "upstream_failed" if error.status >= 500 else "error"
+            self.outcome.status = (
+                "refused"
+                if isinstance(error, RefusedByEngine)
+                else "upstream_failed"
+                if error.status >= 500
+                else "error"
+            )
             self.outcome.error = error.message
             raise
         return chunks, first
@@ -773,7 +784,7 @@ class Exchange:
     def _cut_off(self, error: UpstreamError) -> None:
         """The stream broke after it started: the outcome, and the replica's verdict."""
         at_fault = replica_at_fault(error)
-        self.outcome.status = "upstream_failed" if at_fault else "error"
+        self.outcome.status = "upstream_failed" if at_fault else "refused"
         self.outcome.error = str(error)
         self._nothing_delivered_unless_streamed()
         if at_fault and self.outcome.replica is not None:

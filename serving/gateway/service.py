@@ -680,17 +680,16 @@ def _count_for_rollout(
 ) -> None:
     """The request's counters for its deployment's rollout and autoscaler
     (registry.rollout_metrics); `ttft_objective_s`: its tier's, None where it has none."""
-    ttft_ms, completion_tokens = event.ttft_ms, event.completion_tokens
-    tpot_s = None
-    if ttft_ms is not None and completion_tokens > 1:
-        tpot_s = (event.total_ms - ttft_ms) / 1000 / (completion_tokens - 1)
+    ttft_ms, tpot_ms = event.ttft_ms, event.tpot_ms
     add_request(
         pipeline,
         deployment_id,
+        # The engine's refusals count against a version, unlike the SLO's judgement: a
+        # canary that refuses what its baseline serves (a shorter context) must roll back.
         ok=event.status in ("ok", "client_cancelled"),
         ttft_s=None if ttft_ms is None else ttft_ms / 1000,
-        tpot_s=tpot_s,
-        output_tokens=completion_tokens,
+        tpot_s=None if tpot_ms is None else tpot_ms / 1000,
+        output_tokens=event.completion_tokens,
         finish_reason=event.finish_reason or None,
         ttft_objective_s=ttft_objective_s,
     )

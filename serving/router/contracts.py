@@ -193,6 +193,10 @@ class SloTier:
         return None
 
 
+# Answers the SLO does not judge: the client's doing, not the platform's (`slo_outcome`).
+NOT_JUDGED_STATUSES = ("client_cancelled", "refused")
+
+
 def time_per_output_token(
     first_token: float | None, end: float | None, tokens: int
 ) -> float | None:
@@ -209,14 +213,17 @@ def slo_outcome(
     tier: SloTier | None, status: str, ttft_s: float | None, tpot_s: float | None
 ) -> str | None:
     """How an answer stands against its tier's SLO: "met", "ttft" or "tpot" (the clock it
-    missed) or "failed" (status not "ok": admitted and not answered, for want of capacity,
-    by a failure, or refused by the engine); None when it is not judged: a tier without
-    objectives, or a client that hung up ("client_cancelled"). The gateway's metric, the
+    missed) or "failed" (status not "ok": admitted and not answered, for want of capacity or
+    by a failure); None when it is not judged: a tier without objectives, a client that hung
+    up ("client_cancelled"), or a request the engine refused as the client wrote it
+    ("refused": longer than the model's context, a parameter it does not accept, the
+    client's doing, as a hang-up is; counting it would let one client's bad requests page
+    the platform's operators). The gateway's metric, the
     console's figures (in SQL, `serving.console.queries`) and the usage records judge by
     this; the simulator's report by the same rule over its records."""
     if tier is None or (tier.ttft_s is None and tier.tpot_s is None):
         return None
-    if status == "client_cancelled":
+    if status in NOT_JUDGED_STATUSES:
         return None
     if status != "ok":
         return "failed"

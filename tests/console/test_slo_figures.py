@@ -27,6 +27,8 @@ ANSWERS: list[tuple[str, str, float | None, int, float, str | None]] = [
     ("interactive", "ok", None, 0, 0.0, "ttft"),  # never a first token
     ("interactive", "error", 200.0, 3, 10.0, "failed"),
     ("interactive", "client_cancelled", 5000.0, 3, 10.0, None),  # not ours to judge
+    ("interactive", "refused", None, 0, 0.0, None),  # the engine refused what the client wrote
+    ("standard", "upstream_failed", 900.0, 2, 10.0, "failed"),
     ("standard", "ok", 2500.0, 40, 90.0, "met"),
     ("standard", "ok", 2500.0, 40, 120.0, "tpot"),
     ("batch", "ok", 20000.0, 400, 500.0, None),  # no objective
@@ -77,7 +79,7 @@ def test_the_overview_figures_are_the_events_judged_one_by_one(answers: list[Usa
         judged = [o for o in outcomes if o is not None]
         assert figures[f"slo_{tier}"] == pytest.approx(judged.count("met") / len(judged))
     assert figures["slo_interactive"] == pytest.approx(3 / 7)
-    assert figures["slo_standard"] == pytest.approx(1 / 2)
+    assert figures["slo_standard"] == pytest.approx(1 / 3)
     ttfts = [e.ttft_ms for e in answers if e.ttft_ms is not None]
     tpots = [t for e in answers if (t := e.tpot_ms) is not None]
     assert figures["ttft_p99_ms"] == pytest.approx(np.percentile(ttfts, 99))
@@ -109,5 +111,5 @@ def test_the_usage_pages_show_each_answers_tpot_and_the_clock_it_missed(
         assert html.count('<span class="badge ok">met</span>') == 4
         # The hour-old two are listed too: both missed TTFT.
         assert html.count("TPOT missed") == 2 and html.count("TTFT missed") == 4
-        assert html.count('<span class="badge bad">failed</span>') == 1
+        assert html.count('<span class="badge bad">failed</span>') == 2
     assert "<td>47.5</td>" in page and "47.5 ms" in portal  # answers[0]'s TPOT

@@ -170,7 +170,12 @@ def test_an_error_event_for_the_request_leaves_the_breaker_closed(setup) -> None
     breaker = server.gateway().breakers.get(sim.replica_id)
     assert breaker is None or breaker.blocked_until == 0
     assert wait_until(lambda: len(usage_events(client)) == failures)
-    assert {(e.status, e.completion_tokens) for e in usage_events(client)} == {("error", 2)}
+    # The request's doing, not the replica's: refused, which the SLO does not judge; the two
+    # tokens delivered are billed.
+    events = usage_events(client)
+    assert {(e.status, e.completion_tokens, e.slo_outcome) for e in events} == {
+        ("refused", 2, None)
+    }
 
 
 def test_an_engine_error_before_the_first_token_is_retried_on_another_replica(setup) -> None:

@@ -188,6 +188,24 @@ def test_a_client_may_not_send_the_engines_own_fields(real_fleet: RealFleet) -> 
         assert refused.value.body["param"] == field  # type: ignore[index]
 
 
+def test_a_prompt_longer_than_the_context_is_vllms_refusal_not_a_missed_slo(
+    real_fleet: RealFleet,
+) -> None:
+    """vLLM refuses a prompt past its context with a 400 the client gets as vLLM wrote it; the
+    usage event says refused, which the SLO does not judge: the client's doing."""
+    client = _client(real_fleet)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(
+            model=TINY_MODEL,
+            prompt="word " * 4200,
+            max_tokens=2,
+            extra_headers={"x-priority": "interactive"},
+        )
+    assert "maximum context length" in refused.value.message
+    event = _event(real_fleet, refused.value.response.headers["x-request-id"])
+    assert (event.status, event.priority, event.slo_outcome) == ("refused", "interactive", None)
+
+
 # --- the official client through the gateway ------------------------------------------------
 
 
