@@ -33,6 +33,8 @@ from django.conf import settings
 from django.db import OperationalError
 from django.http import HttpRequest, HttpResponse
 
+from serving.gateway.errors import ApiError
+
 log = logging.getLogger(__name__)
 
 Scope = dict[str, Any]
@@ -67,9 +69,7 @@ def is_loopback(host: str) -> bool:
 def error_body(path: str, status: int, message: str, code: str) -> bytes:
     """The error in the format of the API the path belongs to: OpenAI's on /v1, DRF's else."""
     if path == "/v1" or path.startswith("/v1/"):
-        kind = "rate_limit_error" if status == 429 else "server_error"
-        error = {"message": message, "type": kind, "param": None, "code": code}
-        return orjson.dumps({"error": error})
+        return ApiError(status, message, code=code).body()  # the type by status, as /v1's own
     return orjson.dumps({"detail": message})
 
 

@@ -118,7 +118,8 @@ def _out_of_int64(value: Any) -> bool:
 
 
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN and infinities are no sampling parameter: refused as such, not as out of range.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -134,7 +135,7 @@ class _GenerationRequest(BaseModel):
     @classmethod
     def only_one_choice(cls, value: int) -> int:
         if value != 1:
-            raise ValueError("n greater than 1 is not supported; send separate requests")
+            raise ValueError("only n=1 is supported (one choice a request); send separate requests")
         return value
 
     @model_validator(mode="after")
@@ -289,7 +290,7 @@ def parse_body(kind: type[_GenerationRequest], raw: bytes) -> Any:
         refused = first.get("ctx", {}).get("error")
         if isinstance(refused, RefusedField):
             raise ApiError(400, f"{refused}.", param=refused.field, code=refused.code) from None
-        if first["type"] == "model_type":
+        if first["type"] == "model_type" and not first["loc"]:
             raise ApiError(400, "The request body must be a JSON object.") from None
         # Drop pydantic's union-member tags ("str", "list[str]") from the parameter path.
         if first["type"] == "json_invalid":
@@ -299,6 +300,8 @@ def parse_body(kind: type[_GenerationRequest], raw: bytes) -> Any:
             or None
         )
         message = first["msg"].removeprefix("Value error, ")
+        if first["type"] in ("model_type", "dict_type"):
+            message = "expected a JSON object"  # not pydantic's name for the class
         if param is None:
             message = f"{message}."
         elif first["type"] == "missing":

@@ -4,8 +4,9 @@ Connect to `/v1/chat/completions/ws` with `Authorization: Bearer <key>` (or send
 `{"type": "auth", "api_key": "..."}` first, for browsers, which cannot set headers on a
 WebSocket). Each message is a chat-completions body; the reply is the same chunks the SSE
 stream carries, one JSON message each, `{"type": "chunk", "data": {...}}`, then
-`{"type": "done", "usage": {...}}`, or `{"type": "error", "error": {...}}`. A bad key closes
-the socket with code 4401 (before the handshake completes, when it came in the header). One
+`{"type": "done", "usage": {...}}`, or `{"type": "error", "error": {...}}`. A bad key in the
+auth message closes the socket with code 4401; one in the header refuses the handshake itself
+(HTTP 403: no close code can be sent before the socket is accepted). One
 generation at a time per socket (another message meanwhile is a 409 error); closing the socket
 cancels the generation, which closes the upstream so the engine aborts.
 

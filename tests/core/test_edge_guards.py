@@ -12,10 +12,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import orjson
 import pytest
 import uvicorn
 
-from config.middleware import BodyDeadline, OpenRequestsPerClient
+from config.middleware import BodyDeadline, OpenRequestsPerClient, error_body
 
 DEADLINE_S = 2.0
 CAP = 64
@@ -206,3 +207,15 @@ def test_the_application_is_wrapped_in_the_guards_with_the_settings_values() -> 
     deadline = application.app
     assert isinstance(deadline, BodyDeadline) and deadline.deadline_s == 30.0
     assert isinstance(deadline.app, MetricsAccess)
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"),
+    [(408, "invalid_request_error"), (429, "rate_limit_error"), (503, "service_unavailable_error")],
+)
+def test_an_edge_refusal_on_v1_has_openais_type_for_its_status(status: int, kind: str) -> None:
+    body = orjson.loads(error_body("/v1/chat/completions", status, "Refused.", "edge"))
+    assert body == {"error": {"message": "Refused.", "type": kind, "param": None, "code": "edge"}}
+    assert orjson.loads(error_body("/api/v1/usage/", status, "Refused.", "edge")) == {
+        "detail": "Refused."
+    }

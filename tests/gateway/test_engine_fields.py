@@ -160,3 +160,39 @@ def test_a_text_part_without_string_text_is_refused_before_admission() -> None:
     assert refused.value.param == "messages.0.content"
     ok = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert parse_body(ChatCompletionRequest, orjson.dumps(ok)).prompt_text()
+
+
+@pytest.mark.parametrize(
+    ("raw", "param", "says"),
+    [
+        (b'{"model": "m", "messages": ["hi"]}', "messages.0", "expected a JSON object"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 0}', "n", "n=1"),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2}', "n", "n=1"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+            "temperature",
+            "finite",
+        ),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+            "top_p",
+            "finite",
+        ),
+    ],
+)
+def test_a_bad_part_of_a_body_is_named_and_said_plainly(raw: bytes, param: str, says: str) -> None:
+    from serving.gateway.errors import ApiError
+
+    with pytest.raises(ApiError) as refused:
+        parse_body(ChatCompletionRequest, raw)
+    assert (refused.value.status, refused.value.param) == (400, param)
+    assert says in refused.value.message, refused.value.message
+    assert "ChatMessage" not in refused.value.message  # no class name of ours
+
+
+def test_a_body_that_is_no_object_is_said_so() -> None:
+    from serving.gateway.errors import ApiError
+
+    with pytest.raises(ApiError) as refused:
+        parse_body(ChatCompletionRequest, b'["hi"]')
+    assert refused.value.message == "The request body must be a JSON object."

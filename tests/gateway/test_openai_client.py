@@ -110,7 +110,7 @@ def test_n_above_one_raises_bad_request(client: openai.OpenAI) -> None:
             model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
         )
     assert raised.value.param == "n"
-    assert "n greater than 1" in str(raised.value)
+    assert "only n=1 is supported" in str(raised.value)
 
 
 def test_exhausted_rate_limit_raises_rate_limit_error(
