@@ -215,6 +215,16 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[str]
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def prompt_as_text(cls, value: Any) -> Any:
+        # The guardrails, the prefix index and the token estimate read the prompt's text.
+        if isinstance(value, list) and any(
+            isinstance(item, int | list) and not isinstance(item, bool) for item in value
+        ):
+            raise ValueError("prompts of token ids are not accepted; send the prompt as text")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def one_prompt(cls, value: str | list[str]) -> str | list[str]:

@@ -8,6 +8,7 @@ import json
 from types import SimpleNamespace
 from typing import Any, cast
 
+import orjson
 import pytest
 import redis
 
@@ -196,3 +197,14 @@ def test_a_body_that_is_no_object_is_said_so() -> None:
     with pytest.raises(ApiError) as refused:
         parse_body(ChatCompletionRequest, b'["hi"]')
     assert refused.value.message == "The request body must be a JSON object."
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3], [[1, 2], [3, 4]]])
+def test_a_prompt_of_token_ids_is_refused_as_such(prompt: list[Any]) -> None:
+    from serving.gateway.errors import ApiError
+
+    body = orjson.dumps({"model": MODEL, "prompt": prompt})
+    with pytest.raises(ApiError) as refused:
+        parse_body(CompletionRequest, body)
+    assert (refused.value.status, refused.value.param) == (400, "prompt")
+    assert "token ids are not accepted" in refused.value.message
