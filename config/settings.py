@@ -353,6 +353,9 @@ if not 0.0 <= OTEL_TRACES_SAMPLE_RATIO <= 1.0:
 OTEL_SERVICE_NAME = env_str("OTEL_SERVICE_NAME", "inference-gateway")
 # The engine simulator's clock: 1.0 is real time, larger runs simulated replicas faster.
 SERVING_SIM_TIME_SCALE = env_float("SERVING_SIM_TIME_SCALE", 1.0)
+# Simulated replicas stop at a drawn EOS even when max_tokens is set, as a real model does
+# (`make run` turns it on); off, a request given max_tokens writes exactly that many tokens.
+SERVING_SIM_STOP_AT_EOS = env_bool("SERVING_SIM_STOP_AT_EOS", default=False)
 # How long a node drain may stay blocked (a replica with nowhere to go) before the console
 # asks staff to force or cancel it; one drain may set its own (drain_deadline_s).
 NODE_DRAIN_DEADLINE_S = env_int("NODE_DRAIN_DEADLINE_S", 600, minimum=0)

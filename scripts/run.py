@@ -280,6 +280,9 @@ def main() -> int:
     env.setdefault("DEBUG", "true")
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("PLATFORM_PUBLIC_URL", f"http://{host}:{port}")
+    # The demo's simulated replicas end answers at EOS as a model does: a request without
+    # max_tokens gets the key's cap as its limit, which the simulator would otherwise fill.
+    env.setdefault("SERVING_SIM_STOP_AT_EOS", "true")
     try:
         if not env.get("DATABASE_URL"):
             postgres = EmbeddedPostgres(var / "postgres", int(env.get("PLATFORM_PG_PORT", "54329")))

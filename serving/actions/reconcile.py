@@ -80,6 +80,7 @@ def replica_spec(replica: Replica) -> dict[str, Any]:
             "gpu_class": replica.node.pool.gpu_class.name,
             "model_spec": launch.model_spec,
             "time_scale": settings.SERVING_SIM_TIME_SCALE,
+            "extra_args": ["--sim-stop-at-eos"] if settings.SERVING_SIM_STOP_AT_EOS else [],
         },
         "api_key": engine_api_key(replica.pk),
         "kv_transfer": kv_transfer(launch),

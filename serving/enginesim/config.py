@@ -81,6 +81,9 @@ class SimConfig:
     fixed_ttft_ms: float | None = None
     fixed_itl_ms: float | None = None
     seed: int = 0
+    # Stop at a drawn EOS even when max_tokens is set, as a real model does (ignore_eos
+    # aside); off, a request given max_tokens writes exactly that many, as a benchmark's do.
+    stop_at_eos: bool = False
     # Bearer keys of /v1 (vLLM's --api-key, or VLLM_API_KEY); none means open, as in vLLM.
     api_keys: tuple[str, ...] = ()
     kv_transfer: KvTransferConfig | None = None
@@ -156,6 +159,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--sim-fixed-ttft-ms", type=float, default=None)
     sim.add_argument("--sim-fixed-itl-ms", type=float, default=None)
     sim.add_argument("--sim-seed", type=int, default=0)
+    sim.add_argument(
+        "--sim-stop-at-eos",
+        action="store_true",
+        help="stop at a drawn EOS length even when max_tokens is set, as a real model does",
+    )
     return p
 
 
@@ -264,6 +272,7 @@ def parse_args(argv: list[str]) -> SimConfig:
         fixed_ttft_ms=args.sim_fixed_ttft_ms,
         fixed_itl_ms=args.sim_fixed_itl_ms,
         seed=args.sim_seed,
+        stop_at_eos=args.sim_stop_at_eos,
         api_keys=tuple(key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key),
         kv_transfer=_kv_transfer(args.kv_transfer_config, args.host, args.port),
     )

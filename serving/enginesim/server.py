@@ -338,13 +338,15 @@ def parse_generation(kind: str, body: Any, state: ServerState) -> Generation:
             "max_tokens",
         )
     stop_after: int | None = None
-    if max_tokens is None:
-        # vLLM's default is the rest of the context; EOS usually comes far earlier.
-        max_tokens = limit
-        if not body.get("ignore_eos"):
-            stop_after = eos_length(request_rng(seed, text), max_tokens)
-    # vLLM 0.32 clamps a max_tokens the context cannot hold to the room left, silently.
-    max_tokens = min(max_tokens, limit)
+    asked = max_tokens
+    # vLLM 0.32 clamps a max_tokens the context cannot hold to the room left, silently; its
+    # default is the rest of the context.
+    max_tokens = limit if max_tokens is None else min(max_tokens, limit)
+    if (asked is None or config.stop_at_eos) and not body.get("ignore_eos"):
+        # EOS usually comes far earlier than the rest of the context; where it would come
+        # at max_tokens or later, max_tokens ends the answer ("length").
+        drawn = eos_length(request_rng(seed, text), max_tokens)
+        stop_after = drawn if asked is None or drawn < max_tokens else None
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]

@@ -10,9 +10,14 @@ from django.test import Client
 
 from serving import telemetry
 from serving.actions.reconcile import do_reconcile
+from serving.agent.launch import LaunchSettings, build_launch_command
+from serving.agent.specs import parse_replica_spec
+from serving.enginesim import parse_args as parse_simulator_args
 from serving.models import Gpu, Node, Replica, ReplicaEvent, TelemetrySample
 
 from .conftest import MakeDeployment, MakePool, Register, replica_report, send_heartbeat
+
+SIMULATED = LaunchSettings(simulated=True, python="/venv/bin/python", host="127.0.0.1")
 
 pytestmark = pytest.mark.django_db
 
@@ -114,6 +119,24 @@ def test_the_heartbeat_answers_with_the_nodes_desired_replicas(
     assert sorted(tuple(spec["gpu_indices"]) for spec in desired) == [(0,), (1,)]
     assert {spec["served_model_name"] for spec in desired} == {"llama-3.1-8b"}
     assert desired[0]["sim"]["gpu_class"] == "L4-24GB"
+    assert desired[0]["sim"]["extra_args"] == []  # simulated answers run to max_tokens
+
+
+def test_with_stop_at_eos_set_simulated_replicas_are_told_to_stop_at_eos(
+    make_pool: MakePool,
+    make_deployment: MakeDeployment,
+    register: Register,
+    settings: Any,
+) -> None:
+    settings.SERVING_SIM_STOP_AT_EOS = True  # what `make run` sets for the demo
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=1)
+    make_deployment(pool, replicas=1)
+    do_reconcile()
+    [desired] = send_heartbeat(node).json()["desired_replicas"]
+    assert desired["sim"]["extra_args"] == ["--sim-stop-at-eos"]
+    argv, _ = build_launch_command(parse_replica_spec({**desired, "port": 8001}), SIMULATED)
+    assert parse_simulator_args(argv[3:]).stop_at_eos
 
 
 def test_reported_states_are_recorded_with_an_event(

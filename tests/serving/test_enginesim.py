@@ -128,6 +128,34 @@ async def test_without_max_tokens_the_length_is_a_deterministic_eos() -> None:
     assert first.choices[0].message.content == second.choices[0].message.content
 
 
+async def test_with_stop_at_eos_max_tokens_caps_the_answer_and_eos_ends_it_first() -> None:
+    """A real model stops at its EOS whatever max_tokens allows: with --sim-stop-at-eos the
+    simulator does too (the same draw as without max_tokens), unless ignore_eos; without the
+    flag a request given max_tokens writes exactly that many."""
+    ask = {"model": "llama8", "messages": [{"role": "user", "content": "hi"}], "seed": 11}
+    async with simulator("--sim-time-scale", "500", "--sim-stop-at-eos") as base:
+        api = client(base)
+        unbounded = await api.chat.completions.create(**ask)  # type: ignore[call-overload]
+        capped = await api.chat.completions.create(**ask, max_tokens=4000)  # type: ignore[call-overload]
+        short = await api.chat.completions.create(**ask, max_tokens=2)  # type: ignore[call-overload]
+        ignoring = await api.chat.completions.create(  # type: ignore[call-overload]
+            **ask, max_tokens=300, extra_body={"ignore_eos": True}
+        )
+    assert unbounded.usage is not None and capped.usage is not None
+    eos = unbounded.usage.completion_tokens
+    assert 2 < eos < 4000
+    assert (capped.choices[0].finish_reason, capped.usage.completion_tokens) == ("stop", eos)
+    assert capped.choices[0].message.content == unbounded.choices[0].message.content
+    assert short.usage is not None
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 2)
+    assert ignoring.usage is not None
+    assert (ignoring.choices[0].finish_reason, ignoring.usage.completion_tokens) == ("length", 300)
+    async with simulator("--sim-time-scale", "500") as base:
+        exact = await client(base).chat.completions.create(**ask, max_tokens=300)  # type: ignore[call-overload]
+    assert exact.usage is not None
+    assert (exact.choices[0].finish_reason, exact.usage.completion_tokens) == ("length", 300)
+
+
 async def test_an_unknown_model_is_a_404_in_openai_shape() -> None:
     async with simulator(*FAST) as base:
         with pytest.raises(openai.NotFoundError) as caught:
