@@ -39,7 +39,7 @@ from django.db.models import ProtectedError, RestrictedError
 from django.http import HttpRequest, JsonResponse
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import SessionAuthentication
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -175,6 +175,8 @@ class PlatformViewSet(viewsets.GenericViewSet[Any]):
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)
+        if any(_has_nul(value) for value in kwargs.values()):
+            raise NotFound()  # no row's key holds a NUL, and PostgreSQL cannot look for one
         refuse_nul_bytes(request)
 
     def handle_exception(self, exc: Exception) -> Response:

@@ -250,3 +250,34 @@ class DatabaseUnavailableMiddleware:
             response = HttpResponse(DATABASE_PAGE, status=503)
         response["Retry-After"] = str(DATABASE_RETRY_AFTER_S)
         return response
+
+
+NUL_PAGE = (
+    b"<!doctype html><title>Bad request</title><h1>Bad request</h1>"
+    b"<p>Text cannot contain NUL (\\u0000) characters. Go back and remove them.</p>"
+)
+
+
+class NulCharactersRefused:
+    """A page's query or form holding a NUL character answers 400 with a message: PostgreSQL
+    stores none in text, so the form's save would be a DataError, a 500. The REST API refuses
+    them field by field (config.api.refuse_nul_bytes); /v1 is the gateway's."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if not request.path.startswith(("/api/", "/v1")) and self._holds_nul(request):
+            return HttpResponse(NUL_PAGE, status=400)
+        return self.get_response(request)
+
+    @staticmethod
+    def _holds_nul(request: HttpRequest) -> bool:
+        if "\x00" in request.path:
+            return True
+        sources = [request.GET, request.POST] if request.method == "POST" else [request.GET]
+        return any(
+            "\x00" in name or any("\x00" in value for value in values)
+            for source in sources
+            for name, values in source.lists()
+        )

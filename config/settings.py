@@ -79,6 +79,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     # A database timeout, in the session lookup or a view, is a fast 503 with Retry-After.
     "config.middleware.DatabaseUnavailableMiddleware",
+    # A page's form or query holding a NUL character: a 400 with a message, not a 500.
+    "config.middleware.NulCharactersRefused",
     "django_otp.middleware.OTPMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
@@ -247,6 +249,12 @@ REST_FRAMEWORK = {
         "tenants.api.authentication.StaffTokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    # DRF's three, the JSON one refusing bodies too deep or numbers too large with a 400.
+    "DEFAULT_PARSER_CLASSES": [
+        "config.parsers.JsonBodyParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,

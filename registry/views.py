@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -60,10 +61,17 @@ def _int(data: QueryDict, name: str, default: int) -> int:
         return default
 
 
+def _is_pk(value: str | None) -> bool:
+    """A form's choice of a row: digits that fit a bigint, not any text a client sends."""
+    return value is not None and value.isascii() and value.isdigit() and int(value) < 2**63
+
+
 def _deployment_from(data: QueryDict) -> Deployment:
     """An unsaved deployment from the form, for the placement check and for saving."""
     version_pk = data.get("model_version")
     if version_pk is None:
+        raise ValidationError("Choose a model version and a pool.")
+    if not (_is_pk(version_pk) and _is_pk(data.get("pool"))):
         raise ValidationError("Choose a model version and a pool.")
     version = ModelVersion.objects.select_related("model").filter(pk=version_pk)
     pool = pools().filter(pk=data.get("pool"))
@@ -71,10 +79,18 @@ def _deployment_from(data: QueryDict) -> Deployment:
         raise ValidationError("Choose a model version and a pool.")
     engine_args: dict[str, Any] = {"max_model_len": _int(data, "max_model_len", 8192)}
     if gpu_memory_utilization := data.get("gpu_memory_utilization"):
-        engine_args["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        try:
+            utilization = float(gpu_memory_utilization)
+        except ValueError:
+            utilization = math.nan
+        if not 0 < utilization <= 1:
+            raise ValidationError("GPU memory utilization must be a number above 0, at most 1.")
+        engine_args["gpu_memory_utilization"] = utilization
     # Disaggregated: a decode pool chosen (blank: colocated, the pool runs whole requests).
     decode_pool = None
     if data.get("decode_pool"):
+        if not _is_pk(data.get("decode_pool")):
+            raise ValidationError("Choose a decode pool from the list, or none.")
         decode_pool = pools().filter(pk=data.get("decode_pool")).first()
         if decode_pool is None:
             raise ValidationError("Choose a decode pool from the list, or none.")

@@ -200,6 +200,8 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
         child=serializers.IntegerField(min_value=1, max_value=100),
         default=lambda: list(DEFAULT_STEPS),
     )
+    # An object of numbers by gate name (the action refuses unknown names).
+    gate_thresholds = serializers.DictField(child=serializers.FloatField(), required=False)
     # What the canary takes now: 0 while it is held (no ready replica), whatever the step.
     canary_weight = serializers.IntegerField(source="canary.traffic_weight", read_only=True)
     step_weight = serializers.IntegerField(source="canary_weight", read_only=True)

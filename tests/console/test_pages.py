@@ -425,3 +425,52 @@ def test_the_console_shows_a_tenants_tiny_cost_to_serve(acme: Tenant) -> None:
     assert "<td>$0.000012</td>" in staff.get("/console/tenants/").content.decode()
     tenant_page = staff.get("/console/tenants/acme/").content.decode()
     assert '<div class="value">$0.000012</div>' in tenant_page
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"pool": "probe-pool"},
+        {"pool": "1.5"},
+        {"model_version": "<script>"},
+        {"decode_pool": "abc"},
+        {"gpu_memory_utilization": "abc"},
+        {"gpu_memory_utilization": "nan"},
+        {"gpu_memory_utilization": "1.5"},
+    ],
+)
+def test_a_deployment_form_with_a_choice_or_number_not_its_own_says_so(
+    pool: GpuPool, changes: dict[str, str]
+) -> None:
+    version = approved_version(make_model("llama-3.1-8b"), "v1", "bf16")
+    staff = client_for(user("ops", is_staff=True))
+    form = {
+        "model_version": version.pk,
+        "pool": pool.pk,
+        "tensor_parallel": 1,
+        "max_model_len": 8192,
+        "replicas_min": 1,
+        "replicas_desired": 1,
+        "replicas_max": 1,
+        "slo_tier": "standard",
+        "name": "probe",
+        **changes,
+    }
+    for path in ("/console/deployments/check/", "/console/deployments/create/"):
+        reply = staff.post(path, form, follow=True)  # create answers with a message
+        assert reply.status_code == 200, (path, reply.status_code)
+        page = reply.content.decode()
+        assert "Choose a" in page or "GPU memory utilization must be" in page, page[:500]
+    assert not Deployment.objects.exists()
+
+
+def test_a_nul_character_in_a_page_form_or_query_is_a_400_with_a_message(db: None) -> None:
+    acme = do_create_tenant("acme", "Acme")
+    staff = client_for(user("ops", is_staff=True))
+    for reply in (
+        staff.post(f"/console/tenants/{acme.slug}/settings/", {"name": "a\x00b"}),
+        staff.get("/console/usage/", {"status": "ok\x00"}),
+    ):
+        assert reply.status_code == 400
+        assert b"cannot contain NUL" in reply.content
+    assert Tenant.objects.get(pk=acme.pk).name == "Acme"

@@ -284,3 +284,40 @@ def test_an_unrouted_api_path_is_a_json_404(staff: APIClient, path: str) -> None
 def test_the_schema_and_docs_are_still_served(staff: APIClient) -> None:
     assert staff.get("/api/v1/schema/").status_code == 200
     assert staff.get("/api/v1/docs/").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b'{"name": "m", "tags": [1e400]}', "out of range"),
+        (b'{"name": "m", "tags": [NaN]}', "not valid JSON"),
+    ],
+)
+@pytest.mark.parametrize("url", ["/api/v1/models/", "/api/v1/rollouts/", "/api/v1/tenants/"])
+def test_a_body_too_deep_or_a_number_past_a_double_is_a_400_parse_error(
+    staff: APIClient, unchanged: Callable[[], None], url: str, raw: bytes, says: str
+) -> None:
+    error = json_error(staff.post(url, raw, content_type="application/json"), 400)
+    assert says in error["detail"]
+    unchanged()
+
+
+@pytest.mark.parametrize("path", ["/api/v1/tenants/%00/", "/api/v1/tenants/a%00b/quota/"])
+def test_a_nul_character_in_a_path_is_a_404(staff: APIClient, path: str) -> None:
+    json_error(staff.get(path), 404)
+
+
+@pytest.mark.parametrize("thresholds", [5, [1, 2], True, {"max_error_rate_increase": "x"}])
+def test_gate_thresholds_that_are_no_object_of_numbers_are_a_400_naming_them(
+    staff: APIClient, world: World, unchanged: Callable[[], None], thresholds: Any
+) -> None:
+    body = {
+        "baseline": world.ids["deployments"],
+        "target_version": ModelVersion.objects.get().pk,
+        "gate_thresholds": thresholds,
+    }
+    assert "gate_thresholds" in json_error(
+        staff.post("/api/v1/rollouts/", body, format="json"), 400
+    )
+    unchanged()
