@@ -184,12 +184,11 @@ def test_a_post_without_a_csrf_token_is_refused(acme: Tenant) -> None:
     assert not ApiKey.objects.filter(tenant=acme).exists()
 
 
-def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: GpuPool) -> None:
-    version = approved_version(make_model("llama-3.1-70b"), "v1", "bf16")
-    staff = client_for(user("ops", is_staff=True))
-    form = {
-        "model_version": version.pk,
-        "pool": pool.pk,
+def deployment_form(version_pk: int, pool_pk: int) -> dict[str, Any]:
+    """The console's deployment form as staff fill it: one replica, TP 1, standard tier."""
+    return {
+        "model_version": version_pk,
+        "pool": pool_pk,
         "tensor_parallel": 1,
         "max_model_len": 8192,
         "replicas_min": 1,
@@ -197,6 +196,12 @@ def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: Gp
         "replicas_max": 1,
         "slo_tier": "standard",
     }
+
+
+def test_the_placement_check_names_the_problem_before_anything_is_saved(pool: GpuPool) -> None:
+    version = approved_version(make_model("llama-3.1-70b"), "v1", "bf16")
+    staff = client_for(user("ops", is_staff=True))
+    form = deployment_form(version.pk, pool.pk)
     reply = staff.post("/console/deployments/check/", form)
     assert b"Does not fit" in reply.content
     assert not Deployment.objects.exists()
@@ -444,18 +449,7 @@ def test_a_deployment_form_with_a_choice_or_number_not_its_own_says_so(
 ) -> None:
     version = approved_version(make_model("llama-3.1-8b"), "v1", "bf16")
     staff = client_for(user("ops", is_staff=True))
-    form = {
-        "model_version": version.pk,
-        "pool": pool.pk,
-        "tensor_parallel": 1,
-        "max_model_len": 8192,
-        "replicas_min": 1,
-        "replicas_desired": 1,
-        "replicas_max": 1,
-        "slo_tier": "standard",
-        "name": "probe",
-        **changes,
-    }
+    form = {**deployment_form(version.pk, pool.pk), "name": "probe", **changes}
     for path in ("/console/deployments/check/", "/console/deployments/create/"):
         reply = staff.post(path, form, follow=True)  # create answers with a message
         assert reply.status_code == 200, (path, reply.status_code)
