@@ -87,11 +87,13 @@ class Model(models.Model):
     family = models.CharField(max_length=64)
     description = models.TextField(blank=True)
     params_b = models.FloatField(validators=[MinValueValidator(0.01)], help_text="Billions.")
-    layers = models.PositiveIntegerField()
-    hidden = models.PositiveIntegerField()
-    kv_heads = models.PositiveIntegerField()
-    head_dim = models.PositiveIntegerField()
-    max_context = models.PositiveIntegerField()
+    # At least 1 each: a model of no layers or KV heads holds no KV, and the capacity
+    # arithmetic of every loop that places and routes would divide by it.
+    layers = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    hidden = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    kv_heads = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    head_dim = models.PositiveIntegerField(validators=[MinValueValidator(1)])
+    max_context = models.PositiveIntegerField(validators=[MinValueValidator(1)])
     visibility = models.CharField(
         max_length=16, choices=Visibility.choices, default=Visibility.PUBLIC
     )

@@ -321,3 +321,24 @@ def test_gate_thresholds_that_are_no_object_of_numbers_are_a_400_naming_them(
         staff.post("/api/v1/rollouts/", body, format="json"), 400
     )
     unchanged()
+
+
+@pytest.mark.parametrize("field", ["layers", "hidden", "kv_heads", "head_dim", "max_context"])
+def test_a_model_of_no_layers_or_kv_heads_is_a_400_naming_the_field(
+    staff: APIClient, unchanged: Callable[[], None], field: str
+) -> None:
+    """Such a model holds no KV: once deployed, every loop that sizes KV capacity (reconcile,
+    the routing table, the autoscaler) divided by zero on it, for every deployment."""
+    body = {
+        "name": "hollow",
+        "family": "llama",
+        "params_b": 8,
+        "layers": 32,
+        "hidden": 4096,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "max_context": 8192,
+        field: 0,
+    }
+    assert field in json_error(staff.post("/api/v1/models/", body, format="json"), 400)
+    unchanged()
