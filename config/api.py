@@ -79,7 +79,10 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
 
 def unrouted(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
-    """What a path under /api/v1/ that no route matches answers: DRF's 404, not an HTML page."""
+    """What a path under /api/v1/ that no route matches answers: DRF's 404, not an HTML page
+    (with a hint where only the trailing slash is missing: every route ends with one)."""
+    if not request.path.endswith("/"):
+        return JsonResponse({"detail": "Not found. Paths under /api/v1/ end with '/'."}, status=404)
     return JsonResponse({"detail": "Not found."}, status=404)
 
 

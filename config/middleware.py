@@ -32,6 +32,7 @@ import orjson
 from django.conf import settings
 from django.db import OperationalError
 from django.http import HttpRequest, HttpResponse
+from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
 
 from serving.gateway.errors import ApiError
 
@@ -281,3 +282,14 @@ class NulCharactersRefused:
             for source in sources
             for name, values in source.lists()
         )
+
+
+class CommonMiddleware(DjangoCommonMiddleware):
+    """Django's, but a POST, PUT, PATCH or DELETE to a path missing its trailing slash is
+    that path's 404 (in the format of its part of the site), never a redirect: a redirect
+    drops the body, and under DEBUG Django raises instead, a 500."""
+
+    def should_redirect_with_slash(self, request: HttpRequest) -> bool:
+        if request.method not in ("GET", "HEAD"):
+            return False
+        return super().should_redirect_with_slash(request)

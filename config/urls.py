@@ -4,6 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from config import auth, health, views
+from config.api import unrouted
 
 # The admin logs in through config.auth's throttled, two-step page (django-otp's documented way
 # of swapping the default site's class).
@@ -31,6 +32,11 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include(api_v1)),
     path("api/agent/v1/", include("serving.api.agent_urls")),
+    # Any other path under /api, such as one missing its trailing slash: DRF's JSON 404
+    # with a hint, not Django's redirect (which drops a POST's body) or HTML page.
+    path("api", unrouted),
+    path("api/", unrouted),
+    path("api/<path:rest>", unrouted, name="api-unrouted-any"),
     path("console/", include("serving.console.urls")),
     path("console/", include("registry.urls")),
     path("console/", include("metering.urls")),

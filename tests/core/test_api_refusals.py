@@ -281,6 +281,20 @@ def test_an_unrouted_api_path_is_a_json_404(staff: APIClient, path: str) -> None
     json_error(staff.get(f"/api/v1/{path}"), 404)
 
 
+@pytest.mark.parametrize("debug", [True, False])
+@pytest.mark.parametrize("path", ["/api/v1/models", "/api/v1/foo", "/api/v1"])
+def test_a_post_to_an_api_path_without_its_slash_is_a_json_404_not_a_redirect(
+    staff: APIClient, unchanged: Callable[[], None], settings: Any, debug: bool, path: str
+) -> None:
+    """Django's APPEND_SLASH raised under DEBUG (a 500) and redirected otherwise (the body
+    lost); every route ends with a slash, and the 404 says so, a GET's too."""
+    settings.DEBUG = debug
+    error = json_error(staff.post(path, {"name": "m"}, format="json"), 404)
+    assert "end with '/'" in error["detail"]
+    unchanged()
+    assert "end with '/'" in json_error(staff.get("/api/v1/models"), 404)["detail"]
+
+
 def test_the_schema_and_docs_are_still_served(staff: APIClient) -> None:
     assert staff.get("/api/v1/schema/").status_code == 200
     assert staff.get("/api/v1/docs/").status_code == 200
