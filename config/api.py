@@ -32,11 +32,14 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.signals import got_request_exception
 from django.db import OperationalError
 from django.db.models import ProtectedError, RestrictedError
 from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.exceptions import NotFound, ValidationError
@@ -66,10 +69,14 @@ class ReadAnyWriteStaff(permissions.BasePermission):
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF's handler, which already maps Http404 and PermissionDenied, plus the actions'
     ValidationError: `{"field": [...]}` when it names fields, `[...]` when it does not; and a
-    delete the database's foreign keys refuse, a 409 naming what still refers to the row."""
+    delete the database's foreign keys refuse, a 409 naming what still refers to the row; a
+    body past DATA_UPLOAD_MAX_MEMORY_SIZE, a 413."""
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else exc.messages
         exc = ValidationError(detail)
+    if isinstance(exc, RequestDataTooBig):
+        too_big = f"The request body is larger than {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} bytes."
+        return Response({"detail": too_big}, status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
     if isinstance(exc, ProtectedError | RestrictedError):
         rows = exc.protected_objects if isinstance(exc, ProtectedError) else exc.restricted_objects
         kinds = sorted({str(row._meta.verbose_name_plural) for row in rows})
@@ -78,6 +85,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     return drf_exception_handler(exc, context)
 
 
+@csrf_exempt  # a write to no route is a 404, whatever its cookies: no CSRF page first
 def unrouted(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     """What a path under /api/v1/ that no route matches answers: DRF's 404, not an HTML page
     (with a hint where only the trailing slash is missing: every route ends with one)."""

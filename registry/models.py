@@ -86,7 +86,9 @@ class Model(models.Model):
     name = models.CharField(max_length=128, unique=True, validators=[SERVED_NAME])
     family = models.CharField(max_length=64)
     description = models.TextField(blank=True)
-    params_b = models.FloatField(validators=[MinValueValidator(0.01)], help_text="Billions.")
+    params_b = models.FloatField(
+        validators=[MinValueValidator(0.01), MaxValueValidator(100_000)], help_text="Billions."
+    )
     # At least 1 each: a model of no layers or KV heads holds no KV, and the capacity
     # arithmetic of every loop that places and routes would divide by it.
     layers = models.PositiveIntegerField(validators=[MinValueValidator(1)])

@@ -109,10 +109,12 @@ def tenants_for_user(user: Any) -> QuerySet[Tenant]:
 
 def access_tenant_for_user(user: Any, tenant_slug_or_id: str | int) -> Tenant:
     tenants = tenants_for_user(user)
-    if isinstance(tenant_slug_or_id, int) or str(tenant_slug_or_id).isdigit():
-        tenant = tenants.filter(pk=int(tenant_slug_or_id)).first()
-    else:
-        tenant = tenants.filter(slug=tenant_slug_or_id).first()
+    key = str(tenant_slug_or_id)
+    # The slug first: an id is only digits (ASCII: int() reads "２" as 2 too), and a slug
+    # made of digits alone, which slugs no longer may be, stays its own tenant's.
+    tenant = None if isinstance(tenant_slug_or_id, int) else tenants.filter(slug=key).first()
+    if tenant is None and key.isascii() and key.isdigit() and int(key) < 2**63:
+        tenant = tenants.filter(pk=int(key)).first()
     if tenant is None:
         raise Http404("No such tenant.")
     return tenant

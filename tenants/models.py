@@ -8,11 +8,17 @@ from __future__ import annotations
 from decimal import Decimal
 
 from django.conf import settings
-from django.core.validators import MaxValueValidator, MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 # Staff API tokens have their own module; imported here so that Django finds the model.
 from tenants.staff_tokens import StaffToken as StaffToken
+
+NOT_ONLY_DIGITS = RegexValidator(
+    r"^[0-9]+$",
+    inverse_match=True,
+    message="A slug needs a letter or a hyphen: digits alone read as a tenant's id.",
+)
 
 
 class Tenant(models.Model):
@@ -20,7 +26,8 @@ class Tenant(models.Model):
         ACTIVE = "active"
         SUSPENDED = "suspended"
 
-    slug = models.SlugField(max_length=64, unique=True)
+    # Not digits alone: the API and the pages take a tenant's id where its slug goes.
+    slug = models.SlugField(max_length=64, unique=True, validators=[NOT_ONLY_DIGITS])
     name = models.CharField(max_length=200)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     allowed_regions = models.JSONField(

@@ -356,3 +356,48 @@ def test_a_model_of_no_layers_or_kv_heads_is_a_400_naming_the_field(
     }
     assert field in json_error(staff.post("/api/v1/models/", body, format="json"), 400)
     unchanged()
+
+
+@pytest.mark.parametrize("slug", ["2", "0", "1180591620717411303424"])
+def test_a_tenant_slug_of_digits_alone_is_a_400_naming_slug(
+    staff: APIClient, unchanged: Callable[[], None], slug: str
+) -> None:
+    """A slug "2" read as tenant 2's id: its pages and its DELETE reached another tenant."""
+    body = {"slug": slug, "name": "Digits"}
+    assert "slug" in json_error(staff.post("/api/v1/tenants/", body, format="json"), 400)
+    unchanged()
+
+
+def test_an_id_written_in_other_digits_finds_no_tenant(staff: APIClient, world: World) -> None:
+    assert staff.get(f"/api/v1/tenants/{world.acme.pk}/").status_code == 200
+    fullwidth = "".join(chr(ord("０") + int(d)) for d in str(world.acme.pk))
+    json_error(staff.get(f"/api/v1/tenants/{fullwidth}/"), 404)
+
+
+def test_a_model_too_large_for_a_double_is_a_400_naming_params_b(
+    staff: APIClient, world: World, unchanged: Callable[[], None]
+) -> None:
+    url = f"/api/v1/models/{world.ids['models']}/"
+    response = staff.patch(url, {"params_b": 1.7e308}, format="json")
+    assert "params_b" in json_error(response, 400)
+    unchanged()
+    assert staff.get("/api/v1/versions/").status_code == 200
+
+
+def test_a_body_past_the_upload_limit_is_a_413_in_drfs_format(
+    staff: APIClient, unchanged: Callable[[], None]
+) -> None:
+    raw = b'{"name": "' + b"x" * 3_000_000 + b'"}'
+    error = json_error(staff.post("/api/v1/models/", raw, content_type="application/json"), 413)
+    assert "larger than" in error["detail"]
+    unchanged()
+
+
+def test_a_write_to_no_route_with_a_session_and_no_csrf_token_is_a_json_404(
+    world: World, unchanged: Callable[[], None]
+) -> None:
+    client = APIClient(enforce_csrf_checks=True)
+    client.force_login(world.staff)
+    for path in ("/api/v1/versions/1.5/approve/", "/api/v1/nope", "/api/v2/"):
+        json_error(client.post(path, {}, format="json"), 404)
+    unchanged()
