@@ -28,7 +28,6 @@ and `perform_create` / `perform_update` / `perform_destroy` calling its app's `d
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,6 +47,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from config.nul import NUL_MESSAGE, has_nul, names_with_nul
 from tenants.api.authentication import ApiKeyAuthentication, StaffTokenAuthentication
 
 logger = logging.getLogger("django.request")
@@ -96,27 +96,6 @@ def unrouted(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
 
 # ---------------------------------------------------------------- input PostgreSQL refuses
 
-NUL_MESSAGE = "Text cannot contain NUL (\\u0000) characters."
-
-
-def _has_nul(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_nul(key) or _has_nul(item) for key, item in value.items())
-    if isinstance(value, list | tuple):
-        return any(_has_nul(item) for item in value)
-    return False
-
-
-def _fields(data: Any) -> Iterator[tuple[str, Any]]:
-    if hasattr(data, "lists"):  # a QueryDict: the query, or a form body
-        yield from ((name, values) for name, values in data.lists())
-    elif isinstance(data, dict):
-        yield from data.items()
-    elif data is not None:
-        yield "non_field_errors", data
-
 
 def refuse_nul_bytes(request: Request) -> None:
     """A 400 naming each field or query parameter whose text holds a NUL byte, which
@@ -124,8 +103,7 @@ def refuse_nul_bytes(request: Request) -> None:
     errors = {
         name: [NUL_MESSAGE]
         for source in (request.query_params, request.data)
-        for name, value in _fields(source)
-        if _has_nul(name) or _has_nul(value)
+        for name in names_with_nul(source)
     }
     if errors:
         raise ValidationError(errors)
@@ -186,7 +164,7 @@ class PlatformViewSet(viewsets.GenericViewSet[Any]):
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)
-        if any(_has_nul(value) for value in kwargs.values()):
+        if any(has_nul(value) for value in kwargs.values()):
             raise NotFound()  # no row's key holds a NUL, and PostgreSQL cannot look for one
         refuse_nul_bytes(request)
 

@@ -34,6 +34,7 @@ from django.db import OperationalError
 from django.http import HttpRequest, HttpResponse
 from django.middleware.common import CommonMiddleware as DjangoCommonMiddleware
 
+from config.nul import NUL_MESSAGE, has_nul, names_with_nul
 from serving.gateway.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -254,9 +255,9 @@ class DatabaseUnavailableMiddleware:
 
 
 NUL_PAGE = (
-    b"<!doctype html><title>Bad request</title><h1>Bad request</h1>"
-    b"<p>Text cannot contain NUL (\\u0000) characters. Go back and remove them.</p>"
-)
+    "<!doctype html><title>Bad request</title><h1>Bad request</h1>"
+    f"<p>{NUL_MESSAGE} Go back and remove them.</p>"
+).encode()
 
 
 class NulCharactersRefused:
@@ -274,14 +275,8 @@ class NulCharactersRefused:
 
     @staticmethod
     def _holds_nul(request: HttpRequest) -> bool:
-        if "\x00" in request.path:
-            return True
         sources = [request.GET, request.POST] if request.method == "POST" else [request.GET]
-        return any(
-            "\x00" in name or any("\x00" in value for value in values)
-            for source in sources
-            for name, values in source.lists()
-        )
+        return has_nul(request.path) or any(names_with_nul(source) for source in sources)
 
 
 class CommonMiddleware(DjangoCommonMiddleware):
