@@ -7,6 +7,7 @@ with a failure count; `LoginThrottle` adds up the recent rows per username and p
 applies a limit to each (LOGIN_FAILURES_PER_USER, LOGIN_FAILURES_PER_ADDRESS). Refused attempts
 are not recorded, so a lock ends a cool-off after the last real failure. A wrong second-factor
 code is a failure like a wrong password. Success deletes the user's rows, never the address's.
+A username longer than any account's is refused by the form (`LoginForm`) and recorded nowhere.
 What it does not stop: a slow guesser under both limits (5 per user per 15 minutes by default),
 and an attacker can lock a known username out on purpose; staff unlock it in the admin.
 
@@ -39,6 +40,7 @@ from django.contrib.auth.forms import AuthenticationForm
 from django.contrib.auth.signals import user_login_failed
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
+from django.db import IntegrityError
 from django.db.models import Max, Q, Sum
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import redirect, render, resolve_url
@@ -54,6 +56,8 @@ PENDING_USER = "mfa_pending_user_id"
 PENDING_BACKEND = "mfa_pending_backend"
 PENDING_SINCE = "mfa_pending_since"
 PENDING_SECONDS = 300
+# How often a failure is recorded again after racing another login of the same user.
+RECORD_FAILURE_TRIES = 3
 
 
 def client_address(request: HttpRequest) -> str | None:
@@ -107,9 +111,41 @@ class LoginThrottle(AxesDatabaseHandler):
         left = (newest + get_cool_off(request) - timezone.now()).total_seconds()
         return max(1, math.ceil(left / 60))
 
+    def user_login_failed(
+        self,
+        sender: Any,
+        credentials: dict[str, Any],
+        request: HttpRequest | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Axes' recording of a failure, tried again when it raced a login of the same user:
+        a success deletes the row between axes' look-up and insert, or between the insert
+        that met another failure's row and the look-up after it (an IntegrityError, a 500).
+        Each try is its own transaction; the next one finds the row or creates it."""
+        for _ in range(RECORD_FAILURE_TRIES - 1):
+            try:
+                super().user_login_failed(sender, credentials, request, **kwargs)
+                return
+            except IntegrityError:
+                continue
+        super().user_login_failed(sender, credentials, request, **kwargs)
+
     def user_logged_in(self, sender: Any, request: HttpRequest, user: Any, **kwargs: Any) -> None:
         super().user_logged_in(sender, request, user, **kwargs)
         self.reset_attempts(username=user.get_username())
+
+
+class LoginForm(AuthenticationForm):
+    """Django's login form, but a username longer than the user model allows (150) is the
+    ordinary "invalid login" before authenticate() runs: django-axes would record it in a
+    varchar(255), a DataError (a 500) past 255 characters. Django's form sets the field's
+    max_length after its validators are built, so it never checks the length itself."""
+
+    def clean(self) -> dict[str, Any]:
+        username = self.cleaned_data.get("username") or ""
+        if len(username) > (self.username_field.max_length or 150):
+            raise self.get_invalid_login_error()
+        return super().clean()
 
 
 def lockout_response(request: HttpRequest, *args: Any) -> HttpResponse:
@@ -122,7 +158,7 @@ def lockout_response(request: HttpRequest, *args: Any) -> HttpResponse:
         "Too many failed attempts for this account or address; "
         f"try again in {minutes} minute{'s' if minutes != 1 else ''}."
     )
-    context = {"form": AuthenticationForm(request), "lockout": message}
+    context = {"form": LoginForm(request), "lockout": message}
     return render(request, "registration/login.html", context, status=429)
 
 
@@ -137,6 +173,8 @@ def safe_next(request: HttpRequest, default: str) -> str:
 class LoginView(auth_views.LoginView):
     """Django's login page; for a user with a confirmed TOTP device the password step only
     leads to the code step."""
+
+    form_class = LoginForm
 
     def form_valid(self, form: AuthenticationForm) -> HttpResponse:
         user = form.get_user()

@@ -3,13 +3,18 @@ username from any address, 20 per address over any usernames, then 429s for the 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
+from axes.models import AccessAttempt
 from django.contrib.auth import get_user_model
+from django.db import connection
 from django.test import Client
 
 PASSWORD = "pw-for-tests-only"
+# Rounds of the race between a success and failures of one user (one round rarely meets it).
+ROUNDS = 20
 LOCKED = "Too many failed attempts for this account or address; try again in 15 minutes."
 
 
@@ -135,3 +140,45 @@ def test_behind_a_proxy_failures_count_against_the_address_in_its_header(
     )
 
     assert (locked.status_code, other_client.status_code) == (429, 302)
+
+
+@pytest.mark.parametrize("path", ["/login/", "/admin/login/"])
+@pytest.mark.parametrize("length", [151, 256, 100_000])
+def test_a_username_longer_than_any_account_is_an_ordinary_failed_login_and_records_nothing(
+    admin_user: Any, path: str, length: int
+) -> None:
+    """Django's login form never checks the username's length, and django-axes records it in
+    a varchar(255): past 255 characters that was a DataError, a 500."""
+    reply = log_in(from_address("203.0.113.7"), "x" * length, "wrong", path)
+
+    assert reply.status_code == 200
+    assert b"didn't match" in reply.content
+    assert not AccessAttempt.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failures_racing_a_success_of_the_same_user_are_never_a_500() -> None:
+    """A success deletes the user's rows while failures look theirs up and insert it again:
+    axes' get_or_create then met a row that was there for its insert and gone for its second
+    look (an IntegrityError, a 500). Each round races two right passwords and four wrong."""
+    get_user_model().objects.create_user("admin", password=PASSWORD)
+    statuses: list[int] = []
+
+    def log_in_at(start: threading.Barrier, password: str) -> None:
+        client = Client(raise_request_exception=False, REMOTE_ADDR="203.0.113.7")
+        start.wait()
+        statuses.append(log_in(client, "admin", password).status_code)
+        connection.close()
+
+    for round_ in range(ROUNDS):
+        start = threading.Barrier(6)
+        passwords = [PASSWORD, PASSWORD] + [f"wrong-{round_}-{n}" for n in range(4)]
+        threads = [threading.Thread(target=log_in_at, args=(start, p)) for p in passwords]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        AccessAttempt.objects.all().delete()  # no lock builds up over the rounds
+
+    assert len(statuses) == 6 * ROUNDS
+    assert set(statuses) <= {200, 302}
