@@ -20,6 +20,8 @@ import redis
 from django.db import transaction
 from django.utils import timezone
 
+from config.loops import LoopPass
+from config.redis import redis_client
 from registry.actions import (
     default_metrics_source,
     do_advance_rollout_step,
@@ -57,15 +59,19 @@ def run_rollout_tick(metrics: RolloutMetricsSource | None = None) -> list[TickOu
     metrics = metrics or default_metrics_source()
     live = Rollout.objects.filter(state__in=Rollout.LIVE_STATES).values_list("pk", flat=True)
     outcomes: list[TickOutcome] = []
+    # Any other error is that rollout's alone: logged and shown on it (config.loops).
+    this_pass = LoopPass("rollout_tick", "rollout")
     for rollout_id in list(live):
-        try:
-            outcome = tick_rollout(rollout_id, metrics)
-        except redis.RedisError:
-            # No figures is no evidence either way: hold, and try again next tick.
-            logger.warning("rollout %s: metrics unreadable, holding", rollout_id, exc_info=True)
-            continue
-        if outcome is not None:
-            outcomes.append(outcome)
+        with this_pass.item(rollout_id):
+            try:
+                outcome = tick_rollout(rollout_id, metrics)
+            except redis.RedisError:
+                # No figures is no evidence either way: hold, and try again next tick.
+                logger.warning("rollout %s: metrics unreadable, holding", rollout_id, exc_info=True)
+                continue
+            if outcome is not None:
+                outcomes.append(outcome)
+    this_pass.record(redis_client())
     return outcomes
 
 

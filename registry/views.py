@@ -13,6 +13,8 @@ from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from config.loops import loop_failures
+from config.redis import redis_client
 from config.views import staff_required
 from registry import actions
 from registry.models import (
@@ -119,9 +121,14 @@ def _deployment_from(data: QueryDict) -> Deployment:
 
 @staff_required
 def models_page(request: HttpRequest) -> HttpResponse:
-    deployments = actions.with_ready_replicas(
-        Deployment.objects.select_related("model_version__model", "pool", "decode_pool")
+    deployments = list(
+        actions.with_ready_replicas(
+            Deployment.objects.select_related("model_version__model", "pool", "decode_pool")
+        )
     )
+    failing = loop_failures(redis_client(), "deployment")
+    for deployment in deployments:
+        deployment.loop_failures = failing.get(deployment.pk, [])  # type: ignore[attr-defined]
     live_rollouts = actions.rollouts_for_user(request.user).filter(state__in=Rollout.LIVE_STATES)
     in_rollout = {
         pk for pair in live_rollouts.values_list("baseline_id", "canary_id") for pk in pair

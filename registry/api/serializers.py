@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from config.loops import loop_failures
+from config.redis import redis_client
 from registry.actions import MODEL_FIELDS, with_ready_replicas
 from registry.models import (
     Adapter,
@@ -102,6 +105,36 @@ class AdapterSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Adapte
         read_only_fields = ["id", "created_at"]
 
 
+class LoopFailureSerializer(serializers.Serializer[Any]):
+    loop = serializers.CharField(help_text="reconcile, routing_table, autoscale or rollout_tick")
+    error = serializers.CharField(help_text="the exception, as its last pass raised it")
+    since = serializers.DateTimeField(help_text="when the loop first failed on this row")
+
+
+@extend_schema_field(LoopFailureSerializer(many=True))
+class LoopFailuresField(serializers.Field):
+    """The fleet loops that fail on this row now, each passing over it and going on with the
+    others (config.loops); empty while they succeed. One Redis read per response."""
+
+    def __init__(self, kind: str, **kwargs: Any) -> None:
+        super().__init__(source="*", read_only=True, **kwargs)
+        self.kind = kind
+
+    def to_representation(self, value: Any) -> list[dict[str, Any]]:
+        cached = self.context  # the root serializer's, shared by every row of a list
+        key = f"loop_failures:{self.kind}"
+        if key not in cached:
+            cached[key] = loop_failures(redis_client(), self.kind)
+        return [
+            {
+                "loop": failure.loop,
+                "error": failure.error,
+                "since": failure.since_at.isoformat(),
+            }
+            for failure in cached[key].get(value.pk, [])
+        ]
+
+
 class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
     name = serializers.SlugField(max_length=128, required=False)
     model = serializers.CharField(source="served_model_name", read_only=True)
@@ -120,6 +153,7 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
     pending_capacity = serializers.BooleanField(read_only=True)
     placement_failure = serializers.CharField(read_only=True)
     placement_failure_since = serializers.DateTimeField(read_only=True)
+    loop_failures = LoopFailuresField("deployment")
 
     class Meta:
         model = Deployment
@@ -143,6 +177,7 @@ class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
             "pending_capacity",
             "placement_failure",
             "placement_failure_since",
+            "loop_failures",
             "kv_connector",
             "engine_args",
             "effective_engine_args",
@@ -208,6 +243,7 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
     canary_held = serializers.BooleanField(read_only=True)
     gate_min_requests = serializers.IntegerField(read_only=True)
     transitions = RolloutTransitionSerializer(many=True, read_only=True)
+    loop_failures = LoopFailuresField("rollout")
 
     class Meta:
         model = Rollout
@@ -237,6 +273,7 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
             "created_at",
             "finished_at",
             "transitions",
+            "loop_failures",
         ]
         read_only_fields = [
             "id",

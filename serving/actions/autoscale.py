@@ -65,6 +65,7 @@ import orjson
 import redis
 from django.conf import settings
 
+from config.loops import LoopPass
 from registry.actions import do_scale_deployment
 from registry.models import Deployment
 from registry.rollout_metrics import TTFT_OVER_OBJECTIVE, quantile_from_buckets, stats_key
@@ -494,11 +495,18 @@ def do_autoscale(client: redis.Redis, now_s: float | None = None) -> list[Scalin
     now_s = time.time() if now_s is None else now_s
     telemetry = read_routing_telemetry(client)
     period_s = float(settings.AUTOSCALER_FORECAST_PERIOD_S)
-    return [
-        do_autoscale_deployment(
-            deployment, client, telemetry, now_s, forecast_period_s=period_s, phase=phase
-        )
-        for deployment in autoscaled_deployments()
-        for phase in deployment_phases(deployment)
-        if phase_counts(deployment, phase).scalable
-    ]
+    this_pass = LoopPass("autoscale", "deployment")
+    outcomes: list[ScalingOutcome] = []
+    for deployment in autoscaled_deployments():
+        with this_pass.item(deployment.pk):
+            # Both phases of a disaggregated one, or neither: a failure rolls back its writes.
+            phases = [
+                do_autoscale_deployment(
+                    deployment, client, telemetry, now_s, forecast_period_s=period_s, phase=phase
+                )
+                for phase in deployment_phases(deployment)
+                if phase_counts(deployment, phase).scalable
+            ]
+            outcomes.extend(phases)
+    this_pass.record(client)
+    return outcomes

@@ -18,6 +18,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from config.jobs import enqueue_on_commit
+from config.loops import LoopPass
 from config.redis import redis_client
 from registry.actions import do_note_canary_placement
 from registry.models import Deployment
@@ -343,6 +344,8 @@ class ReconcileReport:
     # Replicas of draining nodes that stay this tick: replica id -> (why, what would unblock).
     drain_blocked: dict[int, tuple[str, list[str]]] = field(default_factory=dict)
     drains_finished: int = 0
+    # Deployments this pass failed on (their error), left as they were (config.loops).
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 def do_reconcile() -> ReconcileReport:
@@ -355,18 +358,29 @@ def do_reconcile() -> ReconcileReport:
             if not cursor.fetchone()[0]:
                 return report  # another worker is reconciling right now
         report.stopped += _retire_overdue_drains()
-        launches = [launch for d in deployments_to_run() for launch in deployment_launches(d)]
+        this_pass = LoopPass("reconcile", "deployment")
+        deployments = deployments_to_run()
+        launches: list[Launch] = []
+        for deployment in deployments:
+            with this_pass.item(deployment.pk):
+                launches.extend(deployment_launches(deployment))
         rooms = _node_rooms()
         for launch in launches:
-            _reconcile_deployment(launch, rooms, report)
-        report.drained += _drain_orphans(
-            {(launch.deployment_id, launch.phase) for launch in launches}
-        )
+            if launch.deployment_id not in this_pass.failed:
+                with this_pass.item(launch.deployment_id):
+                    _reconcile_deployment(launch, rooms, report)
+        # A deployment this pass failed on keeps every replica it has, of any phase: what
+        # it wants is unknown, and draining them would turn one bad row into an outage.
+        wanted = {(launch.deployment_id, launch.phase) for launch in launches}
+        wanted |= {(pk, phase) for pk in this_pass.failed for phase in Replica.Phase.values}
+        report.drained += _drain_orphans(wanted)
+        report.failed = dict(this_pass.failed)
         do_note_canary_placement(report.placement_failures)
         _record_drain_blockers(report.drain_blocked)
         report.drains_finished = _finish_drains()
         if report.placed or report.drained or report.stopped:
             request_publish()
+    this_pass.record(redis_client())
     return report
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 from django.utils import timezone
 
+from config.loops import LoopPass
 from config.redis import redis_client
 from registry.models import Rollout
 from serving.actions.credentials import engine_api_key
@@ -52,44 +54,81 @@ return version
 """
 
 
-def build_routing_table() -> dict[str, Any]:
-    """The table's content (without version and publish time), from PostgreSQL."""
+def build_routing_table(
+    last: Callable[[], dict[str, Any] | None] = lambda: None,
+    this_pass: LoopPass | None = None,
+) -> dict[str, Any]:
+    """The table's content (without version and publish time), from PostgreSQL. A deployment
+    whose entry cannot be built (`this_pass` notes why) keeps its entry of `last()`, the table
+    published before, if it had one: its replicas go on serving what they served."""
+    this_pass = this_pass or LoopPass("routing_table", "deployment")
     ready = _ready_replicas()
     rollouts = _live_rollouts()
+    carried: dict[int, tuple[str, dict[str, Any]]] | None = None  # read at a first failure
     models: dict[str, dict[str, Any]] = {}
     for deployment in deployments_to_run():
-        launch = deployment_launch(deployment)
-        if not launch.active:
-            continue  # a draining deployment's replicas finish their work but get nothing new
-        rollout = rollouts.get(launch.served_model_name)
-        route = models.setdefault(
-            launch.served_model_name,
-            {
-                "cohort_by_tenant": bool(rollout and rollout["cohort_by_tenant"]),
-                "rollout": rollout,
-                "deployments": [],
-            },
-        )
-        route["deployments"].append(
-            {
-                "deployment_id": deployment.pk,
-                "name": deployment.name,
-                "version": launch.version_label,
-                "version_id": deployment.model_version_id,
-                "weight": launch.traffic_weight,
-                "slo_tier": launch.slo_tier,
-                "role": _role(rollout, deployment.pk),
-                "pool": deployment.pool.name,
-                # Disaggregated: its replicas' rows say which phase each serves.
-                "decode_pool": deployment.decode_pool.name if deployment.decode_pool else None,
-                "adapters": [name for name, _ in launch.adapters],
-                "replicas": [
-                    _replica_row(replica, phase_launch(deployment, replica.phase, launch))
-                    for replica in ready.get(deployment.pk, [])
-                ],
-            }
-        )
+        with this_pass.item(deployment.pk):
+            launch = deployment_launch(deployment)
+            if not launch.active:
+                continue  # a draining deployment's replicas finish their work, nothing new
+            entry = _deployment_entry(deployment, launch, rollouts, ready)
+            _route(models, launch.served_model_name, rollouts)["deployments"].append(entry)
+        if deployment.pk in this_pass.failed:
+            carried = _entries_by_deployment(last()) if carried is None else carried
+            if deployment.pk in carried:
+                model_name, entry = carried[deployment.pk]
+                _route(models, model_name, rollouts)["deployments"].append(entry)
     return {"models": models}
+
+
+def _route(
+    models: dict[str, dict[str, Any]], model_name: str, rollouts: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    rollout = rollouts.get(model_name)
+    return models.setdefault(
+        model_name,
+        {
+            "cohort_by_tenant": bool(rollout and rollout["cohort_by_tenant"]),
+            "rollout": rollout,
+            "deployments": [],
+        },
+    )
+
+
+def _deployment_entry(
+    deployment: Any,
+    launch: Launch,
+    rollouts: dict[str, dict[str, Any]],
+    ready: dict[int, list[Replica]],
+) -> dict[str, Any]:
+    return {
+        "deployment_id": deployment.pk,
+        "name": deployment.name,
+        "version": launch.version_label,
+        "version_id": deployment.model_version_id,
+        "weight": launch.traffic_weight,
+        "slo_tier": launch.slo_tier,
+        "role": _role(rollouts.get(launch.served_model_name), deployment.pk),
+        "pool": deployment.pool.name,
+        # Disaggregated: its replicas' rows say which phase each serves.
+        "decode_pool": deployment.decode_pool.name if deployment.decode_pool else None,
+        "adapters": [name for name, _ in launch.adapters],
+        "replicas": [
+            _replica_row(replica, phase_launch(deployment, replica.phase, launch))
+            for replica in ready.get(deployment.pk, [])
+        ],
+    }
+
+
+def _entries_by_deployment(table: dict[str, Any] | None) -> dict[int, tuple[str, dict[str, Any]]]:
+    """A published table's deployment entries, by deployment id, with their model's name."""
+    if not table:
+        return {}
+    return {
+        int(entry["deployment_id"]): (model_name, entry)
+        for model_name, route in table.get("models", {}).items()
+        for entry in route.get("deployments", [])
+    }
 
 
 def _live_rollouts() -> dict[str, dict[str, Any]]:
@@ -160,10 +199,11 @@ def _replica_row(replica: Replica, launch: Launch) -> dict[str, Any]:
 
 def publish_routing_table() -> int:
     """Publish the table if it changed; the new version, or 0 when nothing changed."""
-    content = build_routing_table()
+    client = redis_client()
+    this_pass = LoopPass("routing_table", "deployment")
+    content = build_routing_table(lambda: read_routing_table(client), this_pass)
     body = orjson.dumps(content, option=orjson.OPT_SORT_KEYS)
     digest = hashlib.sha256(body).hexdigest()
-    client = redis_client()
     published_at = timezone.now().isoformat()
     version = int(
         client.eval(
@@ -179,6 +219,7 @@ def publish_routing_table() -> int:
         )
     )
     _prune_telemetry(client)
+    this_pass.record(client)
     if version:
         logger.info("routing table v%d published", version)
     return version

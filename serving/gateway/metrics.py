@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -72,4 +72,11 @@ UPSTREAM_FAILURES = Counter(
 SPOOLED_EVENTS = Counter(
     "platform_gateway_spooled_usage_events_total",
     "Usage events written to the local spool because Redis refused them.",
+)
+# Read from Redis on the gateway's refresh beat: the Celery workers serve no /metrics, and
+# every gateway reports the same figure (take the max across them).
+FLEET_LOOP_FAILURES = Gauge(
+    "platform_fleet_loop_failures",
+    "Deployments or rollouts a fleet control loop fails on now, by loop.",
+    ["loop"],
 )

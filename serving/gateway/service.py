@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -39,6 +40,7 @@ from serving.gateway.prefix_sync import PrefixSync
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
 from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
+from serving.redis_contracts import FLEET_LOOPS, LOOP_FAILURES_KEY
 from serving.router import (
     POLICIES,
     AdmissionQueue,
@@ -140,6 +142,7 @@ class Gateway:
         self._disaggregated: Disaggregated | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._loops_seen: set[str] = set(FLEET_LOOPS)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -160,6 +163,8 @@ class Gateway:
             await self.limiter.load_scripts()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.count_gateways()
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.count_loop_failures()
         await self.prefix_sync.start()
         await self.inflight_sync.start()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
@@ -198,6 +203,17 @@ class Gateway:
             log.info("%d gateway processes share the traffic", gateways)
             self.configure_router(replace(self.router_config, gateways=gateways))
 
+    async def count_loop_failures(self) -> None:
+        """How many deployments or rollouts each fleet loop fails on now (config/loops.py),
+        into `platform_fleet_loop_failures` for the FleetLoopFailing alert."""
+        names = await self.redis.hkeys(LOOP_FAILURES_KEY)
+        counts = Counter(
+            (name.decode() if isinstance(name, bytes) else name).split(":", 1)[0] for name in names
+        )
+        self._loops_seen |= set(counts)
+        for loop in self._loops_seen:
+            metrics.FLEET_LOOP_FAILURES.labels(loop).set(counts.get(loop, 0))
+
     def configure_router(self, config: RouterConfig) -> None:
         """Route with `config` from the next request on (the policy is built again)."""
         self.router_config = config
@@ -213,6 +229,7 @@ class Gateway:
                     if sent:
                         log.info("sent %d deferred limiter settles and releases", sent)
                 await self.refresh_reference_data()
+                await self.count_loop_failures()
                 if self.spool.has_pending():
                     sent = await self.spool.replay(self.redis)
                     log.info("replayed %d spooled usage events", sent)

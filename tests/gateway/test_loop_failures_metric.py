@@ -1,0 +1,46 @@
+"""The gateways count the fleet loops' standing failures (config/loops.py) into
+`platform_fleet_loop_failures`, which the FleetLoopFailing alert reads: the Celery workers
+serve no /metrics of their own."""
+
+from __future__ import annotations
+
+import redis
+from django.conf import settings
+from prometheus_client import REGISTRY
+
+from config.loops import LoopPass
+from serving.gateway.service import Gateway, GatewayConfig
+from tenants.keys import KeyPrincipal
+
+
+def _reported(loop: str) -> float | None:
+    return REGISTRY.get_sample_value("platform_fleet_loop_failures", {"loop": loop})
+
+
+async def test_each_loops_failures_are_counted_and_go_back_to_zero(
+    redis_client: redis.Redis,
+) -> None:
+    gateway = Gateway(GatewayConfig(redis_url=settings.REDIS_URL), load_principal=no_principal)
+    reconcile, rollouts = LoopPass("reconcile", "deployment"), LoopPass("rollout_tick", "rollout")
+    try:
+        await gateway.count_loop_failures()
+        assert [_reported(loop) for loop in ("reconcile", "autoscale", "rollout_tick")] == [0, 0, 0]
+
+        reconcile.failed = {3: "ZeroDivisionError: float division by zero", 5: "KeyError: 'x'"}
+        rollouts.failed = {9: "ValueError: broken gate"}
+        reconcile.record(redis_client)
+        rollouts.record(redis_client)
+        await gateway.count_loop_failures()
+        assert (_reported("reconcile"), _reported("rollout_tick")) == (2, 1)
+        assert _reported("autoscale") == 0
+
+        reconcile.failed = {}
+        reconcile.record(redis_client)
+        await gateway.count_loop_failures()
+        assert (_reported("reconcile"), _reported("rollout_tick")) == (0, 1)
+    finally:
+        await gateway.redis.aclose()
+
+
+async def no_principal(_: str) -> KeyPrincipal | None:
+    return None
