@@ -1,16 +1,17 @@
 """One item's failure in a control loop is that item's alone.
 
-The fleet's loops (reconcile, the routing table's publication, the autoscaler, the rollout
-controller) each walk every deployment or rollout on a beat. One item's exception used to
-end the pass for all of them: a model of 0 KV heads, once deployed, divided by zero in each
-loop, and no replica was placed, no table published and nothing scaled anywhere until that
-row was fixed. Now each item runs in its own savepoint (`LoopPass.item`): its exception is
-logged with its traceback, its writes roll back, and the pass goes on with the next item.
+The control loops walk every deployment, rollout or tenant on a beat: reconcile, the routing
+table's publication, the autoscaler, the rollout controller, invoices and budget checks. One
+item's exception used to end the pass for all of them: a model of 0 KV heads, once deployed,
+divided by zero in each fleet loop, and no replica was placed, no table published and nothing
+scaled anywhere until that row was fixed. Now each item runs in its own savepoint
+(`LoopPass.item`): its exception is logged with its traceback, its writes roll back, and the
+pass goes on with the next item.
 
 The pass's failures are kept in Redis (`LOOP_FAILURES_KEY`, one hash field per loop and
 item) until a pass of the same loop no longer fails on that item, with the time the failure
 was first seen, for the console and the API to show beside the deployment or rollout, and
-for the gateways to count into `platform_fleet_loop_failures` (alert `FleetLoopFailing`).
+for the gateways to count into `platform_control_loop_failures` (alert `ControlLoopFailing`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -51,7 +52,8 @@ class LoopFailure:
 
 
 class LoopPass:
-    """One pass of a loop named `loop` over items of one `kind` ("deployment", "rollout")."""
+    """One pass of a loop named `loop` over items of one `kind` ("deployment", "rollout",
+    "tenant")."""
 
     def __init__(self, loop: str, kind: str) -> None:
         self.loop = loop
@@ -59,11 +61,13 @@ class LoopPass:
         self.failed: dict[int, str] = {}
 
     @contextmanager
-    def item(self, item_id: int) -> Iterator[None]:
+    def item(self, item_id: int, *, savepoint: bool = True) -> Iterator[None]:
         """Run one item's work in a savepoint; an exception there is logged, noted and
-        swallowed, and the item's writes are rolled back."""
+        swallowed, and the item's writes are rolled back. `savepoint=False` for work that
+        commits as it goes because it acts outside the database between writes (a budget
+        alert is recorded, then mailed: rolling the record back would mail it again)."""
         try:
-            with transaction.atomic():
+            with transaction.atomic() if savepoint else nullcontext():
                 yield
         except Exception as error:
             logger.exception(

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from config.celery import task
+from config.loops import LoopPass
 from config.redis import redis_client
 from metering import budgets, ingest, invoices, partitions, prices, rollups
 from tenants.models import Tenant
@@ -51,18 +52,25 @@ def refresh_invoices() -> None:
     close_last = now - INVOICE_CLOSE_GRACE >= datetime(
         this_month.year, this_month.month, 1, tzinfo=UTC
     )
-    for tenant in Tenant.objects.all():
-        invoices.do_build_invoice(tenant, this_month, finalize=False)
-        invoices.do_build_invoice(tenant, last_month, finalize=close_last)
+    this_pass = LoopPass("invoices", "tenant")
+    for tenant in Tenant.objects.order_by("pk"):
+        with this_pass.item(tenant.pk):  # one tenant's failure leaves the others' invoices be
+            invoices.do_build_invoice(tenant, this_month, finalize=False)
+            invoices.do_build_invoice(tenant, last_month, finalize=close_last)
+    this_pass.record(redis_client())
 
 
 @task(name="metering.check_budgets", ignore_result=True)
 def check_budgets() -> None:
     month = timezone.now().date().replace(day=1)
     client = redis_client(worker=True)
+    this_pass = LoopPass("budgets", "tenant")
     try:
-        for tenant in Tenant.objects.filter(quota__monthly_spend_budget_usd__isnull=False):
-            budgets.check_tenant_budget(client, tenant, month)
+        budgeted = Tenant.objects.filter(quota__monthly_spend_budget_usd__isnull=False)
+        for tenant in budgeted.order_by("pk"):
+            with this_pass.item(tenant.pk, savepoint=False):  # each alert commits, then goes out
+                budgets.check_tenant_budget(client, tenant, month)
+        this_pass.record(client)
     finally:
         client.close()
 

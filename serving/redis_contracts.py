@@ -8,8 +8,8 @@ Written by the control plane, read by every gateway process:
 - `routing:telemetry`: hash replica id -> compact JSON of the replica's last scrape
   (running, waiting, KV use, loaded adapters, scraped_at).
 - `platform:loop_failures`: hash "loop:kind:id" -> JSON of the error and since when, for
-  each deployment or rollout a fleet loop fails on now (config/loops.py); the gateways count
-  it into `platform_fleet_loop_failures` for the alert.
+  each deployment, rollout or tenant a control loop fails on now (config/loops.py); the gateways count
+  it into `platform_control_loop_failures` for the alert.
 - `{registry:visibility}`: hash model or adapter name -> who may see it
   (registry/actions.py); `{registry:visibility}:version` counts its publishes, in the same
   MULTI as the rewrite.
@@ -37,4 +37,4 @@ VISIBILITY_VERSION_KEY = "{registry:visibility}:version"
 
 LOOP_FAILURES_KEY = "platform:loop_failures"
 # The loops that record there (each reported, at 0 while it fails on nothing).
-FLEET_LOOPS = ("reconcile", "routing_table", "autoscale", "rollout_tick")
+CONTROL_LOOPS = ("reconcile", "routing_table", "autoscale", "rollout_tick", "invoices", "budgets")

@@ -75,8 +75,8 @@ SPOOLED_EVENTS = Counter(
 )
 # Read from Redis on the gateway's refresh beat: the Celery workers serve no /metrics, and
 # every gateway reports the same figure (take the max across them).
-FLEET_LOOP_FAILURES = Gauge(
-    "platform_fleet_loop_failures",
-    "Deployments or rollouts a fleet control loop fails on now, by loop.",
+CONTROL_LOOP_FAILURES = Gauge(
+    "platform_control_loop_failures",
+    "Deployments, rollouts or tenants a control loop fails on now, by loop.",
     ["loop"],
 )

@@ -40,7 +40,7 @@ from serving.gateway.prefix_sync import PrefixSync
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
 from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
-from serving.redis_contracts import FLEET_LOOPS, LOOP_FAILURES_KEY
+from serving.redis_contracts import CONTROL_LOOPS, LOOP_FAILURES_KEY
 from serving.router import (
     POLICIES,
     AdmissionQueue,
@@ -142,7 +142,7 @@ class Gateway:
         self._disaggregated: Disaggregated | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
-        self._loops_seen: set[str] = set(FLEET_LOOPS)
+        self._loops_seen: set[str] = set(CONTROL_LOOPS)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -204,15 +204,15 @@ class Gateway:
             self.configure_router(replace(self.router_config, gateways=gateways))
 
     async def count_loop_failures(self) -> None:
-        """How many deployments or rollouts each fleet loop fails on now (config/loops.py),
-        into `platform_fleet_loop_failures` for the FleetLoopFailing alert."""
+        """How many rows each control loop fails on now (config/loops.py),
+        into `platform_control_loop_failures` for the ControlLoopFailing alert."""
         names = await self.redis.hkeys(LOOP_FAILURES_KEY)
         counts = Counter(
             (name.decode() if isinstance(name, bytes) else name).split(":", 1)[0] for name in names
         )
         self._loops_seen |= set(counts)
         for loop in self._loops_seen:
-            metrics.FLEET_LOOP_FAILURES.labels(loop).set(counts.get(loop, 0))
+            metrics.CONTROL_LOOP_FAILURES.labels(loop).set(counts.get(loop, 0))
 
     def configure_router(self, config: RouterConfig) -> None:
         """Route with `config` from the next request on (the policy is built again)."""

@@ -1,5 +1,5 @@
-"""The gateways count the fleet loops' standing failures (config/loops.py) into
-`platform_fleet_loop_failures`, which the FleetLoopFailing alert reads: the Celery workers
+"""The gateways count the control loops' standing failures (config/loops.py) into
+`platform_control_loop_failures`, which the ControlLoopFailing alert reads: the Celery workers
 serve no /metrics of their own."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tenants.keys import KeyPrincipal
 
 
 def _reported(loop: str) -> float | None:
-    return REGISTRY.get_sample_value("platform_fleet_loop_failures", {"loop": loop})
+    return REGISTRY.get_sample_value("platform_control_loop_failures", {"loop": loop})
 
 
 async def test_each_loops_failures_are_counted_and_go_back_to_zero(

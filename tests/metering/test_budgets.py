@@ -69,3 +69,31 @@ def test_the_webhook_signature_covers_timestamp_and_body() -> None:
     expected = hmac.new(b"s3cret", b"1700000000." + body, hashlib.sha256).hexdigest()
     assert sign("s3cret", "1700000000", body) == f"sha256={expected}"
     assert sign("s3cret", "1700000001", body) != f"sha256={expected}"
+
+
+def test_one_tenants_failing_budget_check_leaves_the_others_checked(
+    acme: Tenant, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from config.loops import loop_failures
+    from metering import budgets, tasks
+
+    broken = Tenant.objects.create(slug="broken", name="Broken")
+    later = Tenant.objects.create(slug="later", name="Later")  # walked after the broken one
+    for tenant in (broken, later):
+        Quota.objects.update_or_create(
+            tenant=tenant, defaults={"monthly_spend_budget_usd": Decimal("5.00")}
+        )
+    checked: list[str] = []
+
+    def check(client: redis.Redis, tenant: Tenant, month: date) -> list[int]:
+        checked.append(tenant.slug)
+        if tenant.pk == broken.pk:
+            raise redis.ResponseError("WRONGTYPE Operation against a key")
+        return []
+
+    monkeypatch.setattr(budgets, "check_tenant_budget", check)
+    tasks.check_budgets()
+    assert checked == ["acme", "broken", "later"]
+    (failure,) = loop_failures(redis_client, "tenant")[broken.pk]
+    assert failure.loop == "budgets"
+    assert failure.error.startswith("ResponseError: WRONGTYPE")

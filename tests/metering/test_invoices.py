@@ -185,3 +185,28 @@ def test_chargeback_groups_invoices_by_the_teams_cost_center(acme: Tenant) -> No
         ("CC-100", "Search", "2.000000"),
         ("globex", "Globex", "2.000000"),
     ]
+
+
+def test_one_tenants_failing_invoice_leaves_the_others_invoiced(
+    acme: Tenant, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The beat's refresh goes on past a tenant whose invoice raises (config.loops)."""
+    from config.loops import loop_failures
+    from metering import invoices, tasks
+
+    broken = Tenant.objects.create(slug="broken", name="Broken")
+    later = Tenant.objects.create(slug="later", name="Later")  # walked after the broken one
+    real = invoices.do_build_invoice
+
+    def build(tenant: Tenant, month: date, *, finalize: bool) -> Invoice:
+        if tenant.pk == broken.pk:
+            raise ArithmeticError("a price sheet of NaN")
+        return real(tenant, month, finalize=finalize)
+
+    monkeypatch.setattr(invoices, "do_build_invoice", build)
+    tasks.refresh_invoices()
+    assert Invoice.objects.filter(tenant=acme).count() == 2  # this month's and last month's
+    assert Invoice.objects.filter(tenant=later).count() == 2
+    assert not Invoice.objects.filter(tenant=broken).exists()
+    (failure,) = loop_failures(redis_client, "tenant")[broken.pk]
+    assert (failure.loop, failure.error) == ("invoices", "ArithmeticError: a price sheet of NaN")
