@@ -1,11 +1,13 @@
 """NUL characters, which PostgreSQL stores in neither text nor jsonb: saving one is a DataError,
 a 500. The REST API (config.api.refuse_nul_bytes), the pages (config.middleware.
-NulCharactersRefused) and forms that parse JSON look for them with the same two helpers."""
+NulCharactersRefused) and every JSONField (`validate_no_nul`) look for them the same way."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
+
+from django.core.exceptions import ValidationError
 
 NUL_MESSAGE = "Text cannot contain NUL (\\u0000) characters."
 
@@ -20,6 +22,13 @@ def has_nul(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return any(has_nul(item) for item in value)
     return False
+
+
+def validate_no_nul(value: Any) -> None:
+    """The validator of every JSONField: a form that parses JSON text (the admin's) turns a
+    `\\u0000` escape into a NUL, which jsonb refuses ("unsupported Unicode escape sequence")."""
+    if has_nul(value):
+        raise ValidationError(NUL_MESSAGE, code="nul")
 
 
 def names_with_nul(data: Any) -> list[str]:

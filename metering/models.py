@@ -22,6 +22,7 @@ from django.contrib.postgres.indexes import BrinIndex
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from config.nul import validate_no_nul
 from metering.usage import JudgedOnBothClocks
 from tenants.models import Tenant
 
@@ -97,7 +98,10 @@ class PriceSheet(models.Model):
     cached_input_usd_per_mtok = models.DecimalField(max_digits=12, decimal_places=6)
     output_usd_per_mtok = models.DecimalField(max_digits=12, decimal_places=6)
     tier_multipliers = models.JSONField(
-        default=dict, blank=True, help_text='e.g. {"interactive": "1.25", "batch": "0.5"}'
+        default=dict,
+        blank=True,
+        help_text='e.g. {"interactive": "1.25", "batch": "0.5"}',
+        validators=[validate_no_nul],
     )
     effective_from = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)

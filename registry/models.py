@@ -19,6 +19,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from config.nul import validate_no_nul
 from registry.rollout_policy import CanaryState, GateThresholds
 from serving.engine.specs import BYTES_PER_PARAM, ModelSpec
 
@@ -274,7 +275,9 @@ class Deployment(models.Model):
     decode_replicas_max = models.PositiveIntegerField(default=1)
     decode_replicas_desired = models.PositiveIntegerField(default=1)
     kv_connector = models.CharField(max_length=16, choices=KvConnector.choices, blank=True)
-    engine_args = models.JSONField(default=default_engine_args, blank=True)
+    engine_args = models.JSONField(
+        default=default_engine_args, blank=True, validators=[validate_no_nul]
+    )
     slo_tier = models.CharField(max_length=16, choices=SloTier.choices, default=SloTier.STANDARD)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
     # This deployment's part of its version's share of the served model name's traffic (the
@@ -366,20 +369,20 @@ class Rollout(models.Model):
     canary = models.ForeignKey(
         Deployment, on_delete=models.PROTECT, related_name="rollouts_as_canary"
     )
-    steps = models.JSONField(default=default_steps)
+    steps = models.JSONField(default=default_steps, validators=[validate_no_nul])
     step_index = models.PositiveSmallIntegerField(default=0)
     step_started_at = models.DateTimeField()
     step_min_duration_s = models.PositiveIntegerField(default=300)
     step_min_requests = models.PositiveIntegerField(default=200)
     # Overrides of registry.rollout_policy.GateThresholds, by field name.
-    gate_thresholds = models.JSONField(default=dict, blank=True)
+    gate_thresholds = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
     # Canary traffic chosen by tenant (one tenant sees one version), not by request. The
     # routing table publishes it as ModelRoute.cohort_by_tenant for the served model name.
     cohort_by_tenant = models.BooleanField(default=False)
     state = models.CharField(max_length=16, choices=State.choices, default=State.RUNNING)
     # Counter snapshots (registry.rollout_metrics marks) that open the comparison windows.
-    baseline_mark = models.JSONField(default=dict, blank=True)
-    canary_mark = models.JSONField(default=dict, blank=True)
+    baseline_mark = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
+    canary_mark = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
     # The canary's replicas as the controller last saw them (registry.rollout_policy's
     # CanaryState): any state but "serving" holds its weight at 0 %. `canary_since` is when
     # it entered that state; `canary_reason` says why, in words.
@@ -393,7 +396,7 @@ class Rollout(models.Model):
     # The fleet's reconcile writes why it could not place a canary replica ("" once it did).
     canary_placement_failure = models.TextField(blank=True)
     # The controller's latest reading, for the console: move, reason and gate figures.
-    last_decision = models.JSONField(default=dict, blank=True)
+    last_decision = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
     last_tick_at = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(
         settings.AUTH_USER_MODEL,
@@ -452,7 +455,7 @@ class RolloutTransition(models.Model):
     # "controller" or the staff user's username, kept even if the user is deleted.
     actor_label = models.CharField(max_length=150)
     reason = models.TextField()
-    gate = models.JSONField(default=dict, blank=True)
+    gate = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -10,6 +10,8 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
+from config.nul import validate_no_nul
+
 
 class GpuClass(models.Model):
     """A kind of GPU with its datasheet figures (loaded from serving/engine/data/gpus.csv)."""
@@ -46,7 +48,7 @@ class GpuPool(models.Model):
         help_text="Overrides the GPU class's default price when set.",
     )
     spot = models.BooleanField(default=False)
-    labels = models.JSONField(default=dict, blank=True)
+    labels = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -212,7 +214,7 @@ class Replica(models.Model):
     )
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="replicas")
     phase = models.CharField(max_length=16, choices=Phase.choices, default=Phase.COLOCATED)
-    gpu_indices = models.JSONField(default=list)
+    gpu_indices = models.JSONField(default=list, validators=[validate_no_nul])
     port = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     last_error = models.TextField(blank=True)
@@ -227,7 +229,7 @@ class Replica(models.Model):
     # On a draining node, why this replica cannot leave yet and what would let it; reconcile
     # writes them each tick and clears them once it leaves (or the drain is cancelled).
     drain_blocked_reason = models.TextField(blank=True)
-    drain_unblock = models.JSONField(default=list, blank=True)
+    drain_unblock = models.JSONField(default=list, blank=True, validators=[validate_no_nul])
     drain_blocked_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:

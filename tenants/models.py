@@ -11,6 +11,8 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from config.nul import validate_no_nul
+
 # Staff API tokens have their own module; imported here so that Django finds the model.
 from tenants.staff_tokens import StaffToken as StaffToken
 
@@ -34,6 +36,7 @@ class Tenant(models.Model):
         default=list,
         blank=True,
         help_text="Regions this tenant's data may be served from; empty = any.",
+        validators=[validate_no_nul],
     )
     fail_open = models.BooleanField(
         default=False,
@@ -43,6 +46,7 @@ class Tenant(models.Model):
         default=list,
         blank=True,
         help_text="Regular expressions; a prompt matching one is refused before any GPU time.",
+        validators=[validate_no_nul],
     )
     created_at = models.DateTimeField(auto_now_add=True)
 
@@ -102,9 +106,12 @@ class ApiKey(models.Model):
     name = models.CharField(max_length=200)
     prefix = models.CharField(max_length=16, unique=True)
     secret_hash = models.CharField(max_length=64, unique=True, help_text="SHA-256 of the key.")
-    scopes = models.JSONField(default=list)
+    scopes = models.JSONField(default=list, validators=[validate_no_nul])
     model_allowlist = models.JSONField(
-        default=list, blank=True, help_text="Model names this key may call; empty = all visible."
+        default=list,
+        blank=True,
+        help_text="Model names this key may call; empty = all visible.",
+        validators=[validate_no_nul],
     )
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
@@ -155,7 +162,9 @@ class Quota(models.Model):
     hard_budget = models.BooleanField(
         default=True, help_text="Refuse requests once a budget is spent (otherwise alert only)."
     )
-    allowed_tiers = models.JSONField(default=all_priority_tiers, blank=True)
+    allowed_tiers = models.JSONField(
+        default=all_priority_tiers, blank=True, validators=[validate_no_nul]
+    )
 
     def __str__(self) -> str:
         return f"quota of {self.tenant}"

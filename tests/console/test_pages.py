@@ -468,3 +468,43 @@ def test_a_nul_character_in_a_page_form_or_query_is_a_400_with_a_message(db: Non
         assert reply.status_code == 400
         assert b"cannot contain NUL" in reply.content
     assert Tenant.objects.get(pk=acme.pk).name == "Acme"
+
+
+def admin_form(reply: Any) -> dict[str, Any]:
+    """The admin change form's fields as the page filled them, ready to post back."""
+    form = reply.context["adminform"].form
+    values = {name: form[name].value() for name in form.fields}
+    for formset in reply.context["inline_admin_formsets"]:
+        management = formset.formset.management_form
+        values.update(
+            {management.add_prefix(name): management[name].value() for name in management.fields}
+        )
+    return {name: "" if value is None else value for name, value in values.items()}
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "given"),
+    [
+        ("tenants/tenant", "allowed_regions", '["us-east", "a\\u0000b"]'),
+        ("tenants/tenant", "blocked_patterns", '["\\u0000"]'),
+        ("serving/gpupool", "labels", '{"zone": "a\\u0000"}'),
+    ],
+)
+def test_a_json_escaped_nul_in_an_admin_json_field_is_refused_on_the_form(
+    acme: Tenant, pool: GpuPool, path: str, field: str, given: str
+) -> None:
+    """The admin's JSON fields parse their text: the escape becomes a NUL, which jsonb refuses
+    ("unsupported Unicode escape sequence", a 500). A raw NUL is the middleware's 400."""
+    row = acme if path.startswith("tenants/") else pool
+    before = type(row).objects.values().get(pk=row.pk)
+    staff = client_for(user("root", is_staff=True, is_superuser=True))
+    url = f"/admin/{path}/{row.pk}/change/"
+    form = admin_form(staff.get(url))
+
+    reply = staff.post(url, {**form, field: given})
+
+    assert reply.status_code == 200
+    assert field in reply.context["adminform"].form.errors
+    assert "Text cannot contain NUL (\\u0000) characters." in reply.content.decode()
+    assert type(row).objects.values().get(pk=row.pk) == before
+    assert staff.post(url, form).status_code == 302  # the form as it was still saves

@@ -401,3 +401,21 @@ def test_a_write_to_no_route_with_a_session_and_no_csrf_token_is_a_json_404(
     for path in ("/api/v1/versions/1.5/approve/", "/api/v1/nope", "/api/v2/"):
         json_error(client.post(path, {}, format="json"), 404)
     unchanged()
+
+
+@pytest.mark.parametrize(
+    ("url", "raw", "field"),
+    [
+        ("pools/{pools}/", b'{"labels": {"zone": "a\\u0000"}}', "labels"),
+        ("tenants/acme/", b'{"allowed_regions": ["\\u0000"]}', "allowed_regions"),
+        ("deployments/{deployments}/", b'{"engine_args": {"\\u0000": 1}}', "engine_args"),
+    ],
+)
+def test_a_json_escaped_nul_inside_a_json_field_is_a_400_naming_it(
+    staff: APIClient, world: World, unchanged: Callable[[], None], url: str, raw: bytes, field: str
+) -> None:
+    """Parsed, the escape is a NUL, which jsonb refuses: DRF's 400, not a DataError."""
+    path = "/api/v1/" + url.format(**world.ids)
+    response = staff.patch(path, raw, content_type="application/json")
+    assert field in json_error(response, 400)
+    unchanged()

@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.apps import apps
+from django.db import models
 from django.http import QueryDict
 
 from config import api, middleware
-from config.nul import has_nul, names_with_nul
+from config.nul import has_nul, names_with_nul, validate_no_nul
 
 
 @pytest.mark.parametrize(
@@ -37,3 +39,17 @@ def test_the_api_and_the_pages_use_the_one_scan_and_say_the_same() -> None:
     assert api.has_nul is middleware.has_nul is has_nul
     assert api.names_with_nul is middleware.names_with_nul is names_with_nul
     assert api.NUL_MESSAGE.encode() in middleware.NUL_PAGE
+
+
+def test_every_json_field_of_the_project_refuses_a_nul() -> None:
+    """A form that parses JSON text (the admin's) makes a NUL of a `\\u0000` escape."""
+    fields = [
+        field
+        for app in ("tenants", "registry", "serving", "metering")
+        for model in apps.get_app_config(app).get_models()
+        for field in model._meta.get_fields()
+        if isinstance(field, models.JSONField)
+    ]
+    assert len(fields) >= 10  # the walk found the project's fields
+    for field in fields:
+        assert validate_no_nul in field.validators, f"{field.model.__name__}.{field.name}"
