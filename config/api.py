@@ -21,6 +21,8 @@ and `perform_create` / `perform_update` / `perform_destroy` calling its app's `d
   offset beyond what a query can carry (`BoundedLimitOffsetPagination`); an instant outside
   2000-2100 (`BoundedDateTimeField`, `check_instant`). Integers in bodies are bounded by their
   model field's own range (DRF's ModelSerializer reads it from the field's validators).
+- Ids: a row's id in a path or a body is ASCII digits (config.ids.row_id): anything else that
+  int() would read, " 2" or "２", finds no row (a 404 in a path, `RowIdField`'s 400 in a body).
 - Writes: `PlatformModelViewSet` never saves a serializer. A resource that does not route a
   write through an action fails loudly instead of writing around it.
 """
@@ -47,6 +49,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from config.ids import row_id
 from config.nul import NUL_MESSAGE, has_nul, names_with_nul
 from tenants.api.authentication import ApiKeyAuthentication, StaffTokenAuthentication
 
@@ -133,6 +136,16 @@ class BoundedDateTimeField(serializers.DateTimeField):
         return check_instant(super().to_internal_value(value))
 
 
+class RowIdField(serializers.PrimaryKeyRelatedField):
+    """DRF's primary-key relation, taking only an id (config.ids.row_id): the queryset's int()
+    read " 2", "２" and 2.0 as row 2. A bool is DRF's own "incorrect type"."""
+
+    def to_internal_value(self, data: Any) -> Any:
+        if not isinstance(data, bool) and row_id(data) is None:
+            self.fail("does_not_exist", pk_value=data)
+        return super().to_internal_value(data)
+
+
 class BoundedLimitOffsetPagination(LimitOffsetPagination):
     """`?limit` and `?offset` as DRF reads them, but a value no query can carry (10**30 is
     "bigint out of range") is a 400 naming it rather than a 500; limit is capped at 1000."""
@@ -166,6 +179,9 @@ class PlatformViewSet(viewsets.GenericViewSet[Any]):
         super().initial(request, *args, **kwargs)
         if any(has_nul(value) for value in kwargs.values()):
             raise NotFound()  # no row's key holds a NUL, and PostgreSQL cannot look for one
+        lookup = kwargs.get(self.lookup_url_kwarg or self.lookup_field)
+        if self.lookup_field == "pk" and lookup is not None and row_id(lookup) is None:
+            raise NotFound()  # not an id (config.ids): int() read " 2" and "２" as row 2
         refuse_nul_bytes(request)
 
     def handle_exception(self, exc: Exception) -> Response:

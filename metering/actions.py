@@ -9,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 from django.http import Http404
 
+from config.ids import row_id
 from config.jobs import enqueue_on_commit
 from metering.invoices import do_build_invoice, do_close_month
 from metering.models import HourlyRollup, Invoice, PriceSheet, ReplicaHour, UsageEvent
@@ -143,7 +144,7 @@ def access_price_sheets(user: Any) -> QuerySet[PriceSheet]:
 
 
 def _as_id(value: int | str) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise Http404("No such row.") from None
+    pk = row_id(value)
+    if pk is None:
+        raise Http404("No such row.")
+    return pk

@@ -33,6 +33,7 @@ from django.utils.dateparse import parse_datetime
 from django.views.decorators.http import require_POST
 from rest_framework import serializers
 
+from config.ids import row_id
 from config.views import staff_required
 from metering import actions
 from metering.api.filters import TimeRangeQuery
@@ -329,8 +330,8 @@ def _key_id(text: str, tenant: Tenant | None) -> int:
     keys = ApiKey.objects.all() if tenant is None else ApiKey.objects.filter(tenant=tenant)
     prefix = text.removeprefix("sk-").rstrip("-…")
     key = keys.filter(prefix=prefix).first()
-    if key is None and text.isdigit() and int(text) < 2**63:
-        key = keys.filter(pk=int(text)).first()
+    if key is None and (pk := row_id(text)) is not None:
+        key = keys.filter(pk=pk).first()
     if key is None:
         raise ValidationError(
             {"key": "No such API key" + (f" of {tenant.slug}." if tenant else ".")}

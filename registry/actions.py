@@ -27,6 +27,7 @@ from django.db.models import Count, Q, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from config.ids import row_id
 from config.jobs import enqueue_on_commit
 from config.redis import redis_client
 from registry.models import (
@@ -138,10 +139,8 @@ def rollouts_for_user(user: Any) -> QuerySet[Rollout]:
 
 
 def _one(queryset: QuerySet[Any], pk: Any, what: str) -> Any:
-    try:
-        found = queryset.filter(pk=int(pk)).first()
-    except (TypeError, ValueError):
-        found = None
+    given = row_id(pk)
+    found = None if given is None else queryset.filter(pk=given).first()
     if found is None:
         raise Http404(f"No such {what}.")
     return found

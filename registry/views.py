@@ -13,6 +13,7 @@ from django.http import Http404, HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from config.ids import row_id
 from config.loops import loop_failures
 from config.redis import redis_client
 from config.views import staff_required
@@ -64,8 +65,8 @@ def _int(data: QueryDict, name: str, default: int) -> int:
 
 
 def _is_pk(value: str | None) -> bool:
-    """A form's choice of a row: digits that fit a bigint, not any text a client sends."""
-    return value is not None and value.isascii() and value.isdigit() and int(value) < 2**63
+    """A form's choice of a row: an id (config.ids), not any text a client sends."""
+    return row_id(value) is not None
 
 
 def _deployment_from(data: QueryDict) -> Deployment:
@@ -303,6 +304,9 @@ def start_rollout(request: HttpRequest) -> HttpResponse:
         )
     except ValidationError as error:
         messages.error(request, "Not started: " + "; ".join(_errors_text(error)))
+        return redirect("console-rollouts")
+    except Http404:  # a choice that is no id of a row (config.ids), or of none shown
+        messages.error(request, "Not started: choose a baseline and a target version.")
         return redirect("console-rollouts")
     messages.info(
         request,

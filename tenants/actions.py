@@ -26,6 +26,7 @@ from django.db.models import Model, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
+from config.ids import row_id
 from config.redis import redis_client
 from serving.gateway.guardrails import PatternError, check_blocked_patterns
 from tenants.keys import (
@@ -109,12 +110,13 @@ def tenants_for_user(user: Any) -> QuerySet[Tenant]:
 
 def access_tenant_for_user(user: Any, tenant_slug_or_id: str | int) -> Tenant:
     tenants = tenants_for_user(user)
-    key = str(tenant_slug_or_id)
-    # The slug first: an id is only digits (ASCII: int() reads "２" as 2 too), and a slug
-    # made of digits alone, which slugs no longer may be, stays its own tenant's.
-    tenant = None if isinstance(tenant_slug_or_id, int) else tenants.filter(slug=key).first()
-    if tenant is None and key.isascii() and key.isdigit() and int(key) < 2**63:
-        tenant = tenants.filter(pk=int(key)).first()
+    # The slug first: a slug made of digits alone, which slugs no longer may be, stays its
+    # own tenant's; then an id, of ASCII digits only (config.ids).
+    tenant = None
+    if not isinstance(tenant_slug_or_id, int):
+        tenant = tenants.filter(slug=tenant_slug_or_id).first()
+    if tenant is None and (pk := row_id(tenant_slug_or_id)) is not None:
+        tenant = tenants.filter(pk=pk).first()
     if tenant is None:
         raise Http404("No such tenant.")
     return tenant
@@ -157,10 +159,10 @@ def access_key_override(user: Any, tenant: Tenant, key_id: int | str) -> KeyQuot
 
 
 def _as_id(value: int | str) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise Http404("No such object.") from None
+    pk = row_id(value)
+    if pk is None:
+        raise Http404("No such object.")
+    return pk
 
 
 # ---------------------------------------------------------------- check_* (bad input)

@@ -7,6 +7,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from config.api import RowIdField
 from config.loops import loop_failures
 from config.redis import redis_client
 from registry.actions import MODEL_FIELDS, with_ready_replicas
@@ -40,9 +41,7 @@ class StaffOnlyFieldsMixin:
 
 class ModelSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Model]):
     staff_only_fields = ("granted_tenants",)
-    granted_tenants = serializers.PrimaryKeyRelatedField(
-        many=True, queryset=Tenant.objects.all(), required=False
-    )
+    granted_tenants = RowIdField(many=True, queryset=Tenant.objects.all(), required=False)
     kv_bytes_per_token_bf16 = serializers.IntegerField(read_only=True)
 
     class Meta:
@@ -52,7 +51,7 @@ class ModelSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Model]):
 
 
 class ModelVersionSerializer(serializers.ModelSerializer[ModelVersion]):
-    model = serializers.PrimaryKeyRelatedField(queryset=Model.objects.all())
+    model = RowIdField(queryset=Model.objects.all())
     model_name = serializers.CharField(source="model.name", read_only=True)
     weights_gb = serializers.FloatField(read_only=True)
     approved_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
@@ -78,14 +77,10 @@ class ModelVersionSerializer(serializers.ModelSerializer[ModelVersion]):
 
 class AdapterSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Adapter]):
     staff_only_fields = ("granted_tenants",)
-    base_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    base_version = RowIdField(queryset=ModelVersion.objects.all())
     base_model = serializers.CharField(source="base_version.model.name", read_only=True)
-    owner_tenant = serializers.PrimaryKeyRelatedField(
-        queryset=Tenant.objects.all(), required=False, allow_null=True
-    )
-    granted_tenants = serializers.PrimaryKeyRelatedField(
-        many=True, queryset=Tenant.objects.all(), required=False
-    )
+    owner_tenant = RowIdField(queryset=Tenant.objects.all(), required=False, allow_null=True)
+    granted_tenants = RowIdField(many=True, queryset=Tenant.objects.all(), required=False)
     visibility = serializers.ChoiceField(choices=Visibility.choices, required=False)
 
     class Meta:
@@ -138,7 +133,7 @@ class LoopFailuresField(serializers.Field):
 class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
     name = serializers.SlugField(max_length=128, required=False)
     model = serializers.CharField(source="served_model_name", read_only=True)
-    model_version = serializers.PrimaryKeyRelatedField(queryset=ModelVersion.objects.all())
+    model_version = RowIdField(queryset=ModelVersion.objects.all())
     pool = serializers.SlugRelatedField(slug_field="name", queryset=pools())
     gpu_class = serializers.CharField(source="pool.gpu_class.name", read_only=True)
     decode_pool = serializers.SlugRelatedField(
@@ -227,10 +222,8 @@ class RolloutTransitionSerializer(serializers.ModelSerializer[RolloutTransition]
 
 class RolloutSerializer(serializers.ModelSerializer[Rollout]):
     model = serializers.CharField(source="model.name", read_only=True)
-    baseline = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all())
-    target_version = serializers.PrimaryKeyRelatedField(
-        queryset=ModelVersion.objects.all(), write_only=True
-    )
+    baseline = RowIdField(queryset=Deployment.objects.all())
+    target_version = RowIdField(queryset=ModelVersion.objects.all(), write_only=True)
     steps = serializers.ListField(
         child=serializers.IntegerField(min_value=1, max_value=100),
         default=lambda: list(DEFAULT_STEPS),

@@ -508,3 +508,42 @@ def test_a_json_escaped_nul_in_an_admin_json_field_is_refused_on_the_form(
     assert "Text cannot contain NUL (\\u0000) characters." in reply.content.decode()
     assert type(row).objects.values().get(pk=row.pk) == before
     assert staff.post(url, form).status_code == 302  # the form as it was still saves
+
+
+def fullwidth(pk: int) -> str:
+    return "".join(chr(ord("０") + int(digit)) for digit in str(pk))
+
+
+@pytest.mark.parametrize("written", [" {}", "{} ", "+{}", "fullwidth"])
+def test_a_rollout_form_whose_baseline_is_not_ascii_digits_starts_nothing_and_says_so(
+    pool: GpuPool, written: str
+) -> None:
+    """int() read " 2" and "２" as deployment 2, and the form started a rollout from it."""
+    from registry.actions import do_create_deployment
+    from registry.models import Rollout
+
+    model = make_model("llama-3.1-8b")
+    v2 = approved_version(model, "v2", "bf16")
+    baseline = do_create_deployment(
+        name="llama-8b", model_version=approved_version(model, "v1", "bf16"), pool=pool
+    )
+    given = fullwidth(baseline.pk) if written == "fullwidth" else written.format(baseline.pk)
+    staff = client_for(user("ops", is_staff=True))
+
+    reply = staff.post(
+        "/console/rollouts/start/", {"baseline": given, "target_version": v2.pk}, follow=True
+    )
+
+    assert reply.status_code == 200
+    assert "Not started: choose a baseline and a target version." in reply.content.decode()
+    assert not Rollout.objects.exists()
+
+
+def test_the_usage_search_takes_a_key_id_only_in_ascii_digits(acme: Tenant) -> None:
+    key, _ = do_create_api_key(acme, "ci", None, ["inference"])
+    staff = client_for(user("ops", is_staff=True))
+
+    assert "error" not in staff.get("/console/usage/", {"key": str(key.pk)}).context
+    reply = staff.get("/console/usage/", {"key": fullwidth(key.pk)})
+
+    assert reply.context["error"] == "API key: No such API key."

@@ -419,3 +419,49 @@ def test_a_json_escaped_nul_inside_a_json_field_is_a_400_naming_it(
     response = staff.patch(path, raw, content_type="application/json")
     assert field in json_error(response, 400)
     unchanged()
+
+
+def other_digits(pk: int) -> str:
+    """`pk` in fullwidth digits, which int() reads as the same number."""
+    return "".join(chr(ord("０") + int(digit)) for digit in str(pk))
+
+
+ROW_PATHS = ["pools/{}/", "models/{}/", "deployments/{}/", "tenants/acme/keys/{}/"]
+
+
+@pytest.mark.parametrize("path", ROW_PATHS)
+@pytest.mark.parametrize("written", ["%20{}", "{}%20", "+{}", "fullwidth"])
+def test_an_id_in_a_path_that_is_not_ascii_digits_finds_no_row(
+    staff: APIClient, world: World, unchanged: Callable[[], None], path: str, written: str
+) -> None:
+    """int() read " 2", "2 ", "+2" and "２" as row 2: each found it, and could change it."""
+    pk = world.ids[path.split("/")[-3]]
+    given = other_digits(pk) if written == "fullwidth" else written.format(pk)
+    url = "/api/v1/" + path.format(given)
+    assert staff.get("/api/v1/" + path.format(pk)).status_code == 200
+    json_error(staff.get(url), 404)
+    json_error(staff.patch(url, {"name": "renamed"}, format="json"), 404)
+    json_error(staff.delete(url), 404)
+    unchanged()
+
+
+def test_an_action_on_an_id_that_is_not_ascii_digits_finds_no_row(
+    staff: APIClient, world: World, unchanged: Callable[[], None]
+) -> None:
+    url = f"/api/v1/join-tokens/{other_digits(world.ids['join-tokens'])}/revoke/"
+    json_error(staff.post(url, {}, format="json"), 404)
+    unchanged()
+
+
+@pytest.mark.parametrize("written", [" {}", "{} ", "+{}", "fullwidth", "float"])
+def test_an_id_in_a_body_that_is_not_an_id_is_a_400_naming_the_field(
+    staff: APIClient, world: World, unchanged: Callable[[], None], written: str
+) -> None:
+    pk = world.ids["deployments"]
+    given: Any = {"fullwidth": other_digits(pk), "float": float(pk)}.get(written)
+    body = {
+        "baseline": written.format(pk) if given is None else given,
+        "target_version": ModelVersion.objects.get().pk,
+    }
+    assert "baseline" in json_error(staff.post("/api/v1/rollouts/", body, format="json"), 400)
+    unchanged()
