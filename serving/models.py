@@ -6,11 +6,24 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
 from config.nul import validate_no_nul
+
+
+def check_labels(labels: object) -> None:
+    """A pool's labels: an object of text keys to text values, as Kubernetes labels are (a
+    string, a list or a number stored there read as labels nowhere)."""
+    if not isinstance(labels, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in labels.items()
+    ):
+        raise ValidationError(
+            'Labels are a JSON object of text keys to text values, like {"zone": "a"}.',
+            code="labels",
+        )
 
 
 class GpuClass(models.Model):
@@ -48,7 +61,7 @@ class GpuPool(models.Model):
         help_text="Overrides the GPU class's default price when set.",
     )
     spot = models.BooleanField(default=False)
-    labels = models.JSONField(default=dict, blank=True, validators=[validate_no_nul])
+    labels = models.JSONField(default=dict, blank=True, validators=[validate_no_nul, check_labels])
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

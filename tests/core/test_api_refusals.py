@@ -465,3 +465,25 @@ def test_an_id_in_a_body_that_is_not_an_id_is_a_400_naming_the_field(
     }
     assert "baseline" in json_error(staff.post("/api/v1/rollouts/", body, format="json"), 400)
     unchanged()
+
+
+@pytest.mark.parametrize("labels", ["zone-a", ["zone", "a"], 5, {"zone": 1}, {"zone": None}])
+@pytest.mark.parametrize("method", ["patch", "post"])
+def test_pool_labels_that_are_no_object_of_text_are_a_400_naming_labels(
+    staff: APIClient, world: World, unchanged: Callable[[], None], labels: Any, method: str
+) -> None:
+    if method == "patch":
+        url, body = f"/api/v1/pools/{world.ids['pools']}/", {"labels": labels}
+    else:
+        url = "/api/v1/pools/"
+        body = {"name": "l4", "gpu_class": "H100-SXM-80GB", "region": "x", "labels": labels}
+    response = getattr(staff, method)(url, body, format="json")
+    assert "labels" in json_error(response, 400)
+    unchanged()
+
+
+def test_pool_labels_of_text_are_kept(staff: APIClient, world: World) -> None:
+    url = f"/api/v1/pools/{world.ids['pools']}/"
+    response = staff.patch(url, {"labels": {"zone": "a", "team": "ml"}}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()["labels"] == {"zone": "a", "team": "ml"}
