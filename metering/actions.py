@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Any, cast
 
 from django.core.exceptions import ValidationError
-from django.db.models import QuerySet
+from django.db.models import Field, QuerySet
 from django.http import Http404
 
 from config.ids import row_id
@@ -31,13 +31,19 @@ MAX_PRICE = Decimal(1_000_000)
 
 def check_price_sheet(fields: dict[str, Any]) -> dict[str, Any]:
     """Prices and tier multipliers that are numbers of at least zero, and names within their
-    columns; else a ValidationError naming the field (a negative price would pay tenants, a
-    longer name would be a DataError, a 500). The API's serializer checks the same first."""
+    columns and written as the registry writes a model's and an adapter's; else a
+    ValidationError naming the field (a negative price would pay tenants, a longer name would
+    be a DataError, a 500). The API's serializer checks the same first."""
     for name in ("model", "adapter"):
-        largest = getattr(PriceSheet._meta.get_field(name), "max_length", None)
+        field = cast(Field[Any, Any], PriceSheet._meta.get_field(name))
+        largest = field.max_length
         value = fields.get(name, "")
         if largest is not None and len(value) > largest:
             raise ValidationError({name: f"At most {largest} characters (this has {len(value)})."})
+        try:
+            field.run_validators(value)  # named as the registry names models and adapters
+        except ValidationError as error:
+            raise ValidationError({name: error.messages}) from None
     for name in PRICE_FIELDS:
         if name not in fields:
             continue

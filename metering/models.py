@@ -19,11 +19,12 @@ from decimal import Decimal
 
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import BrinIndex
-from django.core.validators import MaxValueValidator, MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, validate_slug
 from django.db import models
 
 from config.nul import validate_no_nul
 from metering.usage import JudgedOnBothClocks
+from registry.models import SERVED_NAME
 from tenants.models import Tenant
 
 MICROS = Decimal("0.000001")
@@ -84,8 +85,12 @@ class PriceSheet(models.Model):
     """The price of a model (or one adapter of it), from `effective_from` until the next
     sheet for the same model, adapter and tenant. A tenant's own sheet overrides the list."""
 
-    model = models.CharField(max_length=128)
-    adapter = models.CharField(max_length=128, blank=True, help_text="Empty = the base model.")
+    # Named as the registry names them (a price may be set before the model is registered):
+    # a model's served name, an adapter's slug.
+    model = models.CharField(max_length=128, validators=[SERVED_NAME])
+    adapter = models.CharField(
+        max_length=128, blank=True, validators=[validate_slug], help_text="Empty = the base model."
+    )
     tenant = models.ForeignKey(
         Tenant,
         on_delete=models.CASCADE,

@@ -487,3 +487,42 @@ def test_pool_labels_of_text_are_kept(staff: APIClient, world: World) -> None:
     response = staff.patch(url, {"labels": {"zone": "a", "team": "ml"}}, format="json")
     assert response.status_code == 200, response.content
     assert response.json()["labels"] == {"zone": "a", "team": "ml"}
+
+
+@pytest.mark.parametrize(
+    ("names", "field"),
+    [
+        ({"model": "<script>"}, "model"),
+        ({"model": "Llama-3.1-8B"}, "model"),
+        ({"model": "llama 3.1 8b"}, "model"),
+        ({"model": "llama-3.1-8b", "adapter": "<b>support</b>"}, "adapter"),
+    ],
+)
+def test_a_price_sheet_for_a_name_the_registry_would_not_give_is_a_400_naming_it(
+    staff: APIClient, unchanged: Callable[[], None], names: dict[str, str], field: str
+) -> None:
+    """A price is for a served model name (Model.name's rule) or an adapter's slug; a model
+    not registered yet may be priced, a name no model could have may not."""
+    body = {
+        "input_usd_per_mtok": "1",
+        "cached_input_usd_per_mtok": "1",
+        "output_usd_per_mtok": "1",
+        "effective_from": "2026-06-01T00:00:00Z",
+        **names,
+    }
+    response = staff.post("/api/v1/price-sheets/", body, format="json")
+    assert field in json_error(response, 400)
+    unchanged()
+
+
+def test_a_price_sheet_for_a_model_not_registered_yet_is_accepted(staff: APIClient) -> None:
+    body = {
+        "model": "qwen2.5-72b",
+        "adapter": "acme-support_v2",
+        "input_usd_per_mtok": "1",
+        "cached_input_usd_per_mtok": "1",
+        "output_usd_per_mtok": "1",
+        "effective_from": "2026-06-01T00:00:00Z",
+    }
+    response = staff.post("/api/v1/price-sheets/", body, format="json")
+    assert response.status_code == 201, response.content
