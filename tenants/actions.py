@@ -258,8 +258,9 @@ def check_regions(regions: Iterable[str]) -> list[str]:
 
 
 def check_patterns(patterns: Sequence[str]) -> list[str]:
-    """Blocked patterns the gateway can run: RE2's syntax (not Python's `re`), within size."""
-    chosen = list(patterns)
+    """Blocked patterns the gateway can run: RE2's syntax (not Python's `re`), within size;
+    each once, as every list of the tenants app is stored (regions, tiers, scopes, models)."""
+    chosen = list(dict.fromkeys(patterns))
     if len(chosen) > MAX_PATTERNS:
         raise ValidationError({"blocked_patterns": f"At most {MAX_PATTERNS} patterns."})
     if any(len(pattern) > PATTERN_MAX_LENGTH for pattern in chosen):

@@ -547,3 +547,11 @@ def test_the_usage_search_takes_a_key_id_only_in_ascii_digits(acme: Tenant) -> N
     reply = staff.get("/console/usage/", {"key": fullwidth(key.pk)})
 
     assert reply.context["error"] == "API key: No such API key."
+
+
+def test_blocked_patterns_typed_twice_on_the_settings_page_are_stored_once(acme: Tenant) -> None:
+    staff = client_for(user("ops", is_staff=True))
+    form = {"name": "Acme", "blocked_patterns": "secret\nssn \\d+\nsecret\n"}
+    reply = staff.post(f"/console/tenants/{acme.slug}/settings/", form, follow=True)
+    assert "Settings of acme saved." in reply.content.decode()
+    assert Tenant.objects.get(pk=acme.pk).blocked_patterns == ["secret", "ssn \\d+"]

@@ -526,3 +526,24 @@ def test_a_price_sheet_for_a_model_not_registered_yet_is_accepted(staff: APIClie
     }
     response = staff.post("/api/v1/price-sheets/", body, format="json")
     assert response.status_code == 201, response.content
+
+
+@pytest.mark.parametrize(
+    ("url", "field", "given", "stored"),
+    [
+        ("tenants/acme/", "blocked_patterns", ["a+", "b", "a+"], ["a+", "b"]),
+        ("tenants/acme/", "allowed_regions", ["us", "eu", "us"], ["us", "eu"]),
+        ("tenants/acme/quota/", "allowed_tiers", ["batch", "batch"], ["batch"]),
+        ("tenants/acme/keys/{keys}/", "model_allowlist", ["m", "a", "m"], ["a", "m"]),
+        ("tenants/acme/keys/{keys}/", "scopes", ["inference", "inference"], ["inference"]),
+    ],
+)
+def test_a_list_given_with_an_entry_twice_is_stored_with_it_once(
+    staff: APIClient, world: World, url: str, field: str, given: list[str], stored: list[str]
+) -> None:
+    """Each is a set in meaning (the gateway asks whether a name is in it): a repeat is kept
+    once, not refused, and the answer shows the list as stored."""
+    response = staff.patch("/api/v1/" + url.format(**world.ids), {field: given}, format="json")
+    assert response.status_code == 200, response.content
+    assert response.json()[field] == stored
+    assert staff.get("/api/v1/" + url.format(**world.ids)).json()[field] == stored
