@@ -56,9 +56,17 @@ class LoopPass:
     "tenant")."""
 
     def __init__(self, loop: str, kind: str) -> None:
+        if ":" in loop or ":" in kind:
+            raise ValueError("a loop's name and kind are the hash field's parts: no ':'")
         self.loop = loop
         self.kind = kind
         self.failed: dict[int, str] = {}
+        # Items this pass did not look at (another worker held them): their stored failure,
+        # if any, stays as it was.
+        self.left: set[int] = set()
+
+    def leave_as_was(self, item_id: int) -> None:
+        self.left.add(item_id)
 
     @contextmanager
     def item(self, item_id: int, *, savepoint: bool = True) -> Iterator[None]:
@@ -91,7 +99,8 @@ class LoopPass:
                 field = f"{prefix}{item_id}"
                 since = orjson.loads(stored[field])["since"] if field in stored else now
                 current[field] = orjson.dumps({"error": error, "since": since})
-            gone = [field for field in stored if field not in current]
+            left = {f"{prefix}{item_id}" for item_id in self.left}
+            gone = [field for field in stored if field not in current and field not in left]
             pipe = client.pipeline(transaction=False)
             if gone:
                 pipe.hdel(LOOP_FAILURES_KEY, *gone)
@@ -112,11 +121,17 @@ def loop_failures(client: redis.Redis, kind: str) -> dict[int, list[LoopFailure]
         return {}
     failures: dict[int, list[LoopFailure]] = {}
     for name, raw in stored.items():
-        loop, field_kind, item = _text(name).rsplit(":", 2)
-        if field_kind != kind or not item.isdigit():
+        parts = _text(name).rsplit(":", 2)
+        if len(parts) != 3 or parts[1] != kind or not parts[2].isascii() or not parts[2].isdigit():
             continue
-        body: dict[str, Any] = orjson.loads(raw)
-        failure = LoopFailure(loop, kind, int(item), str(body["error"]), float(body["since"]))
+        try:
+            body: dict[str, Any] = orjson.loads(raw)
+            failure = LoopFailure(
+                parts[0], kind, int(parts[2]), str(body["error"]), float(body["since"])
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            logger.warning("loop failure %r unreadable: %r", name, raw)
+            continue
         failures.setdefault(failure.item_id, []).append(failure)
     for listed in failures.values():
         listed.sort(key=lambda failure: failure.loop)

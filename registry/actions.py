@@ -1072,16 +1072,18 @@ def do_release_rollout(
     return rollout
 
 
-def do_note_canary_placement(failures: Mapping[int, str]) -> None:
+def do_note_canary_placement(failures: Mapping[int, str], unchanged: Collection[int] = ()) -> None:
     """The fleet's reconcile: why it could not place a replica, by deployment id (absent:
     placed what was asked). Kept on every deployment, pending capacity since it first failed
     (a changed reason keeps the since), and on the live rollouts whose canary it is, for the
-    controller to hold and say why. The UPDATEs touch only the rows whose note changes."""
+    controller to hold and say why. The UPDATEs touch only the rows whose note changes. The
+    deployments in `unchanged` (the pass failed on them) keep their notes as they were."""
+    kept = [*failures, *unchanged]
     live = Rollout.objects.filter(state__in=Rollout.LIVE_STATES)
-    live.exclude(canary_placement_failure="").exclude(canary_id__in=list(failures)).update(
+    live.exclude(canary_placement_failure="").exclude(canary_id__in=kept).update(
         canary_placement_failure=""
     )
-    Deployment.objects.exclude(placement_failure="").exclude(pk__in=list(failures)).update(
+    Deployment.objects.exclude(placement_failure="").exclude(pk__in=kept).update(
         placement_failure="", placement_failure_since=None
     )
     now = timezone.now()

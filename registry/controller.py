@@ -65,11 +65,15 @@ def run_rollout_tick(metrics: RolloutMetricsSource | None = None) -> list[TickOu
         with this_pass.item(rollout_id):
             try:
                 outcome = tick_rollout(rollout_id, metrics)
-            except redis.RedisError:
-                # No figures is no evidence either way: hold, and try again next tick.
+            except (redis.ConnectionError, redis.TimeoutError):
+                # No figures is no evidence either way: hold, and try again next tick. (Any
+                # other Redis error, a key of the wrong type, is this rollout's failure.)
                 logger.warning("rollout %s: metrics unreadable, holding", rollout_id, exc_info=True)
+                this_pass.leave_as_was(rollout_id)
                 continue
-            if outcome is not None:
+            if outcome is None:
+                this_pass.leave_as_was(rollout_id)  # another tick holds it, or it finished
+            else:
                 outcomes.append(outcome)
     this_pass.record(redis_client())
     return outcomes

@@ -7,7 +7,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from config.api import RowIdField
+from config.api import FloatField, PlatformModelSerializer, RowIdField
 from config.loops import loop_failures
 from config.redis import redis_client
 from registry.actions import MODEL_FIELDS, with_ready_replicas
@@ -26,7 +26,8 @@ from tenants.models import Tenant
 
 
 class StaffOnlyFieldsMixin:
-    """Who else a row is granted to is staff business: tenants never see other tenants' ids."""
+    """Who else a row is granted to is staff business: tenants never see other tenants' ids;
+    nor the control loops' errors on a row."""
 
     staff_only_fields: tuple[str, ...] = ()
 
@@ -39,7 +40,7 @@ class StaffOnlyFieldsMixin:
         return data
 
 
-class ModelSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Model]):
+class ModelSerializer(StaffOnlyFieldsMixin, PlatformModelSerializer[Model]):
     staff_only_fields = ("granted_tenants",)
     granted_tenants = RowIdField(many=True, queryset=Tenant.objects.all(), required=False)
     kv_bytes_per_token_bf16 = serializers.IntegerField(read_only=True)
@@ -50,10 +51,10 @@ class ModelSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Model]):
         read_only_fields = ["id", "created_at"]
 
 
-class ModelVersionSerializer(serializers.ModelSerializer[ModelVersion]):
+class ModelVersionSerializer(PlatformModelSerializer[ModelVersion]):
     model = RowIdField(queryset=Model.objects.all())
     model_name = serializers.CharField(source="model.name", read_only=True)
-    weights_gb = serializers.FloatField(read_only=True)
+    weights_gb = FloatField(read_only=True)
     approved_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
 
     class Meta:
@@ -75,7 +76,7 @@ class ModelVersionSerializer(serializers.ModelSerializer[ModelVersion]):
         read_only_fields = ["id", "status", "approved_by", "approved_at", "created_at"]
 
 
-class AdapterSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[Adapter]):
+class AdapterSerializer(StaffOnlyFieldsMixin, PlatformModelSerializer[Adapter]):
     staff_only_fields = ("granted_tenants",)
     base_version = RowIdField(queryset=ModelVersion.objects.all())
     base_model = serializers.CharField(source="base_version.model.name", read_only=True)
@@ -117,6 +118,9 @@ class LoopFailuresField(serializers.Field):
 
     def to_representation(self, value: Any) -> list[dict[str, Any]]:
         cached = self.context  # the root serializer's, shared by every row of a list
+        request = cached.get("request")
+        if request is None or not getattr(request.user, "is_staff", False):
+            return []  # staff_only_fields drops it: an exception's text is staff business
         key = f"loop_failures:{self.kind}"
         if key not in cached:
             cached[key] = loop_failures(redis_client(), self.kind)
@@ -130,7 +134,8 @@ class LoopFailuresField(serializers.Field):
         ]
 
 
-class DeploymentSerializer(serializers.ModelSerializer[Deployment]):
+class DeploymentSerializer(StaffOnlyFieldsMixin, PlatformModelSerializer[Deployment]):
+    staff_only_fields = ("loop_failures",)
     name = serializers.SlugField(max_length=128, required=False)
     model = serializers.CharField(source="served_model_name", read_only=True)
     model_version = RowIdField(queryset=ModelVersion.objects.all())
@@ -203,7 +208,7 @@ def _ready(deployment: Deployment, name: str) -> int:
     return int(getattr(deployment, name))
 
 
-class RolloutTransitionSerializer(serializers.ModelSerializer[RolloutTransition]):
+class RolloutTransitionSerializer(PlatformModelSerializer[RolloutTransition]):
     class Meta:
         model = RolloutTransition
         fields = [
@@ -220,7 +225,8 @@ class RolloutTransitionSerializer(serializers.ModelSerializer[RolloutTransition]
         read_only_fields = fields
 
 
-class RolloutSerializer(serializers.ModelSerializer[Rollout]):
+class RolloutSerializer(StaffOnlyFieldsMixin, PlatformModelSerializer[Rollout]):
+    staff_only_fields = ("loop_failures",)
     model = serializers.CharField(source="model.name", read_only=True)
     baseline = RowIdField(queryset=Deployment.objects.all())
     target_version = RowIdField(queryset=ModelVersion.objects.all(), write_only=True)
@@ -229,7 +235,7 @@ class RolloutSerializer(serializers.ModelSerializer[Rollout]):
         default=lambda: list(DEFAULT_STEPS),
     )
     # An object of numbers by gate name (the action refuses unknown names).
-    gate_thresholds = serializers.DictField(child=serializers.FloatField(), required=False)
+    gate_thresholds = serializers.DictField(child=FloatField(), required=False)
     # What the canary takes now: 0 while it is held (no ready replica), whatever the step.
     canary_weight = serializers.IntegerField(source="canary.traffic_weight", read_only=True)
     step_weight = serializers.IntegerField(source="canary_weight", read_only=True)

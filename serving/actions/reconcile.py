@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -347,6 +347,15 @@ class ReconcileReport:
     # Deployments this pass failed on (their error), left as they were (config.loops).
     failed: dict[int, str] = field(default_factory=dict)
 
+    def absorb(self, other: ReconcileReport) -> None:
+        """Add one deployment's part of the pass, once it went through."""
+        self.placed += other.placed
+        self.drained += other.drained
+        self.stopped += other.stopped
+        self.unplaceable += other.unplaceable
+        self.placement_failures.update(other.placement_failures)
+        self.drain_blocked.update(other.drain_blocked)
+
 
 def do_reconcile() -> ReconcileReport:
     """Desired replica counts vs replicas that exist: place, drain, retire. Level-triggered:
@@ -359,24 +368,34 @@ def do_reconcile() -> ReconcileReport:
                 return report  # another worker is reconciling right now
         report.stopped += _retire_overdue_drains()
         this_pass = LoopPass("reconcile", "deployment")
-        deployments = deployments_to_run()
         launches: list[Launch] = []
-        for deployment in deployments:
-            with this_pass.item(deployment.pk):
-                launches.extend(deployment_launches(deployment))
+        held: set[int] = set()
         rooms = _node_rooms()
-        for launch in launches:
-            if launch.deployment_id not in this_pass.failed:
-                with this_pass.item(launch.deployment_id):
-                    _reconcile_deployment(launch, rooms, report)
-        # A deployment this pass failed on keeps every replica it has, of any phase: what
-        # it wants is unknown, and draining them would turn one bad row into an outage.
+        for deployment in deployments_to_run():
+            # One savepoint for all of a deployment's phases. Its room and report changes
+            # are taken only once it succeeded: a failure half way leaves no GPU taken and
+            # no count or note of it behind for the others.
+            trial_rooms, trial = dict(rooms), ReconcileReport()
+            with this_pass.item(deployment.pk):
+                mine = deployment_launches(deployment)
+                for launch in mine:
+                    _reconcile_deployment(launch, trial_rooms, trial)
+                launches.extend(mine)
+                rooms.update(trial_rooms)
+                report.absorb(trial)
+            if deployment.pk in this_pass.failed and deployment.status == Deployment.Status.ACTIVE:
+                held.add(deployment.pk)
+        # An active deployment this pass failed on keeps every replica it has, of any phase:
+        # what it wants is unknown, and draining them would turn one bad row into an outage.
+        # A draining one's replicas drain as orphans: it is being retired.
         wanted = {(launch.deployment_id, launch.phase) for launch in launches}
-        wanted |= {(pk, phase) for pk in this_pass.failed for phase in Replica.Phase.values}
+        wanted |= {(pk, phase) for pk in held for phase in Replica.Phase.values}
         report.drained += _drain_orphans(wanted)
         report.failed = dict(this_pass.failed)
-        do_note_canary_placement(report.placement_failures)
-        _record_drain_blockers(report.drain_blocked)
+        # The failing rows' notes (pending capacity, drain blockers) stay as the last pass
+        # that got through them left them.
+        do_note_canary_placement(report.placement_failures, unchanged=this_pass.failed)
+        _record_drain_blockers(report.drain_blocked, unchanged=this_pass.failed)
         report.drains_finished = _finish_drains()
         if report.placed or report.drained or report.stopped:
             request_publish()
@@ -539,11 +558,14 @@ def _replacement_blocker(
     return reason, [f"wait for {which or 'the replacement'} to become Ready"]
 
 
-def _record_drain_blockers(blocked: dict[int, tuple[str, list[str]]]) -> None:
-    """What the console shows of each blocked replica; `since` stays from the first tick."""
-    Replica.objects.filter(drain_blocked_since__isnull=False).exclude(pk__in=list(blocked)).update(
-        drain_blocked_reason="", drain_unblock=[], drain_blocked_since=None
-    )
+def _record_drain_blockers(
+    blocked: dict[int, tuple[str, list[str]]], unchanged: Collection[int] = ()
+) -> None:
+    """What the console shows of each blocked replica; `since` stays from the first tick.
+    The replicas of the deployments in `unchanged` keep what they show."""
+    Replica.objects.filter(drain_blocked_since__isnull=False).exclude(pk__in=list(blocked)).exclude(
+        deployment_id__in=list(unchanged)
+    ).update(drain_blocked_reason="", drain_unblock=[], drain_blocked_since=None)
     now = timezone.now()
     for replica_id, (reason, unblock) in blocked.items():
         Replica.objects.filter(pk=replica_id).update(

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from config.loops import LoopPass
 from config.redis import redis_client
-from registry.models import Rollout
+from registry.models import Deployment, Rollout
 from serving.actions.credentials import engine_api_key
 from serving.actions.reconcile import (
     KV_CONNECTOR_LINKS,
@@ -58,9 +58,10 @@ def build_routing_table(
     last: Callable[[], dict[str, Any] | None] = lambda: None,
     this_pass: LoopPass | None = None,
 ) -> dict[str, Any]:
-    """The table's content (without version and publish time), from PostgreSQL. A deployment
-    whose entry cannot be built (`this_pass` notes why) keeps its entry of `last()`, the table
-    published before, if it had one: its replicas go on serving what they served."""
+    """The table's content (without version and publish time), from PostgreSQL. An active
+    deployment whose entry cannot be built (`this_pass` notes why) keeps its entry of
+    `last()`, the table published before, if it had one, with its weight and role now and
+    only its replicas still Ready: they go on serving what they served."""
     this_pass = this_pass or LoopPass("routing_table", "deployment")
     ready = _ready_replicas()
     rollouts = _live_rollouts()
@@ -73,10 +74,11 @@ def build_routing_table(
                 continue  # a draining deployment's replicas finish their work, nothing new
             entry = _deployment_entry(deployment, launch, rollouts, ready)
             _route(models, launch.served_model_name, rollouts)["deployments"].append(entry)
-        if deployment.pk in this_pass.failed:
+        if deployment.pk in this_pass.failed and deployment.status == Deployment.Status.ACTIVE:
             carried = _entries_by_deployment(last()) if carried is None else carried
             if deployment.pk in carried:
                 model_name, entry = carried[deployment.pk]
+                entry = _carried_entry(entry, deployment, rollouts.get(model_name), ready)
                 _route(models, model_name, rollouts)["deployments"].append(entry)
     return {"models": models}
 
@@ -117,6 +119,23 @@ def _deployment_entry(
             _replica_row(replica, phase_launch(deployment, replica.phase, launch))
             for replica in ready.get(deployment.pk, [])
         ],
+    }
+
+
+def _carried_entry(
+    entry: dict[str, Any],
+    deployment: Any,
+    rollout: dict[str, Any] | None,
+    ready: dict[int, list[Replica]],
+) -> dict[str, Any]:
+    """A failing deployment's last published entry, brought up to what is known without its
+    launch: its weight and rollout role now, and only those of its replicas still Ready."""
+    serving = {replica.replica_id for replica in ready.get(deployment.pk, [])}
+    return {
+        **entry,
+        "weight": int(deployment.traffic_weight),
+        "role": _role(rollout, deployment.pk),
+        "replicas": [row for row in entry["replicas"] if row["replica_id"] in serving],
     }
 
 

@@ -208,7 +208,7 @@ class Gateway:
         into `platform_control_loop_failures` for the ControlLoopFailing alert."""
         names = await self.redis.hkeys(LOOP_FAILURES_KEY)
         counts = Counter(
-            (name.decode() if isinstance(name, bytes) else name).split(":", 1)[0] for name in names
+            (name.decode() if isinstance(name, bytes) else name).rsplit(":", 2)[0] for name in names
         )
         self._loops_seen |= set(counts)
         for loop in self._loops_seen:
@@ -229,7 +229,6 @@ class Gateway:
                     if sent:
                         log.info("sent %d deferred limiter settles and releases", sent)
                 await self.refresh_reference_data()
-                await self.count_loop_failures()
                 if self.spool.has_pending():
                     sent = await self.spool.replay(self.redis)
                     log.info("replayed %d spooled usage events", sent)
@@ -239,6 +238,12 @@ class Gateway:
                 raise
             except Exception as error:
                 log.warning("gateway refresh failed: %s", error)
+            # On its own: a count left stale by another step's failure would keep the alert
+            # firing after the loop recovered.
+            try:
+                await self.count_loop_failures()
+            except (RedisError, OSError, TimeoutError) as error:
+                log.warning("counting the control loops' failures failed: %s", error)
 
     # --- admit ---------------------------------------------------------------------------
 

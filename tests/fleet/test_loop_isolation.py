@@ -12,13 +12,16 @@ import redis
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from config.loops import LOOP_FAILURES_KEY, LoopPass, loop_failures
+from config.loops import LoopPass, loop_failures
+from registry.actions import do_retire_deployment
 from registry.controller import run_rollout_tick
 from registry.models import Deployment, Model
 from serving.actions.autoscale import do_autoscale
-from serving.actions.reconcile import do_reconcile
+from serving.actions.reconcile import Launch, do_reconcile
 from serving.actions.routing_table import publish_routing_table, read_routing_table
 from serving.models import Replica
+from serving.redis_contracts import LOOP_FAILURES_KEY
+from tenants.models import Membership, Role, Tenant
 
 from .conftest import (
     MakeDeployment,
@@ -146,32 +149,130 @@ def test_a_pass_rolls_back_the_failing_items_writes_alone(redis_client: redis.Re
     assert set(redis_client.hkeys(LOOP_FAILURES_KEY)) == {b"test_loop:deployment:2"}
 
 
-def test_the_rollout_controller_ticks_the_others(
+def test_the_rollout_controller_ticks_the_others_and_holds_only_when_redis_is_away(
     monkeypatch: pytest.MonkeyPatch, redis_client: redis.Redis
 ) -> None:
-    """A rollout whose tick raises is noted and passed over; the next one still ticks."""
+    """A rollout whose tick raises is noted and passed over; the next one still ticks. Redis
+    unreachable is a hold, not a failure; a rollout another tick holds keeps its note."""
     from registry import controller
 
     ticked: list[int] = []
+    errors: dict[int, Exception] = {
+        1: ValueError("a gate's figures are broken"),
+        2: redis.ResponseError("WRONGTYPE Operation against a key"),
+        3: redis.ConnectionError("Connection refused"),
+    }
 
     def tick(rollout_id: int, metrics: object) -> None:
         ticked.append(rollout_id)
-        if rollout_id == 1:
-            raise ValueError("a gate's figures are broken")
+        if rollout_id in errors:
+            raise errors[rollout_id]
+        return None  # 4: another tick holds it (SKIP LOCKED)
 
     class Live:
         def filter(self, **_: object) -> Live:
             return self
 
         def values_list(self, *_: object, **__: object) -> list[int]:
-            return [1, 2]
+            return [1, 2, 3, 4]
 
+    held_before = LoopPass("rollout_tick", "rollout")
+    held_before.failed = {3: "KeyError: 'old'", 4: "KeyError: 'older'"}
+    held_before.record(redis_client)
     monkeypatch.setattr(controller.Rollout, "objects", Live())
     monkeypatch.setattr(controller, "tick_rollout", tick)
     assert run_rollout_tick(metrics=object()) == []  # type: ignore[arg-type]
-    assert ticked == [1, 2]
-    (failure,) = loop_failures(redis_client, "rollout")[1]
-    assert failure.error == "ValueError: a gate's figures are broken"
+    assert ticked == [1, 2, 3, 4]
+    failing = loop_failures(redis_client, "rollout")
+    assert {pk: failure.error for pk, (failure,) in failing.items()} == {
+        1: "ValueError: a gate's figures are broken",
+        2: "ResponseError: WRONGTYPE Operation against a key",
+        3: "KeyError: 'old'",  # held while Redis is away: its note stays
+        4: "KeyError: 'older'",  # not looked at this pass
+    }
+
+
+def test_a_failure_half_way_through_a_deployment_leaves_its_gpus_to_the_others(
+    make_pool: MakePool,
+    make_deployment: MakeDeployment,
+    register: Register,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_client: redis.Redis,
+) -> None:
+    """The first deployment places one replica, then fails on its second: the GPU it took
+    is free again for the next deployment in the same pass, and no count or note of it is
+    left behind."""
+    from serving.actions import reconcile
+
+    pool, secret = make_pool("h100", "H100-SXM-80GB")
+    register(secret, "h100-1", gpus=2, name="H100-SXM-80GB", memory_mb=81559)
+    bad = make_deployment(pool, model="qwen2.5-7b", replicas=2)
+    good = make_deployment(pool, model="llama-3.1-8b", replicas=2)
+    real_place = reconcile._place
+    placed: list[int] = []
+
+    def place(launch: Launch, node_id: int, gpus: tuple[int, ...]) -> Replica:
+        placed.append(launch.deployment_id)
+        if placed.count(bad.pk) == 2 and launch.deployment_id == bad.pk:
+            raise RuntimeError("the database went away half way")
+        return real_place(launch, node_id, gpus)
+
+    monkeypatch.setattr(reconcile, "_place", place)
+    report = do_reconcile()
+
+    assert (len(_live(bad)), len(_live(good))) == (0, 2)
+    assert (report.placed, report.unplaceable, report.placement_failures) == (2, 0, {})
+    good.refresh_from_db()
+    assert good.placement_failure == ""
+    assert list(report.failed) == [bad.pk]
+
+
+def test_a_failing_deployment_that_is_retired_still_drains_and_leaves_the_table(
+    pair: Pair, redis_client: redis.Redis
+) -> None:
+    _, bad, _ = pair
+    publish_routing_table()
+    _break(bad)
+    do_retire_deployment(bad)
+    do_reconcile()
+    assert _live(bad) == []
+    assert bad.replicas.filter(state=Replica.State.DRAINING).count() == 1
+    publish_routing_table()
+    table = read_routing_table(redis_client)
+    assert table is not None
+    assert "qwen2.5-7b" not in table["models"]
+
+
+def test_a_carried_entry_takes_the_weight_now_and_only_the_replicas_still_ready(
+    pair: Pair, redis_client: redis.Redis
+) -> None:
+    _, bad, _ = pair
+    publish_routing_table()
+    _break(bad)
+    Deployment.objects.filter(pk=bad.pk).update(traffic_weight=10)
+    bad.replicas.update(state=Replica.State.FAILED)
+    publish_routing_table()
+    table = read_routing_table(redis_client)
+    assert table is not None
+    (entry,) = table["models"]["qwen2.5-7b"]["deployments"]
+    assert (entry["deployment_id"], entry["weight"], entry["replicas"]) == (bad.pk, 10, [])
+
+
+def test_a_tenant_sees_no_loop_failures(pair: Pair, redis_client: redis.Redis) -> None:
+    """An exception's text is staff business, even on a deployment the tenant may see."""
+    _, bad, _ = pair
+    _break(bad)
+    do_reconcile()
+    tenant = Tenant.objects.create(slug="acme", name="Acme")
+    member = get_user_model().objects.create_user("dev")
+    Membership.objects.create(user=member, tenant=tenant, role=Role.VIEWER)
+    Model.objects.exclude(pk=bad.model_version.model_id).update(visibility="restricted")
+    Model.objects.filter(pk=bad.model_version.model_id).update(visibility="public")
+    client = Client()
+    client.force_login(member)
+    rows = client.get("/api/v1/deployments/").json()["results"]
+    assert [row["id"] for row in rows] == [bad.pk]
+    assert "loop_failures" not in rows[0]
 
 
 def test_the_api_and_the_console_show_what_fails_on_a_deployment(
@@ -193,3 +294,24 @@ def test_the_api_and_the_console_show_what_fails_on_a_deployment(
     page = staff.get("/console/models/").content.decode()
     assert "reconcile failing" in page
     assert page.count("loop-failure") == 1
+
+
+def test_an_unreadable_stored_failure_is_skipped_and_a_loop_name_with_a_colon_refused(
+    redis_client: redis.Redis,
+) -> None:
+    redis_client.hset(
+        LOOP_FAILURES_KEY,
+        mapping={
+            "reconcile:deployment:7": b'{"error": "KeyError: 1", "since": 1700000000.0}',
+            "reconcile:deployment:8": b"not json",
+            "reconcile:deployment:9": b'{"since": 1700000000.0}',
+            "no-colons": b"{}",
+            "reconcile:deployment:\xef\xbc\x92": b'{"error": "x", "since": 1.0}',
+        },
+    )
+    assert {
+        pk: [f.error for f in found]
+        for pk, found in loop_failures(redis_client, "deployment").items()
+    } == {7: ["KeyError: 1"]}
+    with pytest.raises(ValueError, match="no ':'"):
+        LoopPass("re:concile", "deployment")
