@@ -23,6 +23,8 @@ and `perform_create` / `perform_update` / `perform_destroy` calling its app's `d
   model field's own range (DRF's ModelSerializer reads it from the field's validators).
 - Ids: a row's id in a path or a body is ASCII digits (config.ids.row_id): anything else that
   int() would read, " 2" or "２", finds no row (a 404 in a path, `RowIdField`'s 400 in a body).
+- Numbers: JSON's true and false are not numbers (`FloatField`; serializers of models stand on
+  `PlatformModelSerializer`, which makes their fields with it).
 - Writes: `PlatformModelViewSet` never saves a serializer. A resource that does not route a
   write through an action fails loudly instead of writing around it.
 """
@@ -31,13 +33,13 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.signals import got_request_exception
-from django.db import OperationalError
+from django.db import OperationalError, models
 from django.db.models import ProtectedError, RestrictedError
 from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -54,6 +56,8 @@ from config.nul import NUL_MESSAGE, has_nul, names_with_nul
 from tenants.api.authentication import ApiKeyAuthentication, StaffTokenAuthentication
 
 logger = logging.getLogger("django.request")
+
+_Row = TypeVar("_Row", bound=models.Model)
 
 # Session first: an anonymous caller is answered 403, as before keys were accepted.
 # REST_FRAMEWORK's DEFAULT_AUTHENTICATION_CLASSES names the same, for the views outside it.
@@ -144,6 +148,29 @@ class RowIdField(serializers.PrimaryKeyRelatedField):
         if not isinstance(data, bool) and row_id(data) is None:
             self.fail("does_not_exist", pk_value=data)
         return super().to_internal_value(data)
+
+
+class FloatField(serializers.FloatField):
+    """DRF's float, but JSON's true and false are no numbers: float(True) is 1.0, so a
+    `"ttl_hours": true` was a one-hour token and `"params_b": true` a model of 1 billion."""
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, bool):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class PlatformModelSerializer(serializers.ModelSerializer[_Row]):
+    """The base of every model serializer of the API, as NetBox's NetBoxModelSerializer: the
+    fields it makes from a model's take a number only as a number (`FloatField`; DRF's own
+    IntegerField and DecimalField already refuse a bool) and a relation only by an id
+    (`RowIdField`). Serializers declare these two by name where they declare such fields."""
+
+    serializer_field_mapping = {
+        **serializers.ModelSerializer.serializer_field_mapping,
+        models.FloatField: FloatField,
+    }
+    serializer_related_field = RowIdField
 
 
 class BoundedLimitOffsetPagination(LimitOffsetPagination):

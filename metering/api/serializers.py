@@ -15,7 +15,7 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from config.api import BoundedDateTimeField
+from config.api import BoundedDateTimeField, FloatField, PlatformModelSerializer
 from metering.api.filters import MonthField
 from metering.invoices import INVOICE_LINE_FIELDS
 from metering.models import (
@@ -48,11 +48,11 @@ class StaffOnlyFieldsMixin:
 # ------------------------------------------------------------------------------- usage
 
 
-class UsageEventSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[UsageEvent]):
+class UsageEventSerializer(StaffOnlyFieldsMixin, PlatformModelSerializer[UsageEvent]):
     staff_only_fields = ("replica_id", "prefill_replica_id", "gpu_seconds", "cost_to_serve_usd")
     price_charged_usd = serializers.SerializerMethodField()
     cost_to_serve_usd = serializers.SerializerMethodField(help_text="Staff only.")
-    tpot_ms = serializers.FloatField(
+    tpot_ms = FloatField(
         read_only=True,
         allow_null=True,
         help_text="Time per output token after the first: (total_ms - ttft_ms) / "
@@ -145,7 +145,7 @@ class UsageReportSerializer(serializers.Serializer[dict[str, Any]]):
 # ------------------------------------------------------------------------------ rollups
 
 
-class RollupSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[HourlyRollup]):
+class RollupSerializer(StaffOnlyFieldsMixin, PlatformModelSerializer[HourlyRollup]):
     staff_only_fields = ("gpu_seconds", "cost_to_serve_usd")
     revenue_usd = serializers.SerializerMethodField()
     cost_to_serve_usd = serializers.SerializerMethodField(help_text="Staff only.")
@@ -210,13 +210,13 @@ class RollupSerializer(StaffOnlyFieldsMixin, serializers.ModelSerializer[HourlyR
 # ----------------------------------------------------------------------------- invoices
 
 
-class InvoiceLineSerializer(serializers.ModelSerializer[InvoiceLine]):
+class InvoiceLineSerializer(PlatformModelSerializer[InvoiceLine]):
     class Meta:
         model = InvoiceLine
         fields = list(INVOICE_LINE_FIELDS)
 
 
-class InvoiceSerializer(serializers.ModelSerializer[Invoice]):
+class InvoiceSerializer(PlatformModelSerializer[Invoice]):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     lines = InvoiceLineSerializer(many=True, read_only=True)
     month = MonthField(read_only=True)
@@ -243,7 +243,7 @@ class CloseMonthSerializer(serializers.Serializer[Any]):
 # ------------------------------------------------------------------------- price sheets
 
 
-class PriceSheetSerializer(serializers.ModelSerializer[PriceSheet]):
+class PriceSheetSerializer(PlatformModelSerializer[PriceSheet]):
     tenant = serializers.SlugRelatedField(
         slug_field="slug",
         queryset=Tenant.objects.all(),
@@ -317,14 +317,14 @@ class PriceSheetSerializer(serializers.ModelSerializer[PriceSheet]):
 class MarginRowSerializer(serializers.Serializer[dict[str, Any]]):
     key = serializers.CharField(help_text="The model, pool or tenant slug; `idle` by tenant.")
     requests = serializers.IntegerField()
-    gpu_seconds = serializers.FloatField(help_text="GPU time charged: requests' plus idle.")
-    idle_gpu_seconds = serializers.FloatField(help_text="Ready GPU time no request used.")
+    gpu_seconds = FloatField(help_text="GPU time charged: requests' plus idle.")
+    idle_gpu_seconds = FloatField(help_text="Ready GPU time no request used.")
     revenue_usd = serializers.DecimalField(**USD)
     request_cost_usd = serializers.DecimalField(**USD, help_text="The requests' work.")
     idle_cost_usd = serializers.DecimalField(**USD)
     cost_usd = serializers.DecimalField(**USD, help_text="Cost to serve: request plus idle.")
     margin_usd = serializers.DecimalField(**USD)
-    margin_pct = serializers.FloatField(
+    margin_pct = FloatField(
         allow_null=True, help_text="Of revenue; null under $10 of revenue, where it means nothing."
     )
     least_load_request_cost_usd = serializers.DecimalField(
@@ -339,7 +339,7 @@ MARGIN_COLUMNS: tuple[str, ...] = tuple(MarginRowSerializer().fields)
 
 
 class MarginTotalsSerializer(MarginRowSerializer):
-    fleet_gpu_seconds = serializers.FloatField(help_text="Ready GPU time of the whole fleet.")
+    fleet_gpu_seconds = FloatField(help_text="Ready GPU time of the whole fleet.")
     fleet_cost_usd = serializers.DecimalField(**USD, help_text="That time at the pools' prices.")
     as_of = serializers.DateTimeField(
         allow_null=True, help_text="Ready time is counted up to here (the last recompute)."

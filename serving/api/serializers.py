@@ -6,12 +6,13 @@ from typing import Any
 
 from rest_framework import serializers
 
+from config.api import FloatField, PlatformModelSerializer
 from serving.capacity.planner import PoolOption, default_pools
 from serving.engine.specs import QUANTIZATIONS, load_gpu_specs, load_model_specs
 from serving.models import Gpu, GpuClass, GpuPool, JoinToken, Node, Replica, ReplicaEvent
 
 
-class GpuPoolSerializer(serializers.ModelSerializer):
+class GpuPoolSerializer(PlatformModelSerializer):
     gpu_class = serializers.SlugRelatedField(slug_field="name", queryset=GpuClass.objects.all())
     price_per_gpu_hour = serializers.DecimalField(max_digits=10, decimal_places=4, read_only=True)
 
@@ -30,13 +31,13 @@ class GpuPoolSerializer(serializers.ModelSerializer):
         ]
 
 
-class GpuSerializer(serializers.ModelSerializer):
+class GpuSerializer(PlatformModelSerializer):
     class Meta:
         model = Gpu
         fields = ["id", "node", "index", "uuid", "name", "memory_mb"]
 
 
-class NodeSerializer(serializers.ModelSerializer):
+class NodeSerializer(PlatformModelSerializer):
     pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
     status = serializers.CharField(read_only=True)
     gpus = GpuSerializer(many=True, read_only=True)
@@ -74,7 +75,7 @@ class DrainSerializer(serializers.Serializer):
     )
 
 
-class ReplicaSerializer(serializers.ModelSerializer):
+class ReplicaSerializer(PlatformModelSerializer):
     node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
 
     class Meta:
@@ -101,14 +102,14 @@ class ReplicaSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ReplicaEventSerializer(serializers.ModelSerializer):
+class ReplicaEventSerializer(PlatformModelSerializer):
     class Meta:
         model = ReplicaEvent
         fields = ["id", "replica", "kind", "message", "at", "source"]
         read_only_fields = fields
 
 
-class JoinTokenSerializer(serializers.ModelSerializer):
+class JoinTokenSerializer(PlatformModelSerializer):
     """A join token as listed: never its secret, which only the answer to its creation holds."""
 
     pool = serializers.SlugRelatedField(slug_field="name", read_only=True)
@@ -124,7 +125,7 @@ class JoinTokenCreateSerializer(serializers.Serializer):
     pool = serializers.SlugRelatedField(slug_field="name", queryset=GpuPool.objects.all())
     name = serializers.CharField(max_length=64, required=False, default="", allow_blank=True)
     # An hour to thirty days: a token through the API always expires.
-    ttl_hours = serializers.FloatField(min_value=1, max_value=720, default=24)
+    ttl_hours = FloatField(min_value=1, max_value=720, default=24)
     single_use = serializers.BooleanField(default=False)
 
 
@@ -139,7 +140,7 @@ class MintedJoinTokenSerializer(JoinTokenSerializer):
 class PoolOptionSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=64)
     gpu_class = serializers.ChoiceField(choices=[])
-    usd_per_gpu_hour = serializers.FloatField(min_value=0, required=False, allow_null=True)
+    usd_per_gpu_hour = FloatField(min_value=0, required=False, allow_null=True)
     available_gpus = serializers.IntegerField(min_value=0, required=False, allow_null=True)
     tensor_parallel = serializers.ChoiceField(choices=[1, 2, 4, 8], default=1)
 
@@ -150,19 +151,15 @@ class PoolOptionSerializer(serializers.Serializer):
 
 class PlanRequestSerializer(serializers.Serializer):
     users = serializers.IntegerField(min_value=1, max_value=1_000_000_000)
-    requests_per_user_s = serializers.FloatField(min_value=0.000001, max_value=1000)
+    requests_per_user_s = FloatField(min_value=0.000001, max_value=1000)
     prompt_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000)
     output_tokens = serializers.IntegerField(min_value=1, max_value=1_000_000)
-    ttft_slo_s = serializers.FloatField(
-        min_value=0.001, required=False, allow_null=True, default=1.0
-    )
-    tpot_slo_s = serializers.FloatField(
-        min_value=0.001, required=False, allow_null=True, default=0.05
-    )
+    ttft_slo_s = FloatField(min_value=0.001, required=False, allow_null=True, default=1.0)
+    tpot_slo_s = FloatField(min_value=0.001, required=False, allow_null=True, default=0.05)
     model = serializers.ChoiceField(choices=[], default="llama-3.1-8b")
     quantization = serializers.ChoiceField(choices=list(QUANTIZATIONS), default="bf16")
     # The textbook estimate alongside, when a measured per-GPU throughput is given.
-    tokens_per_s_per_gpu = serializers.FloatField(min_value=0.001, required=False)
+    tokens_per_s_per_gpu = FloatField(min_value=0.001, required=False)
     pools = PoolOptionSerializer(many=True, required=False)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

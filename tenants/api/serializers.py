@@ -7,13 +7,13 @@ from typing import Any
 
 from rest_framework import serializers
 
-from config.api import BoundedDateTimeField
+from config.api import BoundedDateTimeField, PlatformModelSerializer
 from serving.gateway.guardrails import PatternError, check_blocked_patterns
 from tenants.actions import MODEL_NAME_MAX_LENGTH, QUOTA_FIELDS
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Role, Scope, Tenant
 
 
-class TenantSerializer(serializers.ModelSerializer[Tenant]):
+class TenantSerializer(PlatformModelSerializer[Tenant]):
     allowed_regions = serializers.ListField(
         child=serializers.CharField(max_length=64), required=False, max_length=100
     )
@@ -50,7 +50,7 @@ class TenantSerializer(serializers.ModelSerializer[Tenant]):
         return patterns
 
 
-class MembershipSerializer(serializers.ModelSerializer[Membership]):
+class MembershipSerializer(PlatformModelSerializer[Membership]):
     username = serializers.CharField(source="user.username", read_only=True)
 
     class Meta:
@@ -71,7 +71,7 @@ class MembershipRoleSerializer(serializers.Serializer[Membership]):
     role = serializers.ChoiceField(choices=Role.choices)
 
 
-class ApiKeySerializer(serializers.ModelSerializer[ApiKey]):
+class ApiKeySerializer(PlatformModelSerializer[ApiKey]):
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices))
     model_allowlist = serializers.ListField(
@@ -113,7 +113,7 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
         return str(self.context["secret"])
 
 
-class QuotaSerializer(serializers.ModelSerializer[Quota]):
+class QuotaSerializer(PlatformModelSerializer[Quota]):
     # Checked against the gateway's tiers by `do_update_quota` (`check_tiers`).
     allowed_tiers = serializers.ListField(
         child=serializers.CharField(max_length=32), required=False, max_length=10
@@ -124,7 +124,7 @@ class QuotaSerializer(serializers.ModelSerializer[Quota]):
         fields = list(QUOTA_FIELDS)
 
 
-class KeyQuotaOverrideSerializer(serializers.ModelSerializer[KeyQuotaOverride]):
+class KeyQuotaOverrideSerializer(PlatformModelSerializer[KeyQuotaOverride]):
     class Meta:
         model = KeyQuotaOverride
         fields = [

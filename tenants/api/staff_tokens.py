@@ -18,12 +18,12 @@ from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from config.api import BoundedDateTimeField, PlatformViewSet
+from config.api import BoundedDateTimeField, PlatformModelSerializer, PlatformViewSet
 from tenants import staff_token_actions as actions
 from tenants.staff_tokens import StaffToken
 
 
-class StaffTokenSerializer(serializers.ModelSerializer[StaffToken]):
+class StaffTokenSerializer(PlatformModelSerializer[StaffToken]):
     display = serializers.CharField(read_only=True)
     expires_at = BoundedDateTimeField()
 

@@ -547,3 +547,51 @@ def test_a_list_given_with_an_entry_twice_is_stored_with_it_once(
     assert response.status_code == 200, response.content
     assert response.json()[field] == stored
     assert staff.get("/api/v1/" + url.format(**world.ids)).json()[field] == stored
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "body", "field"),
+    [
+        (
+            "post",
+            "join-tokens/",
+            {"pool": "h100-us-east", "name": "t", "ttl_hours": True},
+            "ttl_hours",
+        ),
+        ("patch", "tenants/acme/quota/", {"soft_alert_fraction": True}, "soft_alert_fraction"),
+        ("patch", "models/{models}/", {"params_b": True}, "params_b"),
+        ("patch", "tenants/acme/quota/", {"requests_per_minute": True}, "requests_per_minute"),
+        (
+            "patch",
+            "tenants/acme/quota/",
+            {"monthly_spend_budget_usd": False},
+            "monthly_spend_budget_usd",
+        ),
+    ],
+)
+def test_true_or_false_given_for_a_number_is_a_400_naming_the_field(
+    staff: APIClient,
+    world: World,
+    unchanged: Callable[[], None],
+    method: str,
+    url: str,
+    body: dict[str, Any],
+    field: str,
+) -> None:
+    """float(True) is 1.0: a token of one hour, a model of 1 billion parameters."""
+    path = "/api/v1/" + url.format(**world.ids)
+    assert field in json_error(getattr(staff, method)(path, body, format="json"), 400)
+    unchanged()
+
+
+def test_a_gate_threshold_of_true_is_a_400_naming_gate_thresholds(
+    staff: APIClient, world: World, unchanged: Callable[[], None]
+) -> None:
+    body = {
+        "baseline": world.ids["deployments"],
+        "target_version": world.ids["versions"],
+        "gate_thresholds": {"max_error_rate_increase": True},
+    }
+    response = staff.post("/api/v1/rollouts/", body, format="json")
+    assert "gate_thresholds" in json_error(response, 400)
+    unchanged()

@@ -11,9 +11,15 @@ from django.core.exceptions import PermissionDenied
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from django.urls import URLPattern, URLResolver, get_resolver
-from rest_framework import mixins
+from rest_framework import mixins, serializers
 
-from config.api import AUTHENTICATION, PlatformModelViewSet, PlatformViewSet, exception_handler
+from config.api import (
+    AUTHENTICATION,
+    PlatformModelSerializer,
+    PlatformModelViewSet,
+    PlatformViewSet,
+    exception_handler,
+)
 from tenants.api.authentication import ApiKeyAuthentication
 
 
@@ -43,6 +49,46 @@ def test_every_api_viewset_stands_on_the_base_and_takes_sessions_and_api_keys() 
         assert issubclass(cls, PlatformViewSet), name
         assert cls.authentication_classes == AUTHENTICATION, name
     assert ApiKeyAuthentication in AUTHENTICATION
+
+
+def project_serializers() -> list[type[serializers.BaseSerializer[Any]]]:
+    """Every serializer class of the apps (their modules are imported with the routes)."""
+    api_viewsets()
+    found, pending = [], [serializers.BaseSerializer]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls.__module__.split(".")[0] in {"config", "tenants", "registry", "serving", "metering"}:
+            found.append(cls)
+    return found
+
+
+def nested_fields(field: Any) -> Iterator[Any]:
+    yield field
+    for inner in ("child", "child_relation"):
+        if getattr(field, inner, None) is not None:
+            yield from nested_fields(getattr(field, inner))
+    if isinstance(field, serializers.Serializer):
+        for each in field.fields.values():
+            yield from nested_fields(each)
+
+
+def test_no_serializer_takes_true_for_a_number_or_a_row_id_that_is_no_id() -> None:
+    """DRF's FloatField reads true as 1.0, and its PrimaryKeyRelatedField " 2" as row 2: every
+    model serializer stands on the base that makes its fields with config.api's own, and no
+    serializer declares DRF's."""
+    classes = project_serializers()
+    assert len(classes) > 20  # the walk found the apps' serializers
+    for cls in classes:
+        if issubclass(cls, serializers.ModelSerializer) and cls is not PlatformModelSerializer:
+            assert issubclass(cls, PlatformModelSerializer), cls.__qualname__
+        if cls is PlatformModelSerializer:
+            continue
+        for field in nested_fields(cls()):
+            kind = type(field)
+            assert kind not in (serializers.FloatField, serializers.PrimaryKeyRelatedField), (
+                f"{cls.__qualname__}: {field.field_name or field} is DRF's {kind.__name__}"
+            )
 
 
 WRITES = [
