@@ -14,11 +14,13 @@ from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.permissions import IsAdminUser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from config.api import PlatformModelViewSet, PlatformReadOnlyViewSet, PlatformViewSet
+from config.ids import row_id
 from serving.actions import credentials, nodes, pools
 from serving.api.serializers import (
     DrainSerializer,
@@ -142,10 +144,12 @@ class ReplicaViewSet(PlatformReadOnlyViewSet):
         params = self.request.query_params
         if params.get("state"):
             queryset = queryset.filter(state=params["state"])
-        if params.get("deployment"):
-            queryset = queryset.filter(deployment_id=params["deployment"])
-        if params.get("node"):
-            queryset = queryset.filter(node_id=params["node"])
+        for name in ("deployment", "node"):
+            if params.get(name):
+                pk = row_id(params[name])
+                if pk is None:  # int() took " 2" as 2, and "abc" was a ValueError, a 500
+                    raise ValidationError({name: ["Enter an id: digits only."]})
+                queryset = queryset.filter(**{f"{name}_id": pk})
         return queryset
 
     @extend_schema(responses=ReplicaEventSerializer(many=True))

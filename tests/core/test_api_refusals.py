@@ -595,3 +595,16 @@ def test_a_gate_threshold_of_true_is_a_400_naming_gate_thresholds(
     response = staff.post("/api/v1/rollouts/", body, format="json")
     assert "gate_thresholds" in json_error(response, 400)
     unchanged()
+
+
+@pytest.mark.parametrize("parameter", ["deployment", "node"])
+@pytest.mark.parametrize("given", ["abc", "%20{}", "fullwidth"])
+def test_a_replica_filter_by_an_id_that_is_not_ascii_digits_is_a_400_naming_it(
+    staff: APIClient, world: World, parameter: str, given: str
+) -> None:
+    """A filter of "abc" was a ValueError in the query, a 500; " 2" and "２" took row 2."""
+    pk = world.ids[f"{parameter}s"]
+    value = other_digits(pk) if given == "fullwidth" else given.format(pk)
+    assert staff.get(f"/api/v1/replicas/?{parameter}={pk}").json()["count"] == 1
+    response = staff.get(f"/api/v1/replicas/?{parameter}={value}")
+    assert parameter in json_error(response, 400)
