@@ -298,6 +298,8 @@ def do_create_tenant(
     *,
     allowed_regions: Sequence[str] = (),
     fail_open: bool = False,
+    blocked_patterns: Sequence[str] = (),
+    status: str = Tenant.Status.ACTIVE,
     owner: Any = None,
 ) -> Tenant:
     tenant = Tenant.objects.create(
@@ -305,6 +307,8 @@ def do_create_tenant(
         name=check_text(Tenant, "name", name),
         allowed_regions=check_regions(allowed_regions),
         fail_open=fail_open,
+        blocked_patterns=check_patterns(blocked_patterns),
+        status=check_status(status),
     )
     Quota.objects.create(tenant=tenant)
     if owner is not None:

@@ -67,6 +67,9 @@ class TenantViewSet(PlatformModelViewSet):
             data["name"],
             allowed_regions=data.get("allowed_regions", []),
             fail_open=data.get("fail_open", False),
+            # Every field the answer shows is taken, none dropped in silence.
+            blocked_patterns=data.get("blocked_patterns", []),
+            status=data.get("status", Tenant.Status.ACTIVE),
         )
 
     def perform_update(self, serializer: Any) -> None:

@@ -79,6 +79,25 @@ def test_the_api_saves_patterns_re2_can_run(staff: APIClient) -> None:
     assert Tenant.objects.get(slug="acme").blocked_patterns == patterns
 
 
+def test_a_tenant_created_with_patterns_and_a_status_keeps_them(staff: APIClient) -> None:
+    """A create took only slug, name, regions and fail_open, and dropped the rest in silence."""
+    body = {"slug": "initech", "name": "Initech", "status": "suspended"}
+    response = staff.post(
+        "/api/v1/tenants/", {**body, "blocked_patterns": [r"project\s+falcon"]}, format="json"
+    )
+    assert response.status_code == 201, response.content
+    assert response.json()["blocked_patterns"] == [r"project\s+falcon"]
+    created = Tenant.objects.get(slug="initech")
+    assert (created.blocked_patterns, created.status) == ([r"project\s+falcon"], "suspended")
+
+    refused = staff.post(
+        "/api/v1/tenants/", {**body, "slug": "hooli", "blocked_patterns": ["a(?!b)"]}, format="json"
+    )
+    assert refused.status_code == 400
+    assert "RE2" in refused.json()["blocked_patterns"][0]
+    assert not Tenant.objects.filter(slug="hooli").exists()
+
+
 def test_a_catastrophic_backtracking_pattern_runs_in_linear_time() -> None:
     prompt = "a" * 50_000 + "!"
     started = time.perf_counter()
