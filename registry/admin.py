@@ -1,14 +1,16 @@
-"""Django admin registrations of the registry app: read-mostly views for staff. Weights and
-rollout states change through the API's actions, so the admin shows them read-only."""
+"""Django admin registrations of the registry app: read-only (config/admin.py). Models,
+versions, adapters, deployments and rollouts change through the console and the API, whose
+actions check placement and publish visibility and the routing table."""
 
 from __future__ import annotations
 
 from django.contrib import admin
 
+from config.admin import ReadOnlyAdmin, ReadOnlyInline
 from registry.models import Adapter, Deployment, Model, ModelVersion, Rollout, RolloutTransition
 
 
-class VersionInline(admin.TabularInline[ModelVersion, Model]):
+class VersionInline(ReadOnlyInline):
     model = ModelVersion
     extra = 0
     fields = ["version", "quantization", "status", "artifact_uri", "approved_by", "approved_at"]
@@ -16,7 +18,7 @@ class VersionInline(admin.TabularInline[ModelVersion, Model]):
 
 
 @admin.register(Model)
-class ModelAdmin(admin.ModelAdmin[Model]):
+class ModelAdmin(ReadOnlyAdmin):
     list_display = ["name", "family", "params_b", "max_context", "visibility"]
     list_filter = ["visibility", "family"]
     search_fields = ["name", "family"]
@@ -25,21 +27,21 @@ class ModelAdmin(admin.ModelAdmin[Model]):
 
 
 @admin.register(ModelVersion)
-class ModelVersionAdmin(admin.ModelAdmin[ModelVersion]):
+class ModelVersionAdmin(ReadOnlyAdmin):
     list_display = ["model", "version", "quantization", "status", "approved_by", "created_at"]
     list_filter = ["status", "quantization"]
     readonly_fields = ["status", "approved_by", "approved_at"]
 
 
 @admin.register(Adapter)
-class AdapterAdmin(admin.ModelAdmin[Adapter]):
+class AdapterAdmin(ReadOnlyAdmin):
     list_display = ["name", "base_version", "rank", "owner_tenant", "visibility"]
     list_filter = ["visibility"]
     filter_horizontal = ["granted_tenants"]
 
 
 @admin.register(Deployment)
-class DeploymentAdmin(admin.ModelAdmin[Deployment]):
+class DeploymentAdmin(ReadOnlyAdmin):
     list_display = [
         "name",
         "model_version",
@@ -66,7 +68,7 @@ _TRANSITION_FIELDS = (
 )
 
 
-class TransitionInline(admin.TabularInline[RolloutTransition, Rollout]):
+class TransitionInline(ReadOnlyInline):
     model = RolloutTransition
     extra = 0
     can_delete = False
@@ -75,7 +77,7 @@ class TransitionInline(admin.TabularInline[RolloutTransition, Rollout]):
 
 
 @admin.register(Rollout)
-class RolloutAdmin(admin.ModelAdmin[Rollout]):
+class RolloutAdmin(ReadOnlyAdmin):
     list_display = ["pk", "model", "baseline", "canary", "state", "step_index", "created_at"]
     list_filter = ["state"]
     readonly_fields = [

@@ -487,15 +487,15 @@ def admin_form(reply: Any) -> dict[str, Any]:
     [
         ("tenants/tenant", "allowed_regions", '["us-east", "a\\u0000b"]'),
         ("tenants/tenant", "blocked_patterns", '["\\u0000"]'),
-        ("serving/gpupool", "labels", '{"zone": "a\\u0000"}'),
     ],
 )
 def test_a_json_escaped_nul_in_an_admin_json_field_is_refused_on_the_form(
-    acme: Tenant, pool: GpuPool, path: str, field: str, given: str
+    acme: Tenant, path: str, field: str, given: str
 ) -> None:
     """The admin's JSON fields parse their text: the escape becomes a NUL, which jsonb refuses
-    ("unsupported Unicode escape sequence", a 500). A raw NUL is the middleware's 400."""
-    row = acme if path.startswith("tenants/") else pool
+    ("unsupported Unicode escape sequence", a 500). A raw NUL is the middleware's 400. (The
+    tenant is the one row with JSON fields the admin writes: config/admin.py.)"""
+    row = acme
     before = type(row).objects.values().get(pk=row.pk)
     staff = client_for(user("root", is_staff=True, is_superuser=True))
     url = f"/admin/{path}/{row.pk}/change/"
