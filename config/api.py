@@ -51,7 +51,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from config.ids import row_id
+from config.ids import LARGEST_ID, row_id
 from config.nul import NUL_MESSAGE, has_nul, names_with_nul
 from tenants.api.authentication import ApiKeyAuthentication, StaffTokenAuthentication
 
@@ -150,6 +150,20 @@ class RowIdField(serializers.PrimaryKeyRelatedField):
         return super().to_internal_value(data)
 
 
+class IdField(serializers.IntegerField):
+    """A row's id given as a value, not a relation (a query's `?key=`): ASCII digits within a
+    bigint (config.ids.row_id), where DRF's IntegerField reads " 2", "２", "+2" and "2.0"."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(min_value=1, max_value=LARGEST_ID, **kwargs)
+
+    def to_internal_value(self, data: Any) -> int:
+        pk = row_id(data)
+        if pk is None:
+            self.fail("invalid")
+        return super().to_internal_value(pk)
+
+
 class FloatField(serializers.FloatField):
     """DRF's float, but JSON's true and false are no numbers: float(True) is 1.0, so a
     `"ttl_hours": true` was a one-hour token and `"params_b": true` a model of 1 billion."""
@@ -160,12 +174,12 @@ class FloatField(serializers.FloatField):
         return super().to_internal_value(data)
 
 
+# The base of every model serializer of the API, as NetBox's NetBoxModelSerializer: the fields
+# it makes from a model's take a number only as a number (`FloatField`; DRF's own IntegerField
+# and DecimalField already refuse a bool) and a relation only by an id (`RowIdField`).
+# Serializers declare these two by name where they declare such fields. A comment, not a
+# docstring: drf-spectacular would give a docstring to every schema built on it.
 class PlatformModelSerializer(serializers.ModelSerializer[_Row]):
-    """The base of every model serializer of the API, as NetBox's NetBoxModelSerializer: the
-    fields it makes from a model's take a number only as a number (`FloatField`; DRF's own
-    IntegerField and DecimalField already refuse a bool) and a relation only by an id
-    (`RowIdField`). Serializers declare these two by name where they declare such fields."""
-
     serializer_field_mapping = {
         **serializers.ModelSerializer.serializer_field_mapping,
         models.FloatField: FloatField,

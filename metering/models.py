@@ -19,7 +19,7 @@ from decimal import Decimal
 
 from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import BrinIndex
-from django.core.validators import MaxValueValidator, MinValueValidator, validate_slug
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
 from config.nul import validate_no_nul
@@ -86,10 +86,10 @@ class PriceSheet(models.Model):
     sheet for the same model, adapter and tenant. A tenant's own sheet overrides the list."""
 
     # Named as the registry names them (a price may be set before the model is registered):
-    # a model's served name, an adapter's slug.
+    # a model's served name, and an adapter's, which follows the same rule.
     model = models.CharField(max_length=128, validators=[SERVED_NAME])
     adapter = models.CharField(
-        max_length=128, blank=True, validators=[validate_slug], help_text="Empty = the base model."
+        max_length=128, blank=True, validators=[SERVED_NAME], help_text="Empty = the base model."
     )
     tenant = models.ForeignKey(
         Tenant,

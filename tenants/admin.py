@@ -2,7 +2,8 @@
 as the API's and the console's do, so the checks they make (RE2 for blocked patterns, the
 regions, the tiers) show on the form, and the keys' Redis records follow at once: a tenant
 suspended here is refused by the gateways on commit, not at the next five-minute
-republish. Keys are read-only here: they are created and revoked through the actions."""
+republish. Keys are read-only here, never deleted: they are created and revoked through the
+actions. Tenants are deleted and members managed through the console and the API."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from django.contrib import admin
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 
+from config.admin import ReadOnlyInline
 from tenants import actions
 from tenants.models import ApiKey, KeyQuotaOverride, Membership, Quota, Tenant
 
 
-class MembershipInline(admin.TabularInline[Membership, Tenant]):
+class MembershipInline(ReadOnlyInline):
+    """Shown; members are added, changed and removed in the console and the API, whose
+    actions keep an owner on every tenant."""
+
     model = Membership
-    extra = 0
 
 
 class TenantAdminForm(forms.ModelForm[Tenant]):
@@ -51,6 +55,9 @@ class TenantAdmin(admin.ModelAdmin[Tenant]):
         # A slug is in URLs, key records and invoices: chosen once, as on the API.
         return ["slug"] if obj is not None else []
 
+    def has_delete_permission(self, request: HttpRequest, obj: Tenant | None = None) -> bool:
+        return False  # the API's delete tombstones the tenant's keys at the gateways
+
     def save_model(self, request: HttpRequest, obj: Tenant, form: Any, change: bool) -> None:
         data = form.cleaned_data
         if not change:
@@ -80,6 +87,9 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
+    def has_delete_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
+        return False  # a deleted row left its Redis record live: revoke it instead
+
 
 @admin.register(Quota)
 class QuotaAdmin(admin.ModelAdmin[Quota]):
@@ -107,6 +117,9 @@ class QuotaAdmin(admin.ModelAdmin[Quota]):
 @admin.register(KeyQuotaOverride)
 class KeyQuotaOverrideAdmin(admin.ModelAdmin[KeyQuotaOverride]):
     list_display = ["api_key", "requests_per_minute", "tokens_per_minute"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: KeyQuotaOverride | None = None) -> Any:
+        return ["api_key"] if obj is not None else []  # an override stays its key's
 
     def save_model(
         self, request: HttpRequest, obj: KeyQuotaOverride, form: Any, change: bool

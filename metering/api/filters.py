@@ -19,7 +19,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.request import Request
 
-from config.api import check_instant
+from config.api import IdField, check_instant
 
 DEFAULT_WINDOW = timedelta(days=30)
 # An hourly series over more than about three months is a mistake, not a chart; refuse it
@@ -95,9 +95,7 @@ class TimeRangeQuery(serializers.Serializer[Any]):
 
 class UsageEventQuery(TimeRangeQuery):
     model = serializers.CharField(required=False, max_length=128)
-    key = serializers.IntegerField(
-        required=False, min_value=1, max_value=2**63 - 1, help_text="An API key id."
-    )
+    key = IdField(required=False, help_text="An API key id.")
 
 
 class UsageQuery(UsageEventQuery):

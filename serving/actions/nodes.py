@@ -15,6 +15,7 @@ from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from config.ids import row_id
 from config.redis import redis_client
 from serving import telemetry
 from serving.actions.credentials import hash_token, node_token
@@ -170,7 +171,7 @@ def do_record_heartbeat(node: Node, payload: dict[str, Any]) -> list[dict[str, A
 
 
 def _int_ids(reports: dict[str, Any]) -> list[int]:
-    return [int(rid) for rid in reports if rid.isdigit()]
+    return [pk for rid in reports if (pk := row_id(rid)) is not None]
 
 
 def _apply_replica_reports(
@@ -277,7 +278,7 @@ def _record_agent_events(node: Node, events: Iterable[dict[str, Any]]) -> None:
 
 
 def _is_id(event: dict[str, Any]) -> bool:
-    return str(event.get("replica_id") or "").isdigit()
+    return row_id(str(event.get("replica_id") or "")) is not None
 
 
 def _store_telemetry(

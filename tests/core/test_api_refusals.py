@@ -4,6 +4,7 @@ cause the schema fuzzer (test_api_fuzz.py) found answering 500, tried directly."
 from __future__ import annotations
 
 from collections.abc import Callable
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from django.apps import apps
 from rest_framework.test import APIClient
 
 from registry.models import ModelVersion
+from serving.models import GpuPool
 from tenants.models import Membership
 from tests.core.api_world import World, build_world
 
@@ -482,6 +484,17 @@ def test_pool_labels_that_are_no_object_of_text_are_a_400_naming_labels(
     unchanged()
 
 
+def test_a_pool_with_labels_an_older_release_stored_as_numbers_still_takes_a_new_price(
+    staff: APIClient, world: World
+) -> None:
+    GpuPool.objects.filter(pk=world.ids["pools"]).update(labels={"gpus": 8, "spot": True})
+    url = f"/api/v1/pools/{world.ids['pools']}/"
+    response = staff.patch(url, {"usd_per_gpu_hour": "2.50"}, format="json")
+    assert response.status_code == 200, response.content
+    assert GpuPool.objects.get(pk=world.ids["pools"]).usd_per_gpu_hour == Decimal("2.50")
+    assert "labels" in json_error(staff.patch(url, {"labels": {"gpus": 8}}, format="json"), 400)
+
+
 def test_pool_labels_of_text_are_kept(staff: APIClient, world: World) -> None:
     url = f"/api/v1/pools/{world.ids['pools']}/"
     response = staff.patch(url, {"labels": {"zone": "a", "team": "ml"}}, format="json")
@@ -501,7 +514,7 @@ def test_pool_labels_of_text_are_kept(staff: APIClient, world: World) -> None:
 def test_a_price_sheet_for_a_name_the_registry_would_not_give_is_a_400_naming_it(
     staff: APIClient, unchanged: Callable[[], None], names: dict[str, str], field: str
 ) -> None:
-    """A price is for a served model name (Model.name's rule) or an adapter's slug; a model
+    """A price is for a served model name (the rule of Model.name and Adapter.name); a model
     not registered yet may be priced, a name no model could have may not."""
     body = {
         "input_usd_per_mtok": "1",
@@ -515,10 +528,14 @@ def test_a_price_sheet_for_a_name_the_registry_would_not_give_is_a_400_naming_it
     unchanged()
 
 
-def test_a_price_sheet_for_a_model_not_registered_yet_is_accepted(staff: APIClient) -> None:
+@pytest.mark.parametrize("adapter", ["acme-support_v2", "sql-lora.v2"])
+def test_a_price_sheet_for_a_model_not_registered_yet_is_accepted(
+    staff: APIClient, adapter: str
+) -> None:
+    """An adapter's name may hold a dot, as the registry's rule lets it (a slug may not)."""
     body = {
         "model": "qwen2.5-72b",
-        "adapter": "acme-support_v2",
+        "adapter": adapter,
         "input_usd_per_mtok": "1",
         "cached_input_usd_per_mtok": "1",
         "output_usd_per_mtok": "1",
@@ -608,3 +625,16 @@ def test_a_replica_filter_by_an_id_that_is_not_ascii_digits_is_a_400_naming_it(
     assert staff.get(f"/api/v1/replicas/?{parameter}={pk}").json()["count"] == 1
     response = staff.get(f"/api/v1/replicas/?{parameter}={value}")
     assert parameter in json_error(response, 400)
+
+
+@pytest.mark.parametrize("route", ["usage/", "usage/events/"])
+@pytest.mark.parametrize("given", ["%20{}", "%2B{}", "{}.0", "fullwidth"])
+def test_a_usage_query_by_a_key_id_that_is_not_ascii_digits_is_a_400_naming_key(
+    staff: APIClient, world: World, route: str, given: str
+) -> None:
+    """DRF's IntegerField read " 2", "+2", "2.0" and "２" as key 2."""
+    pk = world.ids["keys"]
+    value = other_digits(pk) if given == "fullwidth" else given.format(pk)
+    assert staff.get(f"/api/v1/tenants/acme/{route}?key={pk}").status_code == 200
+    response = staff.get(f"/api/v1/tenants/acme/{route}?key={value}")
+    assert "key" in json_error(response, 400)

@@ -122,6 +122,29 @@ def test_the_heartbeat_answers_with_the_nodes_desired_replicas(
     assert desired[0]["sim"]["extra_args"] == []  # simulated answers run to max_tokens
 
 
+def test_a_report_of_a_replica_id_that_is_not_ascii_digits_is_passed_over(
+    make_pool: MakePool, make_deployment: MakeDeployment, register: Register
+) -> None:
+    """int() read a fullwidth "２" as replica 2, whose report was then looked up under "2":
+    a KeyError, a 500, and the whole heartbeat lost."""
+    pool, secret = make_pool()
+    node = register(secret, "gpu-1", gpus=1)
+    deployment = make_deployment(pool, replicas=1)
+    do_reconcile()
+    (replica,) = deployment.replicas.all()
+    before = replica.state
+    odd = "".join(chr(ord("０") + int(d)) for d in str(replica.pk))
+    reply = send_heartbeat(
+        node,
+        replicas=[replica_report(odd, "Failed")],
+        events=[{"replica_id": odd, "kind": "crashed", "message": "x", "at": 1_700_000_000.0}],
+    )
+    assert reply.status_code == 200, reply.content
+    replica.refresh_from_db()
+    assert replica.state == before
+    assert not replica.events.filter(kind="crashed").exists()
+
+
 def test_with_stop_at_eos_set_simulated_replicas_are_told_to_stop_at_eos(
     make_pool: MakePool,
     make_deployment: MakeDeployment,

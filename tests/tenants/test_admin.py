@@ -127,3 +127,27 @@ def test_lowering_a_quota_or_a_key_override_in_the_admin_reaches_the_gateways(
     assert reply.status_code == 302, reply.content
     assert gateway_view(redis_client, key).limits.tokens_per_minute == 1234
     assert root.get("/admin/tenants/quota/add/").status_code == 403
+
+
+def test_keys_and_tenants_are_not_deleted_nor_members_changed_in_the_admin(
+    root: Client, acme: Tenant, key: ApiKey, redis_client: redis.Redis
+) -> None:
+    """A key deleted as a row left its Redis record live (no tombstone); a tenant deleted so
+    left all of them; a membership inline could leave a tenant without an owner."""
+    assert root.post(f"/admin/tenants/apikey/{key.pk}/delete/", {"post": "yes"}).status_code == 403
+    listed = root.post(
+        "/admin/tenants/apikey/",
+        {"action": "delete_selected", "_selected_action": [key.pk], "post": "yes"},
+    )
+    assert listed.status_code in (200, 302)
+    assert ApiKey.objects.filter(pk=key.pk).exists()
+    assert root.post(f"/admin/tenants/tenant/{acme.pk}/delete/", {"post": "yes"}).status_code == (
+        403
+    )
+    assert Tenant.objects.filter(pk=acme.pk).exists()
+
+    url = f"/admin/tenants/tenant/{acme.pk}/change/"
+    form = form_of(root, url)
+    owner_role = next(name for name, value in form.items() if value == "owner")
+    root.post(url, {**form, owner_role: "viewer"})
+    assert acme.memberships.filter(role="owner").count() == 1
