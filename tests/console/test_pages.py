@@ -23,6 +23,7 @@ from serving.console.queries import (
 from serving.models import Gpu, GpuClass, GpuPool, Node, Replica
 from tenants.actions import do_create_api_key, do_create_tenant
 from tenants.models import ApiKey, Membership, Role, Tenant
+from tests.admin_pages import admin_form
 from tests.registry.conftest import approved_version, make_model
 
 PASSWORD = "pw-for-tests-only"
@@ -470,18 +471,6 @@ def test_a_nul_character_in_a_page_form_or_query_is_a_400_with_a_message(db: Non
     assert Tenant.objects.get(pk=acme.pk).name == "Acme"
 
 
-def admin_form(reply: Any) -> dict[str, Any]:
-    """The admin change form's fields as the page filled them, ready to post back."""
-    form = reply.context["adminform"].form
-    values = {name: form[name].value() for name in form.fields}
-    for formset in reply.context["inline_admin_formsets"]:
-        management = formset.formset.management_form
-        values.update(
-            {management.add_prefix(name): management[name].value() for name in management.fields}
-        )
-    return {name: "" if value is None else value for name, value in values.items()}
-
-
 @pytest.mark.parametrize(
     ("path", "field", "given"),
     [
@@ -499,7 +488,7 @@ def test_a_json_escaped_nul_in_an_admin_json_field_is_refused_on_the_form(
     before = type(row).objects.values().get(pk=row.pk)
     staff = client_for(user("root", is_staff=True, is_superuser=True))
     url = f"/admin/{path}/{row.pk}/change/"
-    form = admin_form(staff.get(url))
+    form = admin_form(staff, url)
 
     reply = staff.post(url, {**form, field: given})
 

@@ -16,6 +16,7 @@ from django.test import Client
 from tenants.actions import do_create_api_key
 from tenants.keys import key_record_name, principal_from_record
 from tenants.models import ApiKey, KeyQuotaOverride, Quota, Tenant
+from tests.admin_pages import admin_form
 from tests.tenants.conftest import user
 
 Capture = Callable[..., Any]
@@ -42,18 +43,6 @@ def gateway_view(client: redis.Redis, key: ApiKey) -> Any:
     return principal_from_record(raw, key.secret_hash)
 
 
-def form_of(client: Client, url: str) -> dict[str, Any]:
-    """The admin change form's fields as the page filled them, the inlines' included, ready
-    to post back."""
-    reply = client.get(url)
-    form = reply.context["adminform"].form
-    values = {name: form[name].value() for name in form.fields}
-    for inline in reply.context["inline_admin_formsets"]:
-        for each in [inline.formset.management_form, *inline.formset.forms]:
-            values.update({each.add_prefix(name): each[name].value() for name in each.fields})
-    return {name: "" if value is None else value for name, value in values.items()}
-
-
 def test_suspending_a_tenant_in_the_admin_reaches_the_gateways_on_commit(
     root: Client,
     acme: Tenant,
@@ -62,7 +51,7 @@ def test_suspending_a_tenant_in_the_admin_reaches_the_gateways_on_commit(
     django_capture_on_commit_callbacks: Capture,
 ) -> None:
     url = f"/admin/tenants/tenant/{acme.pk}/change/"
-    form = form_of(root, url)
+    form = admin_form(root, url)
     with django_capture_on_commit_callbacks(execute=True):
         reply = root.post(url, {**form, "status": "suspended"})
     assert reply.status_code == 302, reply.context["adminform"].form.errors
@@ -72,7 +61,7 @@ def test_suspending_a_tenant_in_the_admin_reaches_the_gateways_on_commit(
 
 def test_a_pattern_re2_cannot_run_is_refused_on_the_admin_form(root: Client, acme: Tenant) -> None:
     url = f"/admin/tenants/tenant/{acme.pk}/change/"
-    form = form_of(root, url)
+    form = admin_form(root, url)
     reply = root.post(url, {**form, "blocked_patterns": '["secret(?!ary)"]'})
     assert reply.status_code == 200
     errors = reply.context["adminform"].form.errors
@@ -83,7 +72,7 @@ def test_a_pattern_re2_cannot_run_is_refused_on_the_admin_form(root: Client, acm
 def test_a_tenant_added_in_the_admin_gets_its_quota_and_keeps_its_slug(root: Client) -> None:
     reply = root.get("/admin/tenants/tenant/add/")
     form = {
-        **form_of(root, "/admin/tenants/tenant/add/"),
+        **admin_form(root, "/admin/tenants/tenant/add/"),
         "slug": "initech",
         "name": "Initech",
         "status": "active",
@@ -109,7 +98,7 @@ def test_lowering_a_quota_or_a_key_override_in_the_admin_reaches_the_gateways(
     quota = Quota.objects.get(tenant=acme)
     url = f"/admin/tenants/quota/{quota.pk}/change/"
     with django_capture_on_commit_callbacks(execute=True):
-        reply = root.post(url, {**form_of(root, url), "tokens_per_minute": 1234})
+        reply = root.post(url, {**admin_form(root, url), "tokens_per_minute": 1234})
     assert reply.status_code == 302, reply.content
     assert gateway_view(redis_client, key).limits.tokens_per_minute == 1234
 
@@ -147,7 +136,7 @@ def test_keys_and_tenants_are_not_deleted_nor_members_changed_in_the_admin(
     assert Tenant.objects.filter(pk=acme.pk).exists()
 
     url = f"/admin/tenants/tenant/{acme.pk}/change/"
-    form = form_of(root, url)
+    form = admin_form(root, url)
     owner_role = next(name for name, value in form.items() if value == "owner")
     root.post(url, {**form, owner_role: "viewer"})
     assert acme.memberships.filter(role="owner").count() == 1
