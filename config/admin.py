@@ -16,22 +16,8 @@ from django.contrib import admin
 from django.http import HttpRequest
 
 
-class ReadOnlyAdmin(admin.ModelAdmin[Any]):
-    """Rows shown and searched, never added, changed or deleted here."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-class ReadOnlyInline(admin.TabularInline[Any, Any]):
-    extra = 0
-    can_delete = False
+class NoWrites:
+    """Permission to look, and to nothing else, whoever asks (superusers too)."""
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -41,3 +27,12 @@ class ReadOnlyInline(admin.TabularInline[Any, Any]):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class ReadOnlyAdmin(NoWrites, admin.ModelAdmin[Any]):
+    """Rows shown and searched, never added, changed or deleted here."""
+
+
+class ReadOnlyInline(NoWrites, admin.TabularInline[Any, Any]):
+    extra = 0
+    can_delete = False
