@@ -13,6 +13,8 @@ from django.shortcuts import render
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
+from config.loops import loop_failures
+from config.redis import redis_client
 from config.views import staff_required
 from metering import actions
 from metering.api.queries import MARGIN_PCT_MIN_REVENUE_MICROS, margin_report
@@ -136,6 +138,8 @@ def tenant_detail(request: HttpRequest, slug: str) -> HttpResponse:
         "quota": tenant_actions.access_quota(request.user, tenant),
         "members": tenant.memberships.select_related("user"),
         "keys": tenant.api_keys.all()[:50],
+        # The invoice refresh or the budget check failing on this tenant (config.loops).
+        "loop_failures": loop_failures(redis_client(), "tenant").get(tenant.pk, []),
         **budget_figures(tenant),
     }
     return render(request, "console/tenant.html", context)

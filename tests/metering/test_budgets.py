@@ -97,3 +97,22 @@ def test_one_tenants_failing_budget_check_leaves_the_others_checked(
     (failure,) = loop_failures(redis_client, "tenant")[broken.pk]
     assert failure.loop == "budgets"
     assert failure.error.startswith("ResponseError: WRONGTYPE")
+
+
+def test_the_console_shows_a_tenant_its_budget_check_fails_on(
+    acme: Tenant, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from django.test import Client
+
+    from metering import budgets, tasks
+
+    def check(client: redis.Redis, tenant: Tenant, month: date) -> list[int]:
+        raise ArithmeticError("a budget of NaN")
+
+    monkeypatch.setattr(budgets, "check_tenant_budget", check)
+    tasks.check_budgets()
+    staff = Client()
+    staff.force_login(User.objects.create_user("ops", is_staff=True))
+    page = staff.get(f"/console/tenants/{acme.slug}/").content.decode()
+    assert "budgets failing" in page
+    assert "ArithmeticError: a budget of NaN" in page
