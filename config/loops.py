@@ -12,6 +12,9 @@ The pass's failures are kept in Redis (`LOOP_FAILURES_KEY`, one hash field per l
 item) until a pass of the same loop no longer fails on that item, with the time the failure
 was first seen, for the console and the API to show beside the deployment or rollout, and
 for the gateways to count into `platform_control_loop_failures` (alert `ControlLoopFailing`).
+Each pass also stamps when it ended (`LOOP_PASSES_KEY`), which the gateways export as
+`platform_control_loop_last_pass_timestamp_seconds`: a loop that stopped running at all (no
+worker, no beat) raises `ControlLoopStalled`.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import orjson
 import redis
 from django.db import transaction
 
-from serving.redis_contracts import LOOP_FAILURES_KEY
+from serving.redis_contracts import LOOP_FAILURES_KEY, LOOP_PASSES_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +88,8 @@ class LoopPass:
 
     def record(self, client: redis.Redis) -> None:
         """Store this pass's failures in place of the loop's last ones, keeping when each was
-        first seen. A Redis error is logged, never raised: the pass's work is done."""
+        first seen, and when the pass ended. A Redis error is logged, never raised: the
+        pass's work is done."""
         prefix = f"{self.loop}:{self.kind}:"
         try:
             stored = {
@@ -102,6 +106,7 @@ class LoopPass:
             left = {f"{prefix}{item_id}" for item_id in self.left}
             gone = [field for field in stored if field not in current and field not in left]
             pipe = client.pipeline(transaction=False)
+            pipe.hset(LOOP_PASSES_KEY, self.loop, now)  # a pass ended: the loop runs
             if gone:
                 pipe.hdel(LOOP_FAILURES_KEY, *gone)
             if current:

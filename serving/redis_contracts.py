@@ -9,7 +9,8 @@ Written by the control plane, read by every gateway process:
   (running, waiting, KV use, loaded adapters, scraped_at).
 - `platform:loop_failures`: hash "loop:kind:id" -> JSON of the error and since when, for
   each deployment, rollout or tenant a control loop fails on now (config/loops.py); the gateways count
-  it into `platform_control_loop_failures` for the alert.
+  it into `platform_control_loop_failures` for the alert; `platform:loop_passes`, hash loop
+  -> when its last pass ended, into `platform_control_loop_last_pass_timestamp_seconds`.
 - `{registry:visibility}`: hash model or adapter name -> who may see it
   (registry/actions.py); `{registry:visibility}:version` counts its publishes, in the same
   MULTI as the rewrite.
@@ -36,5 +37,7 @@ VISIBILITY_HASH = "{registry:visibility}"
 VISIBILITY_VERSION_KEY = "{registry:visibility}:version"
 
 LOOP_FAILURES_KEY = "platform:loop_failures"
+# Hash loop -> when its last pass ended (epoch seconds), for the ControlLoopStalled alert.
+LOOP_PASSES_KEY = "platform:loop_passes"
 # The loops that record there (each reported, at 0 while it fails on nothing).
 CONTROL_LOOPS = ("reconcile", "routing_table", "autoscale", "rollout_tick", "invoices", "budgets")

@@ -80,3 +80,8 @@ CONTROL_LOOP_FAILURES = Gauge(
     "Deployments, rollouts or tenants a control loop fails on now, by loop.",
     ["loop"],
 )
+CONTROL_LOOP_LAST_PASS = Gauge(
+    "platform_control_loop_last_pass_timestamp_seconds",
+    "When a control loop's last pass ended (Unix time), by loop.",
+    ["loop"],
+)

@@ -40,7 +40,7 @@ from serving.gateway.prefix_sync import PrefixSync
 from serving.gateway.routing import ReplicaEndpoint, RoutingCache
 from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
-from serving.redis_contracts import CONTROL_LOOPS, LOOP_FAILURES_KEY
+from serving.redis_contracts import CONTROL_LOOPS, LOOP_FAILURES_KEY, LOOP_PASSES_KEY
 from serving.router import (
     POLICIES,
     AdmissionQueue,
@@ -164,7 +164,7 @@ class Gateway:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.count_gateways()
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            await self.count_loop_failures()
+            await self.read_control_loops()
         await self.prefix_sync.start()
         await self.inflight_sync.start()
         self._tasks.append(asyncio.create_task(self._refresh_forever(), name="gateway-refresh"))
@@ -203,16 +203,18 @@ class Gateway:
             log.info("%d gateway processes share the traffic", gateways)
             self.configure_router(replace(self.router_config, gateways=gateways))
 
-    async def count_loop_failures(self) -> None:
-        """How many rows each control loop fails on now (config/loops.py),
-        into `platform_control_loop_failures` for the ControlLoopFailing alert."""
+    async def read_control_loops(self) -> None:
+        """How many rows each control loop fails on now (config/loops.py), into
+        `platform_control_loop_failures` for the ControlLoopFailing alert, and when each
+        loop's last pass ended, for ControlLoopStalled."""
         names = await self.redis.hkeys(LOOP_FAILURES_KEY)
-        counts = Counter(
-            (name.decode() if isinstance(name, bytes) else name).rsplit(":", 2)[0] for name in names
-        )
+        counts = Counter(_text(name).rsplit(":", 2)[0] for name in names)
         self._loops_seen |= set(counts)
         for loop in self._loops_seen:
             metrics.CONTROL_LOOP_FAILURES.labels(loop).set(counts.get(loop, 0))
+        for name, ended in (await self.redis.hgetall(LOOP_PASSES_KEY)).items():
+            with contextlib.suppress(ValueError):
+                metrics.CONTROL_LOOP_LAST_PASS.labels(_text(name)).set(float(_text(ended)))
 
     def configure_router(self, config: RouterConfig) -> None:
         """Route with `config` from the next request on (the policy is built again)."""
@@ -241,7 +243,7 @@ class Gateway:
             # On its own: a count left stale by another step's failure would keep the alert
             # firing after the loop recovered.
             try:
-                await self.count_loop_failures()
+                await self.read_control_loops()
             except (RedisError, OSError, TimeoutError) as error:
                 log.warning("counting the control loops' failures failed: %s", error)
 
@@ -767,3 +769,7 @@ async def process_gateway(build: Callable[[], Gateway]) -> Gateway:
             await gateway.start()
             _gateway = gateway
     return _gateway
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
