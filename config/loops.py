@@ -32,6 +32,7 @@ import redis
 from django.db import transaction
 
 from serving.redis_contracts import LOOP_FAILURES_KEY, LOOP_PASSES_KEY
+from serving.redis_contracts import text as redis_text
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ class LoopPass:
         prefix = f"{self.loop}:{self.kind}:"
         try:
             stored = {
-                _text(name): _text(raw)
+                redis_text(name): redis_text(raw)
                 for name, raw in client.hgetall(LOOP_FAILURES_KEY).items()
-                if _text(name).startswith(prefix)
+                if redis_text(name).startswith(prefix)
             }
             now = time.time()
             current: dict[str, bytes] = {}
@@ -126,7 +127,7 @@ def loop_failures(client: redis.Redis, kind: str) -> dict[int, list[LoopFailure]
         return {}
     failures: dict[int, list[LoopFailure]] = {}
     for name, raw in stored.items():
-        parts = _text(name).rsplit(":", 2)
+        parts = redis_text(name).rsplit(":", 2)
         if len(parts) != 3 or parts[1] != kind or not parts[2].isascii() or not parts[2].isdigit():
             continue
         try:
@@ -141,7 +142,3 @@ def loop_failures(client: redis.Redis, kind: str) -> dict[int, list[LoopFailure]
     for listed in failures.values():
         listed.sort(key=lambda failure: failure.loop)
     return failures
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from serving.redis_contracts import text as redis_text
+
 STATS_KEY = "registry:rollout:stats:{deployment_id}"
 STATS_TTL_S = 7 * 24 * 3600
 # The histogram of TTFT over the request's tier's objective (the autoscaler's TTFT signal).
@@ -223,7 +225,7 @@ class RedisRolloutMetrics:
 
     def _counters(self, deployment_id: int) -> dict[str, int]:
         raw = self._redis.hgetall(stats_key(deployment_id))
-        return {_text(name): int(value) for name, value in raw.items()}
+        return {redis_text(name): int(value) for name, value in raw.items()}
 
     def mark(self, deployment_id: int) -> WindowMark:
         return self._counters(deployment_id)
@@ -236,10 +238,6 @@ class RedisRolloutMetrics:
             for name, value in now.items()
         }
         return stats_from_counters(window)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 # --- an in-memory source for tests and the cluster simulator -----------------------------------

@@ -41,3 +41,8 @@ LOOP_FAILURES_KEY = "platform:loop_failures"
 LOOP_PASSES_KEY = "platform:loop_passes"
 # The loops that record there (each reported, at 0 while it fails on nothing).
 CONTROL_LOOPS = ("reconcile", "routing_table", "autoscale", "rollout_tick", "invoices", "budgets")
+
+
+def text(value: bytes | str) -> str:
+    """A Redis reply's field or value as text (the clients return bytes)."""
+    return value.decode() if isinstance(value, bytes) else value

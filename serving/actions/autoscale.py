@@ -80,6 +80,7 @@ from serving.capacity.planner import Workload, slo_throughput
 from serving.engine.perf import PerfModel
 from serving.engine.specs import load_gpu_specs
 from serving.models import Gpu, Replica
+from serving.redis_contracts import text as redis_text
 from serving.router import DEFAULT_SLO_TIERS, SloTier
 from serving.telemetry import read_routing_telemetry
 
@@ -302,7 +303,7 @@ def observed_ttft_p95_of_objective(
     stored, counters = pipe.execute()
     counts = {
         name: int(value)
-        for name, value in ((_text(n), v) for n, v in counters.items())
+        for name, value in ((redis_text(n), v) for n, v in counters.items())
         if name.startswith(f"{TTFT_OVER_OBJECTIVE}:")
     }
     p95 = None
@@ -321,10 +322,6 @@ def observed_ttft_p95_of_objective(
         p95 = quantile_from_buckets(window, 0.95)
     client.set(mark_key, orjson.dumps({"at_s": now_s, "counts": counts}), ex=KEY_TTL_S)
     return p95
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def history_slot(at_s: float, period_s: float) -> str:

@@ -41,6 +41,7 @@ from serving.gateway.routing import ReplicaEndpoint, RoutingCache
 from serving.gateway.tracing import TracingConfig, build_provider
 from serving.gateway.upstream import UpstreamTimeouts, make_session
 from serving.redis_contracts import CONTROL_LOOPS, LOOP_FAILURES_KEY, LOOP_PASSES_KEY
+from serving.redis_contracts import text as redis_text
 from serving.router import (
     POLICIES,
     AdmissionQueue,
@@ -208,13 +209,15 @@ class Gateway:
         `platform_control_loop_failures` for the ControlLoopFailing alert, and when each
         loop's last pass ended, for ControlLoopStalled."""
         names = await self.redis.hkeys(LOOP_FAILURES_KEY)
-        counts = Counter(_text(name).rsplit(":", 2)[0] for name in names)
+        counts = Counter(redis_text(name).rsplit(":", 2)[0] for name in names)
         self._loops_seen |= set(counts)
         for loop in self._loops_seen:
             metrics.CONTROL_LOOP_FAILURES.labels(loop).set(counts.get(loop, 0))
         for name, ended in (await self.redis.hgetall(LOOP_PASSES_KEY)).items():
             with contextlib.suppress(ValueError):
-                metrics.CONTROL_LOOP_LAST_PASS.labels(_text(name)).set(float(_text(ended)))
+                metrics.CONTROL_LOOP_LAST_PASS.labels(redis_text(name)).set(
+                    float(redis_text(ended))
+                )
 
     def configure_router(self, config: RouterConfig) -> None:
         """Route with `config` from the next request on (the policy is built again)."""
@@ -769,7 +772,3 @@ async def process_gateway(build: Callable[[], Gateway]) -> Gateway:
             await gateway.start()
             _gateway = gateway
     return _gateway
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
