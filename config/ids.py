@@ -4,9 +4,15 @@ numbers, and True as 1), so a lookup through it found row 2, or 20, from text th
 
 Page routes take ids with Django's `<int:...>` converter ([0-9]+, the same digits); /api paths
 (config.api.PlatformViewSet.initial), /api bodies (config.api.RowIdField), the `access_*`
-helpers and the pages' forms read the ids they are given with `row_id`."""
+helpers and the pages' forms read the ids they are given with `row_id`, or find the row with
+`one_row`."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import QuerySet
+from django.http import Http404
 
 LARGEST_ID = 2**63 - 1
 
@@ -23,3 +29,13 @@ def row_id(value: object) -> int | None:
     else:
         return None
     return number if 0 <= number <= LARGEST_ID else None
+
+
+def one_row(queryset: QuerySet[Any], value: object, what: str) -> Any:
+    """The row of `queryset` whose id `value` is; a 404 "No such {what}." when `value` is no
+    id or names no row there."""
+    pk = row_id(value)
+    found = None if pk is None else queryset.filter(pk=pk).first()
+    if found is None:
+        raise Http404(f"No such {what}.")
+    return found

@@ -7,9 +7,8 @@ from typing import Any, cast
 
 from django.core.exceptions import ValidationError
 from django.db.models import Field, QuerySet
-from django.http import Http404
 
-from config.ids import row_id
+from config.ids import one_row
 from config.jobs import enqueue_on_commit
 from metering.invoices import do_build_invoice, do_close_month
 from metering.models import HourlyRollup, Invoice, PriceSheet, ReplicaHour, UsageEvent
@@ -133,9 +132,7 @@ def access_invoices(user: Any) -> QuerySet[Invoice]:
 
 
 def access_invoice(user: Any, invoice_id: int | str) -> Invoice:
-    invoice = access_invoices(user).filter(pk=_as_id(invoice_id)).first()
-    if invoice is None:
-        raise Http404("No such invoice.")
+    invoice: Invoice = one_row(access_invoices(user), invoice_id, "invoice")
     return invoice
 
 
@@ -147,10 +144,3 @@ def access_price_sheets(user: Any) -> QuerySet[PriceSheet]:
     return PriceSheet.objects.filter(tenant__isnull=True) | PriceSheet.objects.filter(
         tenant__in=mine
     )
-
-
-def _as_id(value: int | str) -> int:
-    pk = row_id(value)
-    if pk is None:
-        raise Http404("No such row.")
-    return pk

@@ -24,10 +24,9 @@ import redis
 from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.db.models import Count, Q, QuerySet
-from django.http import Http404
 from django.utils import timezone
 
-from config.ids import row_id
+from config.ids import one_row
 from config.jobs import enqueue_on_commit
 from config.redis import redis_client
 from registry.models import (
@@ -138,32 +137,24 @@ def rollouts_for_user(user: Any) -> QuerySet[Rollout]:
     return Rollout.objects.select_related("model", "baseline", "canary")
 
 
-def _one(queryset: QuerySet[Any], pk: Any, what: str) -> Any:
-    given = row_id(pk)
-    found = None if given is None else queryset.filter(pk=given).first()
-    if found is None:
-        raise Http404(f"No such {what}.")
-    return found
-
-
 def access_model(user: Any, model_id: int | str) -> Model:
-    return _one(visible_models_for_user(user), model_id, "model")
+    return one_row(visible_models_for_user(user), model_id, "model")
 
 
 def access_version(user: Any, version_id: int | str) -> ModelVersion:
-    return _one(visible_versions_for_user(user), version_id, "model version")
+    return one_row(visible_versions_for_user(user), version_id, "model version")
 
 
 def access_adapter(user: Any, adapter_id: int | str) -> Adapter:
-    return _one(visible_adapters_for_user(user), adapter_id, "adapter")
+    return one_row(visible_adapters_for_user(user), adapter_id, "adapter")
 
 
 def access_deployment(user: Any, deployment_id: int | str) -> Deployment:
-    return _one(visible_deployments_for_user(user), deployment_id, "deployment")
+    return one_row(visible_deployments_for_user(user), deployment_id, "deployment")
 
 
 def access_rollout(user: Any, rollout_id: int | str) -> Rollout:
-    return _one(rollouts_for_user(user), rollout_id, "rollout")
+    return one_row(rollouts_for_user(user), rollout_id, "rollout")
 
 
 def is_name_visible_to_tenant(name: str, tenant_id: int) -> bool:

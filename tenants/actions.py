@@ -26,7 +26,7 @@ from django.db.models import Model, QuerySet
 from django.http import Http404
 from django.utils import timezone
 
-from config.ids import row_id
+from config.ids import one_row, row_id
 from config.redis import redis_client
 from serving.gateway.guardrails import PatternError, check_blocked_patterns
 from tenants.keys import (
@@ -124,25 +124,15 @@ def access_tenant_for_user(user: Any, tenant_slug_or_id: str | int) -> Tenant:
 
 def access_membership(user: Any, tenant: Tenant, membership_id: int | str) -> Membership:
     access_tenant_for_user(user, tenant.pk)
-    membership = (
-        Membership.objects.select_related("user")
-        .filter(tenant=tenant, pk=_as_id(membership_id))
-        .first()
-    )
-    if membership is None:
-        raise Http404("No such member.")
+    members = Membership.objects.select_related("user").filter(tenant=tenant)
+    membership: Membership = one_row(members, membership_id, "member")
     return membership
 
 
 def access_api_key(user: Any, tenant: Tenant, key_id: int | str) -> ApiKey:
     access_tenant_for_user(user, tenant.pk)
-    key = (
-        ApiKey.objects.select_related("tenant", "created_by")
-        .filter(tenant=tenant, pk=_as_id(key_id))
-        .first()
-    )
-    if key is None:
-        raise Http404("No such API key.")
+    keys = ApiKey.objects.select_related("tenant", "created_by").filter(tenant=tenant)
+    key: ApiKey = one_row(keys, key_id, "API key")
     return key
 
 
@@ -156,13 +146,6 @@ def access_key_override(user: Any, tenant: Tenant, key_id: int | str) -> KeyQuot
     key = access_api_key(user, tenant, key_id)
     override, _ = KeyQuotaOverride.objects.get_or_create(api_key=key)
     return override
-
-
-def _as_id(value: int | str) -> int:
-    pk = row_id(value)
-    if pk is None:
-        raise Http404("No such object.")
-    return pk
 
 
 # ---------------------------------------------------------------- check_* (bad input)

@@ -14,10 +14,9 @@ from typing import Any
 
 from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
-from django.http import Http404
 from django.utils import timezone
 
-from config.ids import row_id
+from config.ids import one_row
 from tenants.actions import require_staff
 from tenants.keys import generate_raw_key, hash_key, key_prefix_of
 from tenants.staff_tokens import (
@@ -91,12 +90,7 @@ def staff_tokens_for_user(user: Any) -> QuerySet[StaffToken]:
 
 def access_staff_token(user: Any, token_id: int | str) -> StaffToken:
     """One of the caller's own tokens; anyone else's, or none, is a 404."""
-    pk = row_id(token_id)
-    if pk is None:
-        raise Http404("No such token.")
-    token = staff_tokens_for_user(user).filter(pk=pk).first()
-    if token is None:
-        raise Http404("No such token.")
+    token: StaffToken = one_row(staff_tokens_for_user(user), token_id, "token")
     return token
 
 
