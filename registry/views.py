@@ -64,20 +64,14 @@ def _int(data: QueryDict, name: str, default: int) -> int:
         return default
 
 
-def _is_pk(value: str | None) -> bool:
-    """A form's choice of a row: an id (config.ids), not any text a client sends."""
-    return row_id(value) is not None
-
-
 def _deployment_from(data: QueryDict) -> Deployment:
     """An unsaved deployment from the form, for the placement check and for saving."""
-    version_pk = data.get("model_version")
-    if version_pk is None:
-        raise ValidationError("Choose a model version and a pool.")
-    if not (_is_pk(version_pk) and _is_pk(data.get("pool"))):
+    # A form's choices of rows are ids (config.ids), not any text a client sends.
+    version_pk, pool_pk = row_id(data.get("model_version")), row_id(data.get("pool"))
+    if version_pk is None or pool_pk is None:
         raise ValidationError("Choose a model version and a pool.")
     version = ModelVersion.objects.select_related("model").filter(pk=version_pk)
-    pool = pools().filter(pk=data.get("pool"))
+    pool = pools().filter(pk=pool_pk)
     if not version.exists() or not pool.exists():
         raise ValidationError("Choose a model version and a pool.")
     engine_args: dict[str, Any] = {"max_model_len": _int(data, "max_model_len", 8192)}
@@ -92,9 +86,8 @@ def _deployment_from(data: QueryDict) -> Deployment:
     # Disaggregated: a decode pool chosen (blank: colocated, the pool runs whole requests).
     decode_pool = None
     if data.get("decode_pool"):
-        if not _is_pk(data.get("decode_pool")):
-            raise ValidationError("Choose a decode pool from the list, or none.")
-        decode_pool = pools().filter(pk=data.get("decode_pool")).first()
+        decode_pk = row_id(data.get("decode_pool"))
+        decode_pool = None if decode_pk is None else pools().filter(pk=decode_pk).first()
         if decode_pool is None:
             raise ValidationError("Choose a decode pool from the list, or none.")
     phases: dict[str, Any] = {}
